@@ -1,0 +1,272 @@
+"""Mount lifecycle: validate the request, lay out the state dir, serve until unmounted.
+
+`validate` runs in the `sandboxfs mount` process so that bad input fails before anything is
+mounted; `serve` runs in the daemon and reports readiness (or one line of error) through a
+pipe, so that `mount` returns only once the filesystem answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import faulthandler
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from .audit import AuditLog
+from .config import Config
+from .errors import SandboxError, UserError
+from .operations import MountInfo, SandboxOperations, context_document, process_name
+from .policy import Policy, Trust, Zone
+from .store import CONTEXT_NAME, CONTROL_NAME, STATE_DIR_NAME, Store, ensure_dirs
+
+log = logging.getLogger(__name__)
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+FSTYPE = "fuse.sandboxfs"
+
+
+@dataclass(frozen=True)
+class MountRequest:
+    mountpoint: Path
+    project: Path
+    trust: Trust
+    workspace: str
+    session: str
+    config: Config
+    audit_sync: bool = False
+    debug: bool = False
+    allow_other: bool = False
+
+
+def state_dir(project: Path) -> Path:
+    return project / STATE_DIR_NAME
+
+
+def audit_path(project: Path) -> Path:
+    return state_dir(project) / "audit.jsonl"
+
+
+def new_session_id() -> str:
+    return secrets.token_hex(4)
+
+
+def check_id(kind: str, value: str) -> str:
+    if not _ID_RE.match(value):
+        raise UserError(
+            f"invalid {kind} id {value!r}: use 1-64 letters, digits, '.', '_' or '-', "
+            f"starting with a letter or digit"
+        )
+    return value
+
+
+def validate_project(project: Path) -> Path:
+    if not project.exists():
+        raise UserError(f"project directory {project} does not exist")
+    if not project.is_dir():
+        raise UserError(f"project {project} is not a directory")
+    return project.resolve()
+
+
+def validate_mountpoint(mountpoint: Path, project: Path) -> Path:
+    """An existing, empty directory that nothing is mounted on; clears a dead sandboxfs mount."""
+    try:
+        mountpoint.stat()
+    except FileNotFoundError:
+        raise UserError(
+            f"mountpoint {mountpoint} does not exist; create an empty directory first "
+            f"(mkdir {mountpoint})"
+        ) from None
+    except OSError as exc:
+        if exc.errno != errno.ENOTCONN:
+            raise UserError(f"mountpoint {mountpoint}: {exc.strerror}") from None
+        lazy_unmount(mountpoint)
+    mp = mountpoint.resolve()
+    if os.path.ismount(mp):
+        raise UserError(
+            f"mountpoint {mountpoint} is already mounted; unmount it first "
+            f"(sandboxfs umount {mountpoint})"
+        )
+    if not mp.is_dir():
+        raise UserError(f"mountpoint {mountpoint} is not a directory")
+    if any(mp.iterdir()):
+        raise UserError(f"mountpoint {mountpoint} is not empty; use an empty directory")
+    if mp == project:
+        raise UserError(
+            f"mountpoint {mountpoint} is the project directory itself; "
+            f"use an empty directory, for example {project / 'mnt'}"
+        )
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        raise UserError(
+            "/dev/fuse is missing or not accessible; install fuse3 (apt-get install fuse3)"
+        )
+    if os.geteuid() != 0 and shutil.which("fusermount3") is None:
+        raise UserError("fusermount3 not found; install fuse3 (apt-get install fuse3)")
+    return mp
+
+
+def lazy_unmount(mountpoint: Path) -> None:
+    subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
+
+
+def worker_layers(project: Path) -> list[Path]:
+    layers = [project / ".workers"]
+    for entry in os.environ.get("SANDBOXFS_WORKERS_PATH", "").split(":"):
+        if entry:
+            layers.append(Path(entry).expanduser().resolve())
+    return layers
+
+
+def prepare_store(req: MountRequest) -> Store:
+    """Create the zone directories under the state dir and open every zone once."""
+    ws = ("workspaces", req.workspace)
+    try:
+        session = ensure_dirs(req.project, STATE_DIR_NAME, *ws, "sessions", req.session)
+        for sub in ("inputs", "working", "outputs"):
+            ensure_dirs(session, sub, mode=0o755)
+        workspace = ensure_dirs(req.project, STATE_DIR_NAME, *ws, "workspace")
+        for sub in (("cache", "web"), ("cache", "pdfs"), ("cache", "attachments"), ("data",)):
+            ensure_dirs(workspace, *sub, mode=0o755)
+        staged = ensure_dirs(req.project, STATE_DIR_NAME, *ws, "staged")
+    except SandboxError as exc:
+        raise UserError(f"cannot create the state dir: {exc.reason}") from None
+    except OSError as exc:
+        raise UserError(
+            f"cannot create the state dir under {req.project}: {exc.strerror}"
+        ) from None
+    hidden: set[tuple[int, int, bytes]] = set()
+    pst = os.stat(req.project)
+    hidden.add((pst.st_dev, pst.st_ino, STATE_DIR_NAME.encode()))
+    parent = os.stat(req.mountpoint.parent)
+    hidden.add((parent.st_dev, parent.st_ino, os.fsencode(req.mountpoint.name)))
+    dirs = {
+        Zone.SESSION: session,
+        Zone.WORKSPACE: workspace,
+        Zone.REPO: req.project,
+        Zone.STAGED: staged,
+    }
+    return Store(dirs, worker_layers(req.project), hidden)
+
+
+def _setup_logging(req: MountRequest) -> None:
+    logs = ensure_dirs(req.project, STATE_DIR_NAME, "logs")
+    handler = logging.FileHandler(logs / f"{req.session}.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if req.debug else logging.INFO)
+    faulthandler.register(signal.SIGUSR1, file=handler.stream, all_threads=True)
+
+
+def serve(req: MountRequest, ready: Callable[[], None]) -> None:
+    """Mount and serve until unmounted or signalled; the audit log is flushed on the way out."""
+    os.umask(0)  # modes arrive already masked by the kernel; apply them exactly
+    _raise_fd_limit()
+    store = prepare_store(req)
+    _setup_logging(req)
+    policy = Policy(req.config.matrix(), req.config.deny, req.trust)
+    audit = AuditLog(audit_path(req.project), sync=req.audit_sync or req.config.audit.sync)
+    info = MountInfo(req.session, req.workspace, str(req.project), str(req.mountpoint))
+    ops = SandboxOperations(
+        store,
+        policy,
+        audit,
+        info,
+        entry_timeout=req.config.cache.entry_timeout,
+        attr_timeout=req.config.cache.attr_timeout,
+        context_json=context_document(policy, info, os.getpid()),
+    )
+    options = set(pyfuse3.default_options)
+    options |= {"fsname=sandboxfs", "subtype=sandboxfs", "nosuid", "nodev", "default_permissions"}
+    if req.allow_other:
+        options.add("allow_other")
+    if req.debug:
+        options.add("debug")
+    pid, comm = os.getpid(), process_name(os.getpid())
+    lifecycle = {
+        "path": "/",
+        "zone": None,
+        "session": req.session,
+        "workspace": req.workspace,
+        "trust": req.trust.value,
+        "allowed": True,
+        "pid": pid,
+        "uid": os.getuid(),
+        "comm": comm,
+        "detail": str(req.mountpoint),
+    }
+    try:
+        pyfuse3.init(ops, str(req.mountpoint), options)
+    except RuntimeError as exc:
+        audit.close()
+        store.close()
+        raise UserError(f"cannot mount {req.mountpoint}: {exc}", exit_code=1) from None
+    audit.record({"op": "mount", **lifecycle})
+    log.info("mounted %s (trust %s, session %s)", req.mountpoint, req.trust.value, req.session)
+    try:
+        trio.run(_main, req, audit, ready)
+    finally:
+        with contextlib.suppress(Exception):
+            pyfuse3.close(unmount=True)
+        audit.record({"op": "unmount", **lifecycle})
+        audit.close()
+        store.close()
+        log.info("unmounted %s", req.mountpoint)
+
+
+async def _main(req: MountRequest, audit: AuditLog, ready: Callable[[], None]) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(audit.run, req.config.audit.flush_interval)
+        nursery.start_soon(_terminate_on_signal)
+        nursery.start_soon(_report_ready, req.mountpoint, ready)
+        await pyfuse3.main()
+        nursery.cancel_scope.cancel()
+
+
+async def _terminate_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("received signal %d, unmounting", signum)
+            pyfuse3.terminate()
+            return
+
+
+async def _report_ready(mountpoint: Path, ready: Callable[[], None]) -> None:
+    """Tell the parent once the mount answers a real request (served by this very loop)."""
+    probe = mountpoint / CONTROL_NAME.decode() / CONTEXT_NAME.decode()
+    await trio.to_thread.run_sync(os.stat, probe)
+    ready()
+
+
+def _raise_fd_limit() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def sandboxfs_mounts() -> list[str]:
+    """Mountpoints of every sandboxfs mount on this machine, live or dead."""
+    found = []
+    with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 3 and fields[2] == FSTYPE:
+                found.append(_unescape_mount_path(fields[1]))
+    return found
+
+
+def _unescape_mount_path(text: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)

@@ -1,0 +1,1080 @@
+"""The pyfuse3 adapter: each callback maps onto a policy operation (SPEC §4), the store, and
+an audit entry.
+
+Handlers do their work synchronously between awaits, so the inode table never changes under
+a running callback. One guard (`_guarded`) turns `SandboxError` and `OSError` into
+`FUSEError`, and anything unexpected into a logged, audited `EIO`: only `FUSEError` may leave
+a handler, or pyfuse3 takes the whole mount down.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import pyfuse3
+
+from .audit import AuditLog
+from .errors import SandboxError
+from .policy import (
+    CONTEXT_REASON,
+    ROOT_CREATE_REASON,
+    ZONE_ROOT_REASON,
+    Decision,
+    Op,
+    Policy,
+    Zone,
+    cross_zone_reason,
+)
+from .store import (
+    CONTEXT_INO,
+    CONTEXT_NAME,
+    CONTROL_INO,
+    CONTROL_NAME,
+    FIRST_DYNAMIC_INO,
+    ROOT_INO,
+    Node,
+    Store,
+    renameat2,
+)
+
+log = logging.getLogger(__name__)
+
+_SUID_SGID = stat.S_ISUID | stat.S_ISGID
+_OPEN_STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_DIRECT
+_ZONE_NAMES = {zone.value.encode(): zone for zone in Zone}
+_WRITABLE_XATTR_PREFIX = b"user."
+_ACL_XATTR_PREFIX = b"system.posix_acl_"
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class MountInfo:
+    """Who this mount is for; copied into every audit entry and into context.json."""
+
+    session: str
+    workspace: str
+    project: str
+    mountpoint: str
+
+
+@dataclass(slots=True)
+class FileHandle:
+    fd: int
+    node: Node
+    writable: bool
+    created: bool
+    pid: int
+    uid: int
+    comm: str | None
+    bytes_written: int = 0
+
+
+@dataclass(slots=True)
+class DirHandle:
+    node: Node
+    entries: list[tuple[bytes, int]] | None = None
+
+
+@dataclass(slots=True)
+class BlobHandle:
+    data: bytes
+
+
+def _guarded(
+    fn: Callable[Concatenate[SandboxOperations, P], R],
+) -> Callable[Concatenate[SandboxOperations, P], Awaitable[R]]:
+    """Run a synchronous handler as the async callback pyfuse3 expects, mapping every error."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: SandboxOperations, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(self, *args, **kwargs)
+        except SandboxError as exc:
+            raise pyfuse3.FUSEError(exc.errno) from None
+        except OSError as exc:
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+        except pyfuse3.FUSEError:
+            raise
+        except Exception as exc:
+            log.exception("internal error in %s", fn.__name__)
+            self.audit_internal_error(fn.__name__, exc)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
+    """Translate FUSE callbacks into policy checks, store operations and audit entries."""
+
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+
+    def __init__(
+        self,
+        store: Store,
+        policy: Policy,
+        audit: AuditLog,
+        info: MountInfo,
+        *,
+        entry_timeout: float,
+        attr_timeout: float,
+        context_json: bytes,
+    ) -> None:
+        super().__init__()
+        self.store = store
+        self.policy = policy
+        self.audit = audit
+        self.info = info
+        self.entry_timeout = entry_timeout
+        self.attr_timeout = attr_timeout
+        self.context_json = context_json
+        self.running_as_root = os.geteuid() == 0
+        self._handles: dict[int, FileHandle | BlobHandle] = {}
+        self._dirs: dict[int, DirHandle] = {}
+        self._next_fh = 1
+        self._base_entry = {
+            "session": info.session,
+            "workspace": info.workspace,
+            "trust": policy.trust.value,
+        }
+
+    # ----- auditing -------------------------------------------------------------------------------
+
+    def record(
+        self,
+        op: str,
+        path: str,
+        zone: Zone | None,
+        *,
+        pid: int,
+        uid: int,
+        comm: str | None = None,
+        allowed: bool = True,
+        reason: str | None = None,
+        err: int | None = None,
+        dest: str | None = None,
+        nbytes: int | None = None,
+        detail: str | None = None,
+    ) -> None:
+        entry: dict[str, Any] = {
+            "op": op,
+            "path": path,
+            "dest": dest,
+            "zone": zone.value if zone else None,
+            **self._base_entry,
+            "allowed": allowed,
+            "reason": reason,
+            "errno": errno.errorcode.get(err, str(err)) if err else None,
+            "pid": pid,
+            "uid": uid,
+            "comm": comm if comm is not None else process_name(pid),
+            "bytes": nbytes,
+        }
+        if detail is not None:
+            entry["detail"] = detail
+        self.audit.record(entry)
+
+    def refuse(
+        self,
+        ctx: Any,
+        op: str,
+        path: str,
+        zone: Zone | None,
+        decision: Decision,
+        dest: str | None = None,
+    ) -> SandboxError:
+        """Audit a denial (the entry is written before this returns) and build its error."""
+        self.record(
+            op,
+            path,
+            zone,
+            pid=ctx.pid,
+            uid=ctx.uid,
+            allowed=False,
+            reason=decision.reason,
+            err=decision.errno,
+            dest=dest,
+        )
+        return SandboxError(decision.errno, decision.reason)
+
+    def check(self, ctx: Any, op: Op, node: Node, child: bytes | None = None) -> None:
+        assert node.zone is not None
+        decision = self.policy.decide(node.zone, op)
+        if not decision.allowed:
+            raise self.refuse(ctx, op.value, node.vpath(child), node.zone, decision)
+
+    def audit_internal_error(self, callback: str, exc: BaseException) -> None:
+        self.audit.record(
+            {
+                "op": "error",
+                "path": None,
+                **self._base_entry,
+                "allowed": False,
+                "reason": f"internal error in {callback}: {type(exc).__name__}: {exc}",
+                "errno": "EIO",
+            }
+        )
+
+    # ----- attributes -----------------------------------------------------------------------------
+
+    def attrs(self, node: Node, st: os.stat_result) -> pyfuse3.EntryAttributes:
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = node.ino
+        entry.generation = 0
+        entry.entry_timeout = self.entry_timeout
+        entry.attr_timeout = self.attr_timeout
+        entry.st_mode = st.st_mode
+        entry.st_nlink = st.st_nlink
+        entry.st_uid = st.st_uid
+        entry.st_gid = st.st_gid
+        entry.st_rdev = st.st_rdev
+        entry.st_size = st.st_size
+        entry.st_blksize = st.st_blksize
+        entry.st_blocks = st.st_blocks
+        entry.st_atime_ns = st.st_atime_ns
+        entry.st_mtime_ns = st.st_mtime_ns
+        entry.st_ctime_ns = st.st_ctime_ns
+        return entry
+
+    def virtual_attrs(self, node: Node) -> pyfuse3.EntryAttributes:
+        """Attributes of `/`, the zone roots and `/.sandboxfs`: modes that let requests reach
+        the daemon, so every refusal is decided and audited here rather than by the kernel."""
+        if node.zone is not None and node.key is not None:
+            st = self.store.stat_node(node)
+            entry = self.attrs(node, st)
+            entry.st_mode = stat.S_IFDIR | 0o755
+            return entry
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = node.ino
+        entry.entry_timeout = self.entry_timeout
+        entry.attr_timeout = self.attr_timeout
+        root = self.store.zone_roots[Zone.SESSION]
+        st = self.store.stat_node(root)
+        entry.st_uid, entry.st_gid = st.st_uid, st.st_gid
+        entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = st.st_mtime_ns
+        if node.ino == CONTEXT_INO:
+            entry.st_mode = stat.S_IFREG | 0o444
+            entry.st_nlink = 1
+            entry.st_size = len(self.context_json)
+        else:
+            entry.st_mode = stat.S_IFDIR | (0o555 if node.ino == CONTROL_INO else 0o755)
+            entry.st_nlink = 2
+        entry.st_blksize = 4096
+        return entry
+
+    def node_attrs(self, node: Node) -> pyfuse3.EntryAttributes:
+        if node.ino < FIRST_DYNAMIC_INO:
+            return self.virtual_attrs(node)
+        return self.attrs(node, self.store.stat_node(node))
+
+    # ----- lookup and attributes ------------------------------------------------------------------
+
+    @_guarded
+    def lookup(self, parent_inode: int, name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
+        parent = self.store.get(parent_inode)
+        if name == b".":
+            node = parent
+        elif name == b"..":
+            node = parent.parent or parent
+        elif parent.ino == ROOT_INO:
+            node = self._lookup_root(name)
+        elif parent.ino == CONTROL_INO:
+            if name != CONTEXT_NAME:
+                raise SandboxError(errno.ENOENT)
+            node = self.store.context
+        else:
+            return self._lookup_zone(parent, name, ctx)
+        if node.ino >= FIRST_DYNAMIC_INO or node.ino != ROOT_INO:
+            node.lookups += 1
+        return self.node_attrs(node)
+
+    def _lookup_root(self, name: bytes) -> Node:
+        if name == CONTROL_NAME:
+            return self.store.control
+        zone = _ZONE_NAMES.get(name)
+        if zone is None:
+            raise SandboxError(errno.ENOENT)
+        return self.store.zone_roots[zone]
+
+    def _lookup_zone(self, parent: Node, name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
+        zone = parent.zone
+        assert zone is not None
+        if not self.policy.access(zone).any:
+            decision = self.policy.decide(zone, Op.READ)
+            raise self.refuse(ctx, Op.READ.value, parent.vpath(name), zone, decision)
+        self._reject_hidden(ctx, parent, name, Op.READ)
+        found = self._find(parent, name)
+        st, layer = found if found is not None else (None, 0)
+        is_dir = st is None or stat.S_ISDIR(st.st_mode)
+        self._reject_denied_name(ctx, parent, name, is_dir, Op.READ)
+        if st is None:
+            return self._negative_entry()
+        key = (zone, st.st_dev, st.st_ino)
+        known = self.store.by_key.get(key)
+        created_here = known is not None and known.created_here
+        decision = self.policy.decide_lookup(zone, stat.S_ISDIR(st.st_mode), created_here)
+        if not decision.allowed:
+            raise self.refuse(ctx, Op.READ.value, parent.vpath(name), zone, decision)
+        node = self.store.remember(parent, name, st, layer)
+        return self.attrs(node, st)
+
+    def _find(self, parent: Node, name: bytes) -> tuple[os.stat_result, int] | None:
+        """lstat of a name in a directory node; for the workers root, first layer wins."""
+        if parent.zone is Zone.WORKERS and parent.parent is self.store.root:
+            for layer, fd in enumerate(self.store.layer_fds):
+                if fd < 0:
+                    continue
+                try:
+                    return os.stat(name, dir_fd=fd, follow_symlinks=False), layer
+                except FileNotFoundError:
+                    continue
+            return None
+        st = self.store.stat_child(parent, name)
+        return (st, parent.layer) if st is not None else None
+
+    def _negative_entry(self) -> pyfuse3.EntryAttributes:
+        # st_ino 0 lets the kernel cache "does not exist" for entry_timeout.
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = 0
+        entry.entry_timeout = self.entry_timeout
+        return entry
+
+    def _reject_hidden(self, ctx: Any, parent: Node, name: bytes, op: Op) -> None:
+        if self.store.is_hidden(parent, name):
+            reason = (
+                f"{parent.vpath(name)} is sandboxfs's own state or mountpoint and is not part "
+                f"of the {parent.zone.value if parent.zone else ''} zone"
+            )
+            err = errno.ENOENT if op is Op.READ else errno.EACCES
+            raise self.refuse(
+                ctx, op.value, parent.vpath(name), parent.zone, Decision(False, err, reason)
+            )
+
+    def _reject_denied_name(
+        self, ctx: Any, parent: Node, name: bytes, is_dir: bool, op: Op
+    ) -> None:
+        text = name.decode("utf-8", "surrogateescape")
+        relpath = ""
+        if self.policy.has_path_patterns:
+            rel = parent.relpath()
+            relpath = (rel + b"/" + name if rel else name).decode("utf-8", "surrogateescape")
+        pattern = self.policy.denied_name(text, relpath, is_dir)
+        if pattern is not None:
+            vpath = parent.vpath(name)
+            decision = self.policy.deny_list_decision(vpath, pattern)
+            raise self.refuse(ctx, op.value, vpath, parent.zone, decision)
+
+    @_guarded
+    def getattr(self, inode: int, ctx: Any) -> pyfuse3.EntryAttributes:
+        return self.node_attrs(self.store.get(inode))
+
+    @_guarded
+    def setattr(
+        self, inode: int, attr: pyfuse3.EntryAttributes, fields: Any, fh: int | None, ctx: Any
+    ) -> pyfuse3.EntryAttributes:
+        node = self.store.get(inode)
+        self._check_change(ctx, node, "setattr")
+        handle = self._handles.get(fh) if fh is not None else None
+        fd = handle.fd if isinstance(handle, FileHandle) else None
+        changes: list[str] = []
+        if fields.update_size:
+            if fd is not None and handle is not None and handle.writable:  # type: ignore[union-attr]
+                os.truncate(fd, attr.st_size)
+            else:
+                wfd = os.open(
+                    node.name,
+                    os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    dir_fd=self.store.parent_fd(node),
+                )
+                try:
+                    os.truncate(wfd, attr.st_size)
+                finally:
+                    os.close(wfd)
+            changes.append(f"size={attr.st_size}")
+        if fields.update_mode:
+            mode = stat.S_IMODE(attr.st_mode) & ~_SUID_SGID
+            if node.open_fds and not stat.S_ISLNK(attr.st_mode):
+                os.chmod(node.open_fds[-1], mode)
+            else:
+                os.chmod(node.name, mode, dir_fd=self.store.parent_fd(node), follow_symlinks=False)
+            changes.append(f"mode={mode:o}")
+        if fields.update_uid or fields.update_gid:
+            uid = attr.st_uid if fields.update_uid else -1
+            gid = attr.st_gid if fields.update_gid else -1
+            os.chown(node.name, uid, gid, dir_fd=self.store.parent_fd(node), follow_symlinks=False)
+            changes.append(f"owner={uid}:{gid}")
+        if fields.update_atime or fields.update_mtime:
+            current = self.store.stat_node(node)
+            atime = attr.st_atime_ns if fields.update_atime else current.st_atime_ns
+            mtime = attr.st_mtime_ns if fields.update_mtime else current.st_mtime_ns
+            os.utime(
+                node.name,
+                ns=(atime, mtime),
+                dir_fd=self.store.parent_fd(node),
+                follow_symlinks=False,
+            )
+            changes.append("times")
+        if changes:
+            self.record(
+                Op.WRITE.value,
+                node.vpath(),
+                node.zone,
+                pid=ctx.pid,
+                uid=ctx.uid,
+                detail="setattr " + " ".join(changes),
+            )
+        return self.node_attrs(node)
+
+    def _check_change(self, ctx: Any, node: Node, what: str) -> None:
+        """Writes to an existing entry: never to `/`, a zone root or /.sandboxfs."""
+        if node.ino < FIRST_DYNAMIC_INO:
+            reason = (
+                CONTEXT_REASON if node.zone is None and node.ino != ROOT_INO else ZONE_ROOT_REASON
+            )
+            raise self.refuse(
+                ctx, Op.WRITE.value, node.vpath(), node.zone, Decision(False, errno.EACCES, reason)
+            )
+        assert node.zone is not None
+        if node.created_here and self.policy.access(node.zone).create_only:
+            return
+        self.check(ctx, Op.WRITE, node)
+        self._check_layer(ctx, node, Op.WRITE)
+
+    def _check_layer(self, ctx: Any, node: Node, op: Op, child: bytes | None = None) -> None:
+        """Only the first workers directory (<project>/.workers) can be changed."""
+        if node.zone is Zone.WORKERS and node.layer > 0:
+            reason = (
+                f"{node.vpath(child)} comes from SANDBOXFS_WORKERS_PATH, which is read-only; "
+                f"only <project>/.workers can be changed"
+            )
+            raise self.refuse(
+                ctx, op.value, node.vpath(child), node.zone, Decision(False, errno.EROFS, reason)
+            )
+
+    @_guarded
+    def readlink(self, inode: int, ctx: Any) -> bytes:
+        node = self.store.get(inode)
+        if node.zone is None:
+            raise SandboxError(errno.EINVAL)
+        self.check(ctx, Op.READ, node)
+        return os.readlink(node.name, dir_fd=self.store.parent_fd(node))
+
+    def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        for inode, count in inode_list:
+            self.store.forget(inode, count)
+
+    # ----- directories ----------------------------------------------------------------------------
+
+    @_guarded
+    def opendir(self, inode: int, ctx: Any) -> int:
+        node = self.store.get(inode)
+        if not node.is_dir:
+            raise SandboxError(errno.ENOTDIR)
+        if node.zone is not None:
+            self.check(ctx, Op.LIST, node)
+            self.record(Op.LIST.value, node.vpath(), node.zone, pid=ctx.pid, uid=ctx.uid)
+        fh = self._next_fh
+        self._next_fh += 1
+        self._dirs[fh] = DirHandle(node)
+        return fh
+
+    @_guarded
+    def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        handle = self._dirs[fh]
+        node = handle.node
+        if handle.entries is None or start_id == 0:
+            handle.entries = self._dir_entries(node)
+        entries = handle.entries
+        for index in range(start_id, len(entries)):
+            name, layer = entries[index]
+            if name == b".":
+                attrs = self.node_attrs(node)
+            elif name == b"..":
+                attrs = self.node_attrs(node.parent or node)
+            elif node.zone is None:
+                child = self._virtual_child(node, name)
+                attrs = self.node_attrs(child)
+                if not pyfuse3.readdir_reply(token, name, attrs, index + 1):
+                    return
+                child.lookups += 1
+                continue
+            else:
+                st = self._entry_stat(node, name, layer)
+                if st is None:
+                    continue
+                child = self.store.remember(node, name, st, layer)
+                attrs = self.attrs(child, st)
+                if not pyfuse3.readdir_reply(token, name, attrs, index + 1):
+                    child.lookups -= 1
+                    return
+                continue
+            if not pyfuse3.readdir_reply(token, name, attrs, index + 1):
+                return
+
+    def _entry_stat(self, node: Node, name: bytes, layer: int) -> os.stat_result | None:
+        """lstat of a listed entry, or None if it vanished or the deny list hides it."""
+        try:
+            st = os.stat(name, dir_fd=self.store.child_dir_fd(node, layer), follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        text = name.decode("utf-8", "surrogateescape")
+        relpath = ""
+        if self.policy.has_path_patterns:
+            rel = node.relpath()
+            relpath = (rel + b"/" + name if rel else name).decode("utf-8", "surrogateescape")
+        if self.policy.denied_name(text, relpath, stat.S_ISDIR(st.st_mode)) is not None:
+            return None
+        return st
+
+    def _dir_entries(self, node: Node) -> list[tuple[bytes, int]]:
+        dots = [(b".", 0), (b"..", 0)]
+        if node.ino == ROOT_INO:
+            return dots + [(zone.value.encode(), 0) for zone in Zone] + [(CONTROL_NAME, 0)]
+        if node.ino == CONTROL_INO:
+            return [*dots, (CONTEXT_NAME, 0)]
+        return dots + list(self.store.list_names(node))
+
+    def _virtual_child(self, node: Node, name: bytes) -> Node:
+        if node.ino == ROOT_INO:
+            return self._lookup_root(name)
+        return self.store.context
+
+    @_guarded
+    def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    @_guarded
+    def fsyncdir(self, fh: int, datasync: bool) -> None:
+        node = self._dirs[fh].node
+        if node.zone is not None and node.key is not None:
+            fd = os.open(
+                ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.store.dir_fd(node)
+            )
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    # ----- files ----------------------------------------------------------------------------------
+
+    @_guarded
+    def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
+        node = self.store.get(inode)
+        accmode = flags & os.O_ACCMODE
+        wants_write = accmode != os.O_RDONLY or bool(flags & os.O_TRUNC)
+        if node.ino == CONTEXT_INO:
+            if wants_write:
+                raise self.refuse(
+                    ctx,
+                    Op.WRITE.value,
+                    node.vpath(),
+                    None,
+                    Decision(False, errno.EACCES, CONTEXT_REASON),
+                )
+            return self._new_handle(BlobHandle(self.context_json), keep_cache=False)
+        if node.zone is None or node.is_dir:
+            raise SandboxError(errno.EISDIR)
+        if accmode != os.O_WRONLY:
+            self.check(ctx, Op.READ, node)
+        if wants_write:
+            self.check(ctx, Op.WRITE, node)
+            self._check_layer(ctx, node, Op.WRITE)
+        fd = os.open(
+            node.name,
+            (flags & ~_OPEN_STRIP) | os.O_NOFOLLOW | os.O_CLOEXEC,
+            dir_fd=self.store.parent_fd(node),
+        )
+        st = os.stat(fd)
+        stamp = (st.st_mtime_ns, st.st_size)
+        keep_cache = node.cache_stamp == stamp and not flags & os.O_TRUNC
+        node.cache_stamp = stamp
+        comm = process_name(ctx.pid)
+        if not wants_write:
+            self.record(Op.READ.value, node.vpath(), node.zone, pid=ctx.pid, uid=ctx.uid, comm=comm)
+        handle = FileHandle(fd, node, wants_write, False, ctx.pid, ctx.uid, comm)
+        node.open_fds.append(fd)
+        return self._new_handle(handle, keep_cache=keep_cache, direct_io=bool(flags & os.O_DIRECT))
+
+    def _new_handle(
+        self, handle: FileHandle | BlobHandle, keep_cache: bool, direct_io: bool = False
+    ) -> pyfuse3.FileInfo:
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = handle
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=direct_io)
+
+    @_guarded
+    def read(self, fh: int, off: int, size: int) -> bytes:
+        handle = self._handles[fh]
+        if isinstance(handle, BlobHandle):
+            return handle.data[off : off + size]
+        return os.pread(handle.fd, size, off)
+
+    @_guarded
+    def write(self, fh: int, off: int, buf: bytes) -> int:
+        handle = self._handles[fh]
+        if not isinstance(handle, FileHandle) or not handle.writable:
+            raise SandboxError(errno.EBADF)
+        written = os.pwrite(handle.fd, buf, off)
+        handle.bytes_written += written
+        return written
+
+    @_guarded
+    def flush(self, fh: int) -> None:
+        return None
+
+    @_guarded
+    def fsync(self, fh: int, datasync: bool) -> None:
+        handle = self._handles[fh]
+        if isinstance(handle, FileHandle):
+            (os.fdatasync if datasync else os.fsync)(handle.fd)
+
+    @_guarded
+    def release(self, fh: int) -> None:
+        handle = self._handles.pop(fh, None)
+        if not isinstance(handle, FileHandle):
+            return
+        node = handle.node
+        try:
+            if handle.writable or handle.created:
+                st = os.stat(handle.fd)
+                node.cache_stamp = (st.st_mtime_ns, st.st_size)
+        finally:
+            node.open_fds.remove(handle.fd)
+            os.close(handle.fd)
+        if handle.writable or handle.created:
+            self.record(
+                Op.WRITE.value,
+                node.vpath(),
+                node.zone,
+                pid=handle.pid,
+                uid=handle.uid,
+                comm=handle.comm,
+                nbytes=handle.bytes_written,
+                detail="create" if handle.created else None,
+            )
+
+    # ----- creating entries -----------------------------------------------------------------------
+
+    def _creatable_parent(self, ctx: Any, parent: Node, name: bytes, what: str) -> Zone:
+        """Checks for a new name in `parent`; returns its zone."""
+        if parent.zone is None:
+            reason = ROOT_CREATE_REASON if parent.ino == ROOT_INO else CONTEXT_REASON
+            raise self.refuse(
+                ctx, Op.WRITE.value, parent.vpath(name), None, Decision(False, errno.EACCES, reason)
+            )
+        zone = parent.zone
+        self._reject_hidden(ctx, parent, name, Op.WRITE)
+        self._reject_denied_name(ctx, parent, name, True, Op.WRITE)
+        decision = self.policy.decide_create(zone)
+        if not decision.allowed:
+            raise self.refuse(ctx, Op.WRITE.value, parent.vpath(name), zone, decision)
+        self._check_layer(ctx, parent, Op.WRITE, name)
+        return zone
+
+    def _own(self, path_fd: int, name: bytes, ctx: Any, is_link: bool = False) -> None:
+        """Give a new entry to the caller, as the kernel would on a local filesystem."""
+        if self.running_as_root and (ctx.uid != 0 or ctx.gid != 0):
+            os.chown(name, ctx.uid, ctx.gid, dir_fd=path_fd, follow_symlinks=False)
+
+    @_guarded
+    def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        parent = self.store.get(parent_inode)
+        zone = self._creatable_parent(ctx, parent, name, "create")
+        dfd = self.store.child_dir_fd(parent, 0, create=True)
+        open_flags = (
+            (flags & ~(os.O_NOCTTY | os.O_DIRECT)) | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        )
+        if self.policy.access(zone).create_only:
+            open_flags |= os.O_EXCL  # never reopen an existing file through "create"
+        fd = os.open(name, open_flags, stat.S_IMODE(mode) & ~_SUID_SGID, dir_fd=dfd)
+        try:
+            if self.running_as_root and (ctx.uid != 0 or ctx.gid != 0):
+                os.fchown(fd, ctx.uid, ctx.gid)
+            st = os.stat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        node = self.store.remember(parent, name, st, 0)
+        node.created_here = True
+        node.cache_stamp = (st.st_mtime_ns, st.st_size)
+        node.open_fds.append(fd)
+        comm = process_name(ctx.pid)
+        handle = FileHandle(fd, node, True, True, ctx.pid, ctx.uid, comm)
+        info = self._new_handle(handle, keep_cache=True, direct_io=bool(flags & os.O_DIRECT))
+        return info, self.attrs(node, st)
+
+    def _finish_new(
+        self, ctx: Any, parent: Node, name: bytes, detail: str
+    ) -> pyfuse3.EntryAttributes:
+        dfd = self.store.child_dir_fd(parent, 0)
+        self._own(dfd, name, ctx)
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        node = self.store.remember(parent, name, st, 0)
+        node.created_here = True
+        self.record(
+            Op.WRITE.value, node.vpath(), node.zone, pid=ctx.pid, uid=ctx.uid, detail=detail
+        )
+        return self.attrs(node, st)
+
+    @_guarded
+    def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> pyfuse3.EntryAttributes:
+        parent = self.store.get(parent_inode)
+        self._creatable_parent(ctx, parent, name, "mkdir")
+        dfd = self.store.child_dir_fd(parent, 0, create=True)
+        os.mkdir(name, stat.S_IMODE(mode) & ~_SUID_SGID, dir_fd=dfd)
+        return self._finish_new(ctx, parent, name, "mkdir")
+
+    @_guarded
+    def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: Any
+    ) -> pyfuse3.EntryAttributes:
+        parent = self.store.get(parent_inode)
+        self._creatable_parent(ctx, parent, name, "symlink")
+        dfd = self.store.child_dir_fd(parent, 0, create=True)
+        os.symlink(target, name, dir_fd=dfd)
+        return self._finish_new(ctx, parent, name, "symlink")
+
+    @_guarded
+    def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any
+    ) -> pyfuse3.EntryAttributes:
+        parent = self.store.get(parent_inode)
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            reason = (
+                "only regular files and FIFOs can be created; device nodes and sockets are refused"
+            )
+            raise self.refuse(
+                ctx,
+                Op.WRITE.value,
+                parent.vpath(name),
+                parent.zone,
+                Decision(False, errno.EPERM, reason),
+            )
+        self._creatable_parent(ctx, parent, name, "mknod")
+        dfd = self.store.child_dir_fd(parent, 0, create=True)
+        os.mknod(name, stat.S_IFMT(mode) | (stat.S_IMODE(mode) & ~_SUID_SGID), dir_fd=dfd)
+        return self._finish_new(ctx, parent, name, "mknod")
+
+    @_guarded
+    def link(
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any
+    ) -> pyfuse3.EntryAttributes:
+        node = self.store.get(inode)
+        parent = self.store.get(new_parent_inode)
+        if node.zone is None or node.ino < FIRST_DYNAMIC_INO:
+            raise self.refuse(
+                ctx,
+                "link",
+                node.vpath(),
+                node.zone,
+                Decision(False, errno.EPERM, ZONE_ROOT_REASON),
+                dest=parent.vpath(new_name),
+            )
+        if parent.zone is not node.zone:
+            reason = cross_zone_reason("hard links", node.zone, parent.zone)
+            raise self.refuse(
+                ctx,
+                "link",
+                node.vpath(),
+                node.zone,
+                Decision(False, errno.EXDEV, reason),
+                dest=parent.vpath(new_name),
+            )
+        self._reject_hidden(ctx, parent, new_name, Op.WRITE)
+        self._reject_denied_name(ctx, parent, new_name, False, Op.WRITE)
+        self.check(ctx, Op.WRITE, parent, new_name)
+        self._check_layer(ctx, parent, Op.WRITE, new_name)
+        self._check_layer(ctx, node, Op.WRITE)
+        dfd = self.store.child_dir_fd(parent, 0, create=True)
+        os.link(
+            node.name,
+            new_name,
+            src_dir_fd=self.store.parent_fd(node),
+            dst_dir_fd=dfd,
+            follow_symlinks=False,
+        )
+        st = os.stat(new_name, dir_fd=dfd, follow_symlinks=False)
+        self.store.remember(parent, new_name, st, 0)
+        self.record(
+            "link", node.vpath(), node.zone, pid=ctx.pid, uid=ctx.uid, dest=parent.vpath(new_name)
+        )
+        return self.attrs(node, st)
+
+    # ----- removing and renaming ------------------------------------------------------------------
+
+    def _removable(self, ctx: Any, parent: Node, name: bytes, op_name: str) -> tuple[Zone, int]:
+        """Checks for deleting parent/name; returns its zone and the backing directory fd."""
+        if parent.zone is None:
+            reason = ZONE_ROOT_REASON if parent.ino == ROOT_INO else CONTEXT_REASON
+            raise self.refuse(
+                ctx, op_name, parent.vpath(name), None, Decision(False, errno.EACCES, reason)
+            )
+        zone = parent.zone
+        self._reject_hidden(ctx, parent, name, Op.DELETE)
+        self._reject_denied_name(ctx, parent, name, True, Op.DELETE)
+        self.check(ctx, Op.DELETE, parent, name)
+        found = self._find(parent, name)
+        if found is None:
+            raise SandboxError(errno.ENOENT)
+        layer = found[1]
+        if zone is Zone.WORKERS and layer > 0:
+            self._check_layer(
+                ctx, parent if parent.layer else _LayerProbe.of(parent, layer), Op.DELETE, name
+            )
+        return zone, self.store.child_dir_fd(parent, layer)
+
+    def _remove(self, ctx: Any, parent_inode: int, name: bytes, rmdir: bool) -> None:
+        parent = self.store.get(parent_inode)
+        zone, dfd = self._removable(ctx, parent, name, Op.DELETE.value)
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        (os.rmdir if rmdir else os.unlink)(name, dir_fd=dfd)
+        node = self.store.by_key.get((zone, st.st_dev, st.st_ino))
+        if node is not None:
+            self.store.detach(node, parent, name, st.st_nlink - 1 if not rmdir else 0)
+        self.record(
+            Op.DELETE.value,
+            parent.vpath(name),
+            zone,
+            pid=ctx.pid,
+            uid=ctx.uid,
+            detail="rmdir" if rmdir else None,
+        )
+
+    @_guarded
+    def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        self._remove(ctx, parent_inode, name, rmdir=False)
+
+    @_guarded
+    def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        self._remove(ctx, parent_inode, name, rmdir=True)
+
+    @_guarded
+    def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: Any,
+    ) -> None:
+        old_parent = self.store.get(parent_inode_old)
+        new_parent = self.store.get(parent_inode_new)
+        src, dst = old_parent.vpath(name_old), new_parent.vpath(name_new)
+        if old_parent.zone is None or new_parent.zone is None:
+            reason = ZONE_ROOT_REASON if old_parent.zone is None else ROOT_CREATE_REASON
+            raise self.refuse(
+                ctx, "rename", src, old_parent.zone, Decision(False, errno.EACCES, reason), dest=dst
+            )
+        if old_parent.zone is not new_parent.zone:
+            reason = cross_zone_reason("renames", old_parent.zone, new_parent.zone)
+            raise self.refuse(
+                ctx, "rename", src, old_parent.zone, Decision(False, errno.EXDEV, reason), dest=dst
+            )
+        zone = old_parent.zone
+        exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
+        for parent, name in ((old_parent, name_old), (new_parent, name_new)):
+            self._reject_hidden(ctx, parent, name, Op.WRITE)
+            self._reject_denied_name(ctx, parent, name, True, Op.WRITE)
+        for decision in (self.policy.decide(zone, Op.DELETE), self.policy.decide(zone, Op.WRITE)):
+            if not decision.allowed:
+                raise self.refuse(ctx, "rename", src, zone, decision, dest=dst)
+        found_old = self._find(old_parent, name_old)
+        if found_old is None:
+            raise SandboxError(errno.ENOENT)
+        src_st, src_layer = found_old
+        if zone is Zone.WORKERS and src_layer > 0:
+            reason = f"{src} comes from SANDBOXFS_WORKERS_PATH, which is read-only"
+            raise self.refuse(
+                ctx, "rename", src, zone, Decision(False, errno.EROFS, reason), dest=dst
+            )
+        self._check_layer(ctx, new_parent, Op.WRITE, name_new)
+        src_fd = self.store.child_dir_fd(old_parent, src_layer)
+        dst_fd = self.store.child_dir_fd(new_parent, 0, create=True)
+        dst_st = self.store.stat_child(new_parent, name_new, 0)
+        renameat2(src_fd, name_old, dst_fd, name_new, flags)
+        src_node = self.store.by_key.get((zone, src_st.st_dev, src_st.st_ino))
+        dst_node = self.store.by_key.get((zone, dst_st.st_dev, dst_st.st_ino)) if dst_st else None
+        if dst_node is not None and dst_node is not src_node:
+            if exchange:
+                self.store.moved(dst_node, new_parent, name_new, old_parent, name_old)
+            else:
+                self.store.detach(
+                    dst_node, new_parent, name_new, 0 if dst_node.is_dir else dst_st.st_nlink - 1
+                )  # type: ignore[union-attr]
+        if src_node is not None:
+            self.store.moved(src_node, old_parent, name_old, new_parent, name_new)
+            if new_parent.zone is Zone.WORKERS and new_parent.parent is self.store.root:
+                src_node.layer = 0
+        self.record("rename", src, zone, pid=ctx.pid, uid=ctx.uid, dest=dst)
+
+    # ----- extended attributes and statfs ---------------------------------------------------------
+
+    def _xattr_target(self, node: Node) -> tuple[str, int] | None:
+        """A /proc path to node (via an O_PATH descriptor); None for symlinks and virtual nodes."""
+        if node.zone is None or (node.key is None and node.ino < FIRST_DYNAMIC_INO):
+            return None
+        fd = self.store.dir_fd(node) if node.is_dir else self.store.open_path_fd(node)
+        if not node.is_dir and stat.S_ISLNK(os.stat(fd).st_mode):
+            os.close(fd)
+            return None
+        return f"/proc/self/fd/{fd}", (-1 if node.is_dir else fd)
+
+    def _with_xattr_path(self, node: Node, fn: Callable[[str], R], missing: R) -> R:
+        target = self._xattr_target(node)
+        if target is None:
+            return missing
+        path, fd = target
+        try:
+            return fn(path)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    @_guarded
+    def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        node = self.store.get(inode)
+        if node.zone is not None and node.ino >= FIRST_DYNAMIC_INO:
+            self.check(ctx, Op.READ, node)
+
+        def get(path: str) -> bytes:
+            return os.getxattr(path, name)
+
+        value = self._with_xattr_path(node, get, None)
+        if value is None:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return value
+
+    @_guarded
+    def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
+        node = self.store.get(inode)
+        if node.zone is not None and node.ino >= FIRST_DYNAMIC_INO:
+            self.check(ctx, Op.READ, node)
+        names = self._with_xattr_path(node, os.listxattr, [])
+        return [n.encode("utf-8", "surrogateescape") for n in names]
+
+    def _check_xattr_change(self, ctx: Any, node: Node, name: bytes) -> None:
+        self._check_change(ctx, node, "xattr")
+        if name.startswith(_ACL_XATTR_PREFIX):
+            # Like a filesystem mounted without ACL support: cp and mv then carry on quietly.
+            raise SandboxError(errno.EOPNOTSUPP, "POSIX ACLs are not supported")
+        if not name.startswith(_WRITABLE_XATTR_PREFIX):
+            reason = "only user.* extended attributes can be set or removed through sandboxfs"
+            raise self.refuse(
+                ctx, Op.WRITE.value, node.vpath(), node.zone, Decision(False, errno.EPERM, reason)
+            )
+
+    @_guarded
+    def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
+        node = self.store.get(inode)
+        self._check_xattr_change(ctx, node, name)
+
+        def put(path: str) -> bool:
+            os.setxattr(path, name, value)
+            return True
+
+        if not self._with_xattr_path(node, put, False):
+            raise SandboxError(errno.EPERM, "symlinks cannot carry user extended attributes")
+        self.record(
+            Op.WRITE.value,
+            node.vpath(),
+            node.zone,
+            pid=ctx.pid,
+            uid=ctx.uid,
+            detail="setxattr " + name.decode("utf-8", "replace"),
+        )
+
+    @_guarded
+    def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
+        node = self.store.get(inode)
+        self._check_xattr_change(ctx, node, name)
+
+        def remove(path: str) -> bool:
+            os.removexattr(path, name)
+            return True
+
+        if not self._with_xattr_path(node, remove, False):
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        self.record(
+            Op.WRITE.value,
+            node.vpath(),
+            node.zone,
+            pid=ctx.pid,
+            uid=ctx.uid,
+            detail="removexattr " + name.decode("utf-8", "replace"),
+        )
+
+    @_guarded
+    def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
+        st = os.statvfs(self.store.zone_roots[Zone.REPO].fd)
+        data = pyfuse3.StatvfsData()
+        for attr in (
+            "f_bsize",
+            "f_frsize",
+            "f_blocks",
+            "f_bfree",
+            "f_bavail",
+            "f_files",
+            "f_ffree",
+            "f_favail",
+            "f_namemax",
+        ):
+            setattr(data, attr, getattr(st, attr))
+        return data
+
+
+class _LayerProbe:
+    """Stand-in parent used to report a read-only workers layer."""
+
+    @staticmethod
+    def of(parent: Node, layer: int) -> Node:
+        return Node(parent.ino, parent.zone, parent.parent, parent.name, True, layer=layer)
+
+
+def process_name(pid: int) -> str | None:
+    """The calling process's name (`comm`), or None if it has already gone."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read().rstrip(b"\n").decode("utf-8", "replace")
+    except OSError:
+        return None
+
+
+def context_document(policy: Policy, info: MountInfo, pid: int) -> bytes:
+    """The security context shown at /.sandboxfs/context.json."""
+    zones = {}
+    for zone in Zone:
+        access = policy.access(zone)
+        zones[zone.value] = {
+            "read": Op.READ in access.ops,
+            "write": Op.WRITE in access.ops,
+            "list": Op.LIST in access.ops,
+            "delete": Op.DELETE in access.ops,
+            "create_only": access.create_only,
+        }
+    doc = {
+        "trust": policy.trust.value,
+        "session": info.session,
+        "workspace": info.workspace,
+        "project": info.project,
+        "mountpoint": info.mountpoint,
+        "pid": pid,
+        "zones": zones,
+        "deny": list(policy.deny_patterns),
+    }
+    return (json.dumps(doc, indent=2) + "\n").encode()

@@ -1,0 +1,228 @@
+"""The pure policy core: trust levels, zones, operations and the decisions between them.
+
+Nothing here touches the filesystem, the event loop or FUSE, so every rule can be tested as a
+table. Decisions carry an errno and a reason written for the agent that was refused: what was
+denied, why, and what would be allowed instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Trust(StrEnum):
+    """Trust levels, lowest first; the order is the order of declaration."""
+
+    UNTRUSTED = "untrusted"
+    SESSION = "session"
+    WORKSPACE = "workspace"
+    FULL = "full"
+
+
+class Zone(StrEnum):
+    """The five zones of the virtual tree, in the order `/` lists them."""
+
+    SESSION = "session"
+    WORKSPACE = "workspace"
+    REPO = "repo"
+    STAGED = "staged"
+    WORKERS = "workers"
+
+
+class Op(StrEnum):
+    """Operations the matrix grants; every FUSE callback maps onto one of these."""
+
+    READ = "read"
+    WRITE = "write"
+    LIST = "list"
+    DELETE = "delete"
+
+
+_OP_LETTERS = {"r": Op.READ, "w": Op.WRITE, "l": Op.LIST, "d": Op.DELETE}
+CREATE_ONLY = "create-only"
+
+_OP_ADJECTIVE = {
+    Op.READ: "readable",
+    Op.WRITE: "writable",
+    Op.LIST: "listable",
+    Op.DELETE: "deletable",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ZoneAccess:
+    """What one trust level may do in one zone.
+
+    `create_only` grants creating new files and directories (and writing through the handle
+    that created them) while everything else on existing entries stays refused.
+    """
+
+    ops: frozenset[Op] = frozenset()
+    create_only: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> ZoneAccess:
+        """Parse the config spelling: a subset of "rwld", "create-only", or "" for nothing."""
+        text = text.strip()
+        if text == CREATE_ONLY:
+            return cls(create_only=True)
+        if text in ("", "none", "-"):
+            return cls()
+        unknown = sorted(set(text) - set(_OP_LETTERS))
+        if unknown or len(set(text)) != len(text):
+            raise ValueError(
+                f"invalid permission {text!r}: expected letters from 'rwld' (each once), "
+                f"'{CREATE_ONLY}', or '' for no access"
+            )
+        return cls(ops=frozenset(_OP_LETTERS[c] for c in text))
+
+    def spelling(self) -> str:
+        if self.create_only:
+            return CREATE_ONLY
+        return "".join(c for c, op in _OP_LETTERS.items() if op in self.ops)
+
+    @property
+    def any(self) -> bool:
+        return bool(self.ops) or self.create_only
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The outcome of a policy check: allowed, or the errno and reason for the refusal."""
+
+    allowed: bool
+    errno: int = 0
+    reason: str = ""
+
+
+ALLOW = Decision(True)
+
+
+def deny(err: int, reason: str) -> Decision:
+    return Decision(False, err, reason)
+
+
+Matrix = Mapping[Trust, Mapping[Zone, ZoneAccess]]
+
+
+class Policy:
+    """The matrix and the deny list of one mount, with decisions precomputed per zone and op.
+
+    Decisions depend only on trust level, zone, operation and name, so the hot path of every
+    FUSE callback is a dictionary lookup.
+    """
+
+    def __init__(self, matrix: Matrix, deny_patterns: Sequence[str], trust: Trust) -> None:
+        self.matrix = matrix
+        self.trust = trust
+        self.deny_patterns = tuple(deny_patterns)
+        self._name_patterns = [
+            p.rstrip("/") for p in self.deny_patterns if "/" not in p.rstrip("/")
+        ]
+        self._dir_only = {p.rstrip("/") for p in self.deny_patterns if p.endswith("/")}
+        self._path_patterns = [p.rstrip("/") for p in self.deny_patterns if "/" in p.rstrip("/")]
+        self._name_re = _compile(self._name_patterns)
+        self._path_re = _compile(self._path_patterns)
+        self._decisions = {(zone, op): self._decide(zone, op) for zone in Zone for op in Op}
+
+    @property
+    def has_path_patterns(self) -> bool:
+        return bool(self._path_patterns)
+
+    def access(self, zone: Zone) -> ZoneAccess:
+        return self.matrix[self.trust][zone]
+
+    def decide(self, zone: Zone, op: Op) -> Decision:
+        """May the mount's trust level perform `op` on an existing entry of `zone`?"""
+        return self._decisions[(zone, op)]
+
+    def decide_create(self, zone: Zone) -> Decision:
+        """May a new file, directory, symlink or FIFO be created in `zone`?"""
+        if self.access(zone).create_only:
+            return ALLOW
+        return self._decisions[(zone, Op.WRITE)]
+
+    def decide_lookup(self, zone: Zone, is_dir: bool, created_here: bool) -> Decision:
+        """Resolving an existing name: SPEC §4's traverse rule.
+
+        In a create-only zone directories resolve (so new entries can be made inside them) and
+        so do entries this mount created itself; other existing files are refused.
+        """
+        access = self.access(zone)
+        if Op.READ in access.ops or Op.LIST in access.ops:
+            return ALLOW
+        if access.create_only and (is_dir or created_here):
+            return ALLOW
+        if access.create_only:
+            return deny(errno.EACCES, self._create_only_reason(zone))
+        return self._decisions[(zone, Op.READ)]
+
+    def denied_name(self, name: str, relpath: str, is_dir: bool) -> str | None:
+        """The deny pattern that `name` (at zone-relative `relpath`) matches, if any."""
+        if self._name_re is not None and self._name_re.match(name):
+            for pattern in self._name_patterns:
+                if fnmatch.fnmatchcase(name, pattern) and (is_dir or pattern not in self._dir_only):
+                    return pattern
+        if self._path_re is not None and self._path_re.match(relpath):
+            for pattern in self._path_patterns:
+                if fnmatch.fnmatchcase(relpath, pattern):
+                    return pattern
+        return None
+
+    def deny_list_decision(self, vpath: str, pattern: str) -> Decision:
+        return deny(
+            errno.EACCES,
+            f"{vpath} matches the deny pattern {pattern!r}; deny-listed names are "
+            f"inaccessible at every trust level",
+        )
+
+    def zones_with(self, op: Op) -> list[str]:
+        row = self.matrix[self.trust]
+        return [z.value for z in Zone if op in row[z].ops]
+
+    def _decide(self, zone: Zone, op: Op) -> Decision:
+        access = self.access(zone)
+        if op in access.ops:
+            return ALLOW
+        if access.create_only:
+            return deny(errno.EACCES, self._create_only_reason(zone))
+        # A refused change in a zone the level can read looks like a read-only file system.
+        readable = Op.READ in access.ops or Op.LIST in access.ops
+        err = errno.EROFS if op in (Op.WRITE, Op.DELETE) and readable else errno.EACCES
+        allowed_zones = ", ".join(self.zones_with(op)) or "none"
+        adjective = _OP_ADJECTIVE[op]
+        return deny(
+            err,
+            f"{zone.value} is not {adjective} at trust level {self.trust.value}; "
+            f"{adjective} zones: {allowed_zones}",
+        )
+
+    def _create_only_reason(self, zone: Zone) -> str:
+        return (
+            f"{zone.value} is create-only at trust level {self.trust.value}: new files and "
+            f"directories may be created and written, existing ones cannot be read, listed, "
+            f"changed or deleted"
+        )
+
+
+def _compile(patterns: Iterable[str]) -> re.Pattern[str] | None:
+    parts = [fnmatch.translate(p) for p in patterns]
+    return re.compile("|".join(f"(?:{p})" for p in parts)) if parts else None
+
+
+ZONE_ROOT_REASON = "zone roots and / cannot be removed, renamed or changed"
+ROOT_CREATE_REASON = "nothing can be created at /; create inside one of the zones: " + ", ".join(
+    z.value for z in Zone
+)
+CONTEXT_REASON = "/.sandboxfs is generated by sandboxfs and read-only at every trust level"
+
+
+def cross_zone_reason(what: str, src: Zone | None, dst: Zone | None) -> str:
+    src_name = src.value if src else "/"
+    dst_name = dst.value if dst else "/"
+    return f"{what} cannot cross zones ({src_name} -> {dst_name}); copy the file instead"
