@@ -2,7 +2,7 @@
 
 Every entry carries `id` (consecutive), `prev` (the previous entry's hash) and `hash` (SHA-256 of
 the entry's canonical JSON without `hash`), so `verify` finds an edited, inserted, removed or
-reordered line. Writers take an `flock` on a lock file beside the log and append with one `write`,
+reordered line. Writers take a `flock` on a lock file beside the log and append with one `write`,
 so several mounts (processes) can share one log and the chain stays linear. The chain has no
 secret key: it detects tampering by anyone who did not also rewrite every later line.
 """
@@ -28,7 +28,7 @@ import trio
 GENESIS: str = "0" * 64
 
 _CHUNK = 1 << 16
-_FIELDS = ("pid", "session", "workspace", "zone", "op", "trust", "allowed")
+_EXACT_FIELDS = ("pid", "session", "workspace", "zone", "op", "trust", "allowed")
 _DENIED = b'"allowed":false'
 
 
@@ -121,7 +121,7 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _write_all(fd: int, data: bytes | bytearray) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
@@ -244,7 +244,7 @@ class AuditLog:
                 last_hash = sealed["hash"]
                 out += _canonical(sealed) + b"\n"
             self._tail = None  # unknown if the write fails part way
-            _write_all(self._fd, bytes(out))
+            _write_all(self._fd, out)
             if self._sync:
                 os.fsync(self._fd)
             end = size + len(out)
@@ -315,7 +315,7 @@ class _Filter:
     """An AuditQuery prepared once for many entries, with byte needles to skip most lines."""
 
     def __init__(self, q: AuditQuery) -> None:
-        self._wanted = [(k, v) for k in _FIELDS if (v := getattr(q, k)) is not None]
+        self._wanted = [(k, v) for k in _EXACT_FIELDS if (v := getattr(q, k)) is not None]
         self._since = None if q.since is None else _format_ts(q.since)
         self._until = None if q.until is None else _format_ts(q.until)
         # Canonical JSON has no spaces, so a wanted field appears in its line exactly like this.

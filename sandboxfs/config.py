@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import UserError
 from .policy import Matrix, Trust, Zone, ZoneAccess
@@ -64,6 +64,14 @@ DEFAULT_PERMISSIONS: dict[Trust, dict[Zone, str]] = {
 }
 
 
+def _check_permission(value: str) -> str:
+    ZoneAccess.parse(value)
+    return value
+
+
+Permission = Annotated[str, AfterValidator(_check_permission)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -85,7 +93,7 @@ class Config(_Strict):
 
     default_trust: Trust = Trust.SESSION
     deny: list[str] = Field(default_factory=lambda: list(DEFAULT_DENY))
-    permissions: dict[Trust, dict[Zone, str]] = Field(
+    permissions: dict[Trust, dict[Zone, Permission]] = Field(
         default_factory=lambda: {t: dict(row) for t, row in DEFAULT_PERMISSIONS.items()}
     )
     cache: CacheConfig = CacheConfig()
@@ -101,7 +109,6 @@ class Config(_Strict):
             for zone in Zone:
                 if zone not in row:
                     raise ValueError(f"{trust.value}: missing zone {zone.value!r}")
-                ZoneAccess.parse(row[zone])
         return value
 
     @field_validator("deny")
@@ -125,7 +132,7 @@ class ProjectConfig(_Strict):
     default_trust: Trust | None = None
     deny: list[str] = Field(default_factory=list)
     inherit_deny: bool = True
-    permissions: dict[Trust, dict[Zone, str]] = Field(default_factory=dict)
+    permissions: dict[Trust, dict[Zone, Permission]] = Field(default_factory=dict)
     cache: dict[str, Any] = Field(default_factory=dict)
     audit: dict[str, Any] = Field(default_factory=dict)
 
@@ -152,7 +159,8 @@ def load(project: Path, config_file: Path | None = None) -> Config:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise UserError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"{path}: not valid YAML{where}: {problem}") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -166,7 +174,9 @@ def _merge(base: Config, override: ProjectConfig) -> dict[str, Any]:
     if override.default_trust is not None:
         merged["default_trust"] = override.default_trust.value
     deny = list(base.deny) if override.inherit_deny else []
-    deny += [p for p in override.deny if p not in deny]
+    for pattern in override.deny:
+        if pattern not in deny:
+            deny.append(pattern)
     merged["deny"] = deny
     for trust, row in override.permissions.items():
         for zone, spec in row.items():

@@ -133,8 +133,8 @@ def prepare_store(req: MountRequest) -> Store:
     ws = ("workspaces", req.workspace)
     try:
         session = ensure_dirs(req.project, STATE_DIR_NAME, *ws, "sessions", req.session)
-        for sub in ("inputs", "working", "outputs"):
-            ensure_dirs(session, sub, mode=0o755)
+        for name in ("inputs", "working", "outputs"):
+            ensure_dirs(session, name, mode=0o755)
         workspace = ensure_dirs(req.project, STATE_DIR_NAME, *ws, "workspace")
         for sub in (("cache", "web"), ("cache", "pdfs"), ("cache", "attachments"), ("data",)):
             ensure_dirs(workspace, *sub, mode=0o755)
@@ -161,12 +161,13 @@ def prepare_store(req: MountRequest) -> Store:
 
 def _setup_logging(req: MountRequest) -> None:
     logs = ensure_dirs(req.project, STATE_DIR_NAME, "logs")
-    handler = logging.FileHandler(logs / f"{req.session}.log")
+    stream = open(logs / f"{req.session}.log", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+    handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if req.debug else logging.INFO)
-    faulthandler.register(signal.SIGUSR1, file=handler.stream, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
 
 
 def serve(req: MountRequest, ready: Callable[[], None]) -> None:

@@ -10,7 +10,6 @@ a handler, or pyfuse3 takes the whole mount down.
 from __future__ import annotations
 
 import errno
-import functools
 import json
 import logging
 import os
@@ -95,8 +94,7 @@ def _guarded(
 ) -> Callable[Concatenate[SandboxOperations, P], Awaitable[R]]:
     """Run a synchronous handler as the async callback pyfuse3 expects, mapping every error."""
 
-    @functools.wraps(fn)
-    async def wrapper(self: SandboxOperations, *args: P.args, **kwargs: P.kwargs) -> R:
+    async def wrapper(self: SandboxOperations, /, *args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(self, *args, **kwargs)
         except SandboxError as exc:
@@ -110,6 +108,8 @@ def _guarded(
             self.audit_internal_error(fn.__name__, exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
 
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
     return wrapper
 
 
@@ -912,9 +912,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             if exchange:
                 self.store.moved(dst_node, new_parent, name_new, old_parent, name_old)
             else:
-                self.store.detach(
-                    dst_node, new_parent, name_new, 0 if dst_node.is_dir else dst_st.st_nlink - 1
-                )  # type: ignore[union-attr]
+                nlink = dst_st.st_nlink - 1 if dst_st and not dst_node.is_dir else 0
+                self.store.detach(dst_node, new_parent, name_new, nlink)
         if src_node is not None:
             self.store.moved(src_node, old_parent, name_old, new_parent, name_new)
             if new_parent.zone is Zone.WORKERS and new_parent.parent is self.store.root:
@@ -963,7 +962,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         node = self.store.get(inode)
         if node.zone is not None and node.ino >= FIRST_DYNAMIC_INO:
             self.check(ctx, Op.READ, node)
-        names = self._with_xattr_path(node, os.listxattr, [])
+        empty: list[str] = []
+        names = self._with_xattr_path(node, os.listxattr, empty)
         return [n.encode("utf-8", "surrogateescape") for n in names]
 
     def _check_xattr_change(self, ctx: Any, node: Node, name: bytes) -> None:

@@ -121,13 +121,12 @@ class Policy:
         self.matrix = matrix
         self.trust = trust
         self.deny_patterns = tuple(deny_patterns)
-        self._name_patterns = [
-            p.rstrip("/") for p in self.deny_patterns if "/" not in p.rstrip("/")
-        ]
-        self._dir_only = {p.rstrip("/") for p in self.deny_patterns if p.endswith("/")}
-        self._path_patterns = [p.rstrip("/") for p in self.deny_patterns if "/" in p.rstrip("/")]
-        self._name_re = _compile(self._name_patterns)
-        self._path_re = _compile(self._path_patterns)
+        # (glob, directories only, as written); a glob with "/" matches the zone-relative path.
+        parsed = [(p.strip("/"), p.endswith("/"), p) for p in self.deny_patterns]
+        self._name_patterns = [t for t in parsed if "/" not in t[0] and not t[2].startswith("/")]
+        self._path_patterns = [t for t in parsed if "/" in t[0] or t[2].startswith("/")]
+        self._name_re = _compile(t[0] for t in self._name_patterns)
+        self._path_re = _compile(t[0] for t in self._path_patterns)
         self._decisions = {(zone, op): self._decide(zone, op) for zone in Zone for op in Op}
 
     @property
@@ -159,19 +158,19 @@ class Policy:
         if access.create_only and (is_dir or created_here):
             return ALLOW
         if access.create_only:
-            return deny(errno.EACCES, self._create_only_reason(zone))
+            return deny(errno.EACCES, self._create_only_reason(zone, Op.READ))
         return self._decisions[(zone, Op.READ)]
 
     def denied_name(self, name: str, relpath: str, is_dir: bool) -> str | None:
         """The deny pattern that `name` (at zone-relative `relpath`) matches, if any."""
-        if self._name_re is not None and self._name_re.match(name):
-            for pattern in self._name_patterns:
-                if fnmatch.fnmatchcase(name, pattern) and (is_dir or pattern not in self._dir_only):
-                    return pattern
-        if self._path_re is not None and self._path_re.match(relpath):
-            for pattern in self._path_patterns:
-                if fnmatch.fnmatchcase(relpath, pattern):
-                    return pattern
+        for regex, patterns, subject in (
+            (self._name_re, self._name_patterns, name),
+            (self._path_re, self._path_patterns, relpath),
+        ):
+            if regex is not None and regex.match(subject):
+                for glob, dir_only, written in patterns:
+                    if fnmatch.fnmatchcase(subject, glob) and (is_dir or not dir_only):
+                        return written
         return None
 
     def deny_list_decision(self, vpath: str, pattern: str) -> Decision:
@@ -190,23 +189,29 @@ class Policy:
         if op in access.ops:
             return ALLOW
         if access.create_only:
-            return deny(errno.EACCES, self._create_only_reason(zone))
+            return deny(errno.EACCES, self._create_only_reason(zone, op))
         # A refused change in a zone the level can read looks like a read-only file system.
         readable = Op.READ in access.ops or Op.LIST in access.ops
         err = errno.EROFS if op in (Op.WRITE, Op.DELETE) and readable else errno.EACCES
-        allowed_zones = ", ".join(self.zones_with(op)) or "none"
-        adjective = _OP_ADJECTIVE[op]
         return deny(
             err,
-            f"{zone.value} is not {adjective} at trust level {self.trust.value}; "
-            f"{adjective} zones: {allowed_zones}",
+            f"{zone.value} is not {_OP_ADJECTIVE[op]} at trust level {self.trust.value}; "
+            f"{self._alternatives(op)}",
         )
 
-    def _create_only_reason(self, zone: Zone) -> str:
+    def _alternatives(self, op: Op) -> str:
+        adjective = _OP_ADJECTIVE[op]
+        text = f"{adjective} zones: {', '.join(self.zones_with(op)) or 'none'}"
+        create_only = [z.value for z in Zone if self.matrix[self.trust][z].create_only]
+        if op is Op.WRITE and create_only:
+            text += f"; new files only: {', '.join(create_only)}"
+        return text
+
+    def _create_only_reason(self, zone: Zone, op: Op) -> str:
         return (
             f"{zone.value} is create-only at trust level {self.trust.value}: new files and "
             f"directories may be created and written, existing ones cannot be read, listed, "
-            f"changed or deleted"
+            f"changed or deleted; {self._alternatives(op)}"
         )
 
 

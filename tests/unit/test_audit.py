@@ -291,7 +291,7 @@ def test_tampering_is_detected_at_the_right_line(tmp_path: Path, name: str) -> N
     assert result.message.startswith(message)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30, deadline=None, database=None)
 @given(count=st.integers(2, 8), data=st.data())
 def test_any_removed_or_swapped_line_is_found(
     tmp_path_factory: pytest.TempPathFactory, count: int, data: st.DataObject

@@ -178,12 +178,6 @@ def test_default_patterns_are_not_repeated(tmp_path: Path) -> None:
     assert config.load(tmp_path).deny == [*DEFAULT_DENY, "extra"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.py _merge: `deny += [p for p in override.deny if p not in deny]` checks "
-    "against the list before the += so a pattern repeated inside the project's own deny list "
-    "is kept twice",
-)
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -316,12 +310,6 @@ def test_bad_config_file_option(tmp_path: Path, text: str, expected: list[str]) 
         assert fragment in message, (fragment, message)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.py Config._complete_matrix: an invalid spelling is reported at field path "
-    "'permissions' only (not permissions.workspace.repo) and the message dumps the whole "
-    "merged matrix as the 'got' value",
-)
 def test_invalid_permission_names_the_cell(tmp_path: Path) -> None:
     _write(tmp_path, "permissions: {workspace: {repo: rwx}}\n")
     message = _load_error(tmp_path)
@@ -329,11 +317,6 @@ def test_invalid_permission_names_the_cell(tmp_path: Path) -> None:
     assert "'untrusted'" not in message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.py load: yaml.reader.ReaderError (control characters such as \\x07 or NUL) "
-    "has no `problem` attribute, so str(exc) is used, which contains a newline",
-)
 @pytest.mark.parametrize("char", ["\x07", "\x00"], ids=["bell", "nul"])
 def test_control_characters_give_one_line(tmp_path: Path, char: str) -> None:
     path = _write(tmp_path, f"deny: ['a{char}']\n")
