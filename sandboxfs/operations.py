@@ -294,8 +294,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             node = self.store.context
         else:
             return self._lookup_zone(parent, name, ctx)
-        if node.ino >= FIRST_DYNAMIC_INO or node.ino != ROOT_INO:
-            node.lookups += 1
+        node.lookups += 1
         return self.node_attrs(node)
 
     def _lookup_root(self, name: bytes) -> Node:
@@ -831,9 +830,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             raise SandboxError(errno.ENOENT)
         layer = found[1]
         if zone is Zone.WORKERS and layer > 0:
-            self._check_layer(
-                ctx, parent if parent.layer else _LayerProbe.of(parent, layer), Op.DELETE, name
-            )
+            vpath = parent.vpath(name)
+            reason = f"{vpath} comes from SANDBOXFS_WORKERS_PATH, which is read-only"
+            raise self.refuse(ctx, op_name, vpath, zone, Decision(False, errno.EROFS, reason))
         return zone, self.store.child_dir_fd(parent, layer)
 
     def _remove(self, ctx: Any, parent_inode: int, name: bytes, rmdir: bool) -> None:
@@ -1034,14 +1033,6 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         ):
             setattr(data, attr, getattr(st, attr))
         return data
-
-
-class _LayerProbe:
-    """Stand-in parent used to report a read-only workers layer."""
-
-    @staticmethod
-    def of(parent: Node, layer: int) -> Node:
-        return Node(parent.ino, parent.zone, parent.parent, parent.name, True, layer=layer)
 
 
 def process_name(pid: int) -> str | None:
