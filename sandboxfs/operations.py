@@ -382,8 +382,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self, inode: int, attr: pyfuse3.EntryAttributes, fields: Any, fh: int | None, ctx: Any
     ) -> pyfuse3.EntryAttributes:
         node = self.store.get(inode)
-        self._check_change(ctx, node, "setattr")
         handle = self._handles.get(fh) if fh is not None else None
+        creating = isinstance(handle, FileHandle) and handle.created
+        self._check_change(ctx, node, allow_created=creating or not fields.update_size)
         fd = handle.fd if isinstance(handle, FileHandle) else None
         changes: list[str] = []
         if fields.update_size:
@@ -434,8 +435,13 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             )
         return self.node_attrs(node)
 
-    def _check_change(self, ctx: Any, node: Node, what: str) -> None:
-        """Writes to an existing entry: never to `/`, a zone root or /.sandboxfs."""
+    def _check_change(self, ctx: Any, node: Node, allow_created: bool = True) -> None:
+        """Writes to an existing entry: never to `/`, a zone root or /.sandboxfs.
+
+        In a create-only zone, entries this mount created may still get their mode, times and
+        xattrs set (tar and cp -p do that after writing), but only their creating handle may
+        change their size.
+        """
         if node.ino < FIRST_DYNAMIC_INO:
             reason = (
                 CONTEXT_REASON if node.zone is None and node.ino != ROOT_INO else ZONE_ROOT_REASON
@@ -444,7 +450,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 ctx, Op.WRITE.value, node.vpath(), node.zone, Decision(False, errno.EACCES, reason)
             )
         assert node.zone is not None
-        if node.created_here and self.policy.access(node.zone).create_only:
+        if allow_created and node.created_here and self.policy.access(node.zone).create_only:
             return
         self.check(ctx, Op.WRITE, node)
         self._check_layer(ctx, node, Op.WRITE)
@@ -580,6 +586,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                     None,
                     Decision(False, errno.EACCES, CONTEXT_REASON),
                 )
+            self.record(Op.READ.value, node.vpath(), None, pid=ctx.pid, uid=ctx.uid)
             return self._new_handle(BlobHandle(self.context_json), keep_cache=False)
         if node.zone is None or node.is_dir:
             raise SandboxError(errno.EISDIR)
@@ -773,11 +780,12 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     ) -> pyfuse3.EntryAttributes:
         node = self.store.get(inode)
         parent = self.store.get(new_parent_inode)
+        src = node.vpath()
         if node.zone is None or node.ino < FIRST_DYNAMIC_INO:
             raise self.refuse(
                 ctx,
                 "link",
-                node.vpath(),
+                src,
                 node.zone,
                 Decision(False, errno.EPERM, ZONE_ROOT_REASON),
                 dest=parent.vpath(new_name),
@@ -787,7 +795,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             raise self.refuse(
                 ctx,
                 "link",
-                node.vpath(),
+                src,
                 node.zone,
                 Decision(False, errno.EXDEV, reason),
                 dest=parent.vpath(new_name),
@@ -807,9 +815,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         )
         st = os.stat(new_name, dir_fd=dfd, follow_symlinks=False)
         self.store.remember(parent, new_name, st, 0)
-        self.record(
-            "link", node.vpath(), node.zone, pid=ctx.pid, uid=ctx.uid, dest=parent.vpath(new_name)
-        )
+        self.record("link", src, node.zone, pid=ctx.pid, uid=ctx.uid, dest=parent.vpath(new_name))
         return self.attrs(node, st)
 
     # ----- removing and renaming ------------------------------------------------------------------
@@ -966,7 +972,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         return [n.encode("utf-8", "surrogateescape") for n in names]
 
     def _check_xattr_change(self, ctx: Any, node: Node, name: bytes) -> None:
-        self._check_change(ctx, node, "xattr")
+        self._check_change(ctx, node)
         if name.startswith(_ACL_XATTR_PREFIX):
             # Like a filesystem mounted without ACL support: cp and mv then carry on quietly.
             raise SandboxError(errno.EOPNOTSUPP, "POSIX ACLs are not supported")

@@ -59,6 +59,7 @@ class Node:
     open_fds: list[int] = field(default_factory=list)
     cache_stamp: tuple[int, int] | None = None
     links: list[tuple[Node, bytes]] = field(default_factory=list)
+    last_vpath: str = ""
 
     def relpath(self) -> bytes:
         """The path below the zone root, b"" for the root itself."""
@@ -70,7 +71,12 @@ class Node:
         return b"/".join(reversed(parts))
 
     def vpath(self, child: bytes | None = None) -> str:
-        """The virtual path inside the mount, for audit entries and reasons."""
+        """The virtual path inside the mount, for audit entries and reasons.
+
+        A node whose last name was removed keeps the path it had then.
+        """
+        if self.parent is None and self.ino != ROOT_INO and self.last_vpath:
+            return self.last_vpath
         parts: list[bytes] = [child] if child is not None else []
         node: Node | None = self
         while node is not None and node.ino != ROOT_INO:
@@ -166,16 +172,21 @@ class Store:
             del self.by_key[node.key]
         self._drop_fd(node)
 
-    def detach(self, node: Node, parent: Node, name: bytes, nlink: int) -> None:
-        """Forget the backing name parent/name of node after it was unlinked or replaced."""
+    def detach(self, node: Node, parent: Node, name: bytes, remaining: int) -> None:
+        """Forget the name parent/name of node after it was unlinked or replaced.
+
+        `remaining` is the backing link count left; while it is positive the node stays
+        reachable through another known name.
+        """
         node.links = [(p, n) for p, n in node.links if not (p is parent and n == name)]
         if node.parent is parent and node.name == name:
-            if node.links and nlink > 1:
+            if node.links and remaining > 0:
                 node.parent, node.name = node.links.pop()
             else:
+                node.last_vpath = node.vpath()
                 node.parent, node.name = None, b""
                 self._drop_fd(node)
-        if (nlink <= 1 or node.is_dir) and node.key and self.by_key.get(node.key) is node:
+        if (remaining < 1 or node.is_dir) and node.key and self.by_key.get(node.key) is node:
             del self.by_key[node.key]
 
     def moved(

@@ -18,7 +18,9 @@ import pytest
 SANDBOXFS = [sys.executable, "-m", "sandboxfs"]
 
 
-def sandboxfs(*args: str | Path, cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def sandboxfs(
+    *args: str | Path, cwd: Path | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     """Run the sandboxfs CLI as a user would, capturing its output."""
     return subprocess.run(
         [*SANDBOXFS, *map(str, args)],
@@ -30,7 +32,9 @@ def sandboxfs(*args: str | Path, cwd: Path | None = None, timeout: float = 60) -
     )
 
 
-def sh(command: str, cwd: Path | None = None, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+def sh(
+    command: str, cwd: Path | None = None, timeout: float = 60, **env: str
+) -> subprocess.CompletedProcess[str]:
     """Run a shell command line with real tools; never raises on failure."""
     return subprocess.run(
         ["sh", "-c", command],
@@ -65,7 +69,9 @@ class Mount:
         assert result.returncode == 0, result.stderr
         return [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
 
-    def wait_audit(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 5.0) -> dict[str, Any]:
+    def wait_audit(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 5.0
+    ) -> dict[str, Any]:
         """The first audit entry matching predicate, waiting for the background batch flush."""
         deadline = time.monotonic() + timeout
         while True:
@@ -157,14 +163,15 @@ def mount_at(tmp_path: Path, project: Path) -> Iterator[Callable[..., Any]]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_mounts_left_behind() -> Iterator[None]:
-    """The suite must leave no sandboxfs mount behind."""
+def no_mounts_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The suite must leave no sandboxfs mount behind (under this run's own temp dir)."""
+    base = str(tmp_path_factory.getbasetemp())
     yield
     text = Path("/proc/self/mounts").read_text()
     left = [
         line.split()[1]
         for line in text.splitlines()
-        if "fuse.sandboxfs" in line and "pytest-of-" in line
+        if "fuse.sandboxfs" in line and line.split()[1].startswith(base)
     ]
     for mnt in left:
         force_unmount(Path(mnt))

@@ -1,0 +1,1194 @@
+"""The FUSE adapter (sandboxfs/operations.py) driven directly, without a mount.
+
+A real `Store` over temporary zone directories, a `Policy` from the built-in defaults and a real
+`AuditLog` are wired into `SandboxOperations`; the async callbacks are awaited with a fake request
+context, as pyfuse3 would call them. Each test checks what the caller gets (the FUSEError errno or
+the result) and what the audit log says (SPEC §4 and §5).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pyfuse3
+import pytest
+
+from sandboxfs import operations
+from sandboxfs.audit import AuditLog, read_entries
+from sandboxfs.config import defaults
+from sandboxfs.operations import MountInfo, SandboxOperations, context_document
+from sandboxfs.policy import Policy, Trust, Zone
+from sandboxfs.store import (
+    CONTEXT_INO,
+    CONTROL_INO,
+    FIRST_DYNAMIC_INO,
+    ROOT_INO,
+    ZONE_INO,
+    Store,
+)
+from tests.conftest import make_project
+
+COMM = Path("/proc/self/comm").read_text().strip()
+SESSION_ID = "s1"
+WORKSPACE_ID = "default"
+ZONE_NAMES = ["session", "workspace", "repo", "staged", "workers"]
+ZONE_ROOT_REASON = "zone roots and / cannot be removed, renamed or changed"
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """Stand-in for pyfuse3.RequestContext."""
+
+    uid: int
+    gid: int
+    pid: int
+    umask: int = 0o022
+
+
+CTX = Ctx(uid=os.getuid(), gid=os.getgid(), pid=os.getpid())
+
+
+def fields(**changes: bool) -> SimpleNamespace:
+    """Stand-in for pyfuse3.SetattrFields: everything False unless given."""
+    names = ("atime", "mtime", "ctime", "mode", "uid", "gid", "size")
+    values: dict[str, bool] = {f"update_{n}": False for n in names}
+    for key, value in changes.items():
+        assert key in values, key
+        values[key] = value
+    return SimpleNamespace(**values)
+
+
+class Replies:
+    """Fake pyfuse3.readdir_reply: records (name, st_ino, next_id); full after `limit` entries."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self.got: list[tuple[bytes, int, int]] = []
+
+    def __call__(self, token: Any, name: bytes, attrs: Any, next_id: int) -> bool:
+        if self.limit is not None and len(self.got) >= self.limit:
+            return False
+        self.got.append((name, attrs.st_ino, next_id))
+        return True
+
+    @property
+    def names(self) -> list[bytes]:
+        return [name for name, _, _ in self.got]
+
+
+class Harness:
+    """One SandboxOperations over a fresh project, with helpers to drive it."""
+
+    def __init__(self, root: Path, trust: Trust, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.monkeypatch = monkeypatch
+        root.mkdir()
+        self.project = make_project(root)
+        self.mountpoint = self.project / "mnt"
+        self.mountpoint.mkdir()
+        (self.project / ".workers" / "only1.worker").write_text("layer 1 only\n")
+        state = self.project / ".sandbox"
+        ws = state / "workspaces" / WORKSPACE_ID
+        session = ws / "sessions" / SESSION_ID
+        for sub in ("inputs", "working", "outputs"):
+            (session / sub).mkdir(parents=True)
+        (session / "working" / "notes.txt").write_text("session notes\n")
+        workspace = ws / "workspace"
+        for sub in ("cache/web", "cache/pdfs", "cache/attachments", "data"):
+            (workspace / sub).mkdir(parents=True)
+        (workspace / "data" / "table.csv").write_text("a,b\n")
+        staged = ws / "staged"
+        (staged / "c0").mkdir(parents=True)
+        (staged / "c0" / "old.txt").write_text("staged before this mount\n")
+        self.layer2 = root / "layer2"
+        self.layer2.mkdir()
+        (self.layer2 / "review.worker").write_text("layer 2 review\n")
+        (self.layer2 / "only2.worker").write_text("layer 2 only\n")
+        self.dirs = {
+            Zone.SESSION: session,
+            Zone.WORKSPACE: workspace,
+            Zone.REPO: self.project,
+            Zone.STAGED: staged,
+        }
+        pst = os.stat(self.project)
+        hidden = {
+            (pst.st_dev, pst.st_ino, b".sandbox"),
+            (pst.st_dev, pst.st_ino, os.fsencode(self.mountpoint.name)),
+        }
+        self.store = Store(self.dirs, [self.project / ".workers", self.layer2], hidden)
+        config = defaults()
+        self.policy = Policy(config.matrix(), config.deny, trust)
+        self.log_path = state / "audit.jsonl"
+        self.audit = AuditLog(self.log_path)
+        info = MountInfo(SESSION_ID, WORKSPACE_ID, str(self.project), str(self.mountpoint))
+        self.ops = SandboxOperations(
+            self.store,
+            self.policy,
+            self.audit,
+            info,
+            entry_timeout=1.0,
+            attr_timeout=1.0,
+            context_json=context_document(self.policy, info, os.getpid()),
+        )
+
+    def close(self) -> None:
+        for handle in list(self.ops._handles.values()):
+            if isinstance(handle, operations.FileHandle):
+                os.close(handle.fd)
+        self.ops._handles.clear()
+        self.store.close()
+        self.audit.close()
+
+    # ----- audit ---------------------------------------------------------------------------------
+
+    def entries(self, **match: Any) -> list[dict[str, Any]]:
+        """Audit entries (after a flush) whose fields equal every `match` value."""
+        self.audit.flush()
+        return [
+            e for e in read_entries(self.log_path) if all(e.get(k) == v for k, v in match.items())
+        ]
+
+    def one(self, **match: Any) -> dict[str, Any]:
+        found = self.entries(**match)
+        assert len(found) == 1, (match, found)
+        return found[0]
+
+    def denial(
+        self, op: str, path: str, zone: str | None, err: str, reason: str | None = None
+    ) -> dict[str, Any]:
+        """The single denial of op on path, checked for the fields every denial carries."""
+        entry = self.one(op=op, path=path, allowed=False)
+        assert entry["zone"] == zone
+        assert entry["errno"] == err
+        assert entry["pid"] == os.getpid()
+        assert entry["uid"] == CTX.uid
+        assert entry["comm"] == COMM
+        assert entry["trust"] == self.policy.trust.value
+        assert entry["session"] == SESSION_ID
+        assert entry["workspace"] == WORKSPACE_ID
+        assert entry["reason"]
+        if reason is not None:
+            assert reason in entry["reason"], entry["reason"]
+        return entry
+
+    def allowed(self, op: str, path: str, zone: str, **more: Any) -> dict[str, Any]:
+        entry = self.one(op=op, path=path, allowed=True, **more)
+        assert entry["zone"] == zone
+        assert entry["errno"] is None
+        assert entry["reason"] is None
+        assert entry["pid"] == os.getpid()
+        assert entry["comm"] == COMM
+        return entry
+
+    # ----- driving -------------------------------------------------------------------------------
+
+    async def ino(self, vpath: str) -> int:
+        """Resolve a virtual path one lookup at a time, as the kernel does."""
+        inode = ROOT_INO
+        for part in vpath.strip("/").split("/"):
+            if part:
+                attrs = await self.ops.lookup(inode, part.encode(), CTX)
+                assert attrs.st_ino != 0, f"{vpath}: {part} does not exist"
+                inode = attrs.st_ino
+        return inode
+
+    async def listdir(self, inode: int, limit: int | None = None) -> Replies:
+        fh = await self.ops.opendir(inode, CTX)
+        try:
+            return await self.readdir(fh, 0, limit)
+        finally:
+            await self.ops.releasedir(fh)
+
+    async def readdir(self, fh: int, start: int, limit: int | None = None) -> Replies:
+        replies = Replies(limit)
+        self.monkeypatch.setattr(pyfuse3, "readdir_reply", replies)  # = operations.pyfuse3
+        await self.ops.readdir(fh, start, cast(pyfuse3.ReaddirToken, object()))
+        return replies
+
+    async def read_file(self, inode: int) -> bytes:
+        fi = await self.ops.open(inode, os.O_RDONLY, CTX)
+        try:
+            return await self.ops.read(fi.fh, 0, 1 << 16)
+        finally:
+            await self.ops.release(fi.fh)
+
+    async def write_new(self, parent: int, name: bytes, data: bytes) -> int:
+        fi, attrs = await self.ops.create(parent, name, 0o644, os.O_WRONLY, CTX)
+        assert await self.ops.write(fi.fh, 0, data) == len(data)
+        await self.ops.release(fi.fh)
+        return int(attrs.st_ino)
+
+
+@pytest.fixture
+def make(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], Harness]]:
+    made: list[Harness] = []
+
+    def factory(trust: str) -> Harness:
+        harness = Harness(tmp_path / f"h{len(made)}", Trust(trust), monkeypatch)
+        made.append(harness)
+        return harness
+
+    yield factory
+    for harness in made:
+        harness.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_mounts_left_behind() -> Iterator[None]:
+    """This module mounts nothing: shadow conftest's session-wide check, which would otherwise
+    fail this module (and force-unmount them) because of other test sessions' live mounts."""
+    yield
+
+
+async def fails(call: Awaitable[Any], err: int) -> None:
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        await call
+    got = info.value.errno
+    assert got == err, f"expected {errno.errorcode[err]}, got {errno.errorcode.get(got, got)}"
+
+
+def forget(ops: SandboxOperations, inode: int, count: int) -> None:
+    # pyfuse3 calls forget without awaiting it; this handler is synchronous.
+    ops.forget([(inode, count)])
+
+
+# ===== lookup and getattr ========================================================================
+
+
+async def test_root_lookup_and_getattr(make: Callable[[str], Harness]) -> None:
+    h = make("untrusted")
+    for name in ZONE_NAMES:
+        attrs = await h.ops.lookup(ROOT_INO, name.encode(), CTX)
+        assert attrs.st_ino == ZONE_INO[Zone(name)]
+        assert stat.S_ISDIR(attrs.st_mode)
+        assert attrs.st_mode & 0o700 == 0o700  # requests reach the daemon
+    control = await h.ops.lookup(ROOT_INO, b".sandboxfs", CTX)
+    assert control.st_ino == CONTROL_INO
+    await fails(h.ops.lookup(ROOT_INO, b"etc", CTX), errno.ENOENT)
+    await fails(h.ops.lookup(CONTROL_INO, b"other.json", CTX), errno.ENOENT)
+    root = await h.ops.getattr(ROOT_INO, CTX)
+    assert stat.S_ISDIR(root.st_mode)
+    await fails(h.ops.getattr(9999, CTX), errno.ESTALE)
+    assert h.entries() == []
+
+
+async def test_lookup_and_getattr_allowed_are_not_audited(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    inode = await h.ino("/session/working/notes.txt")
+    assert inode >= FIRST_DYNAMIC_INO
+    attrs = await h.ops.getattr(inode, CTX)
+    assert attrs.st_ino == inode
+    assert attrs.st_size == len("session notes\n")
+    assert stat.S_ISREG(attrs.st_mode)
+    # The same backing file looked up again is the same inode.
+    assert await h.ino("/session/working/notes.txt") == inode
+    absent = await h.ops.lookup(await h.ino("/session/working"), b"missing.txt", CTX)
+    assert absent.st_ino == 0  # a negative entry: "does not exist", cacheable
+    assert h.entries() == []
+
+
+@pytest.mark.parametrize("trust", ["untrusted", "session"])
+async def test_repo_without_access_refuses_lookup_and_opendir(
+    make: Callable[[str], Harness], trust: str
+) -> None:
+    h = make(trust)
+    repo = await h.ino("/repo")  # zone roots always resolve
+    assert repo == ZONE_INO[Zone.REPO]
+    assert stat.S_ISDIR((await h.ops.getattr(repo, CTX)).st_mode)
+    await fails(h.ops.lookup(repo, b"README.md", CTX), errno.EACCES)
+    h.denial(
+        "read",
+        "/repo/README.md",
+        "repo",
+        "EACCES",
+        f"repo is not readable at trust level {trust}; readable zones: session, ",
+    )
+    await fails(h.ops.lookup(repo, b"no-such-file", CTX), errno.EACCES)
+    await fails(h.ops.opendir(repo, CTX), errno.EACCES)
+    h.denial("list", "/repo", "repo", "EACCES", f"repo is not listable at trust level {trust}")
+
+
+async def test_untrusted_workspace_zone_refuses_lookup(make: Callable[[str], Harness]) -> None:
+    h = make("untrusted")
+    await fails(h.ops.lookup(ZONE_INO[Zone.WORKSPACE], b"data", CTX), errno.EACCES)
+    h.denial("read", "/workspace/data", "workspace", "EACCES", "readable zones: session, workers")
+
+
+# ===== setattr ===================================================================================
+
+
+async def test_setattr_size_mode_and_times(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    inode = await h.ino("/session/working/notes.txt")
+    backing = h.dirs[Zone.SESSION] / "working" / "notes.txt"
+
+    attr = pyfuse3.EntryAttributes()
+    attr.st_size = 7
+    result = await h.ops.setattr(inode, attr, fields(update_size=True), None, CTX)
+    assert result.st_size == 7
+    assert backing.read_bytes() == b"session"
+
+    attr = pyfuse3.EntryAttributes()
+    attr.st_mode = stat.S_IFREG | 0o6751
+    result = await h.ops.setattr(inode, attr, fields(update_mode=True), None, CTX)
+    assert stat.S_IMODE(result.st_mode) == 0o751  # set-uid and set-gid never stored
+    assert stat.S_IMODE(backing.stat().st_mode) == 0o751
+
+    attr = pyfuse3.EntryAttributes()
+    attr.st_atime_ns = 1_000_000_000_123
+    attr.st_mtime_ns = 2_000_000_000_456
+    flags = fields(update_atime=True, update_mtime=True)
+    result = await h.ops.setattr(inode, attr, flags, None, CTX)
+    st = backing.stat()
+    assert (st.st_atime_ns, st.st_mtime_ns) == (1_000_000_000_123, 2_000_000_000_456)
+    assert result.st_mtime_ns == 2_000_000_000_456
+
+    path = "/session/working/notes.txt"
+    details = [e["detail"] for e in h.entries(op="write", path=path, allowed=True)]
+    assert details == ["setattr size=7", "setattr mode=751", "setattr times"]
+    h.allowed("write", path, "session", detail="setattr times")
+
+
+async def test_setattr_size_through_open_handle(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    inode = await h.ino("/session/working/notes.txt")
+    fi = await h.ops.open(inode, os.O_WRONLY, CTX)
+    attr = pyfuse3.EntryAttributes()
+    attr.st_size = 0
+    result = await h.ops.setattr(inode, attr, fields(update_size=True), fi.fh, CTX)
+    assert result.st_size == 0
+    await h.ops.release(fi.fh)
+    assert (h.dirs[Zone.SESSION] / "working" / "notes.txt").read_bytes() == b""
+
+
+async def test_setattr_refused(make: Callable[[str], Harness]) -> None:
+    h = make("workspace")
+    readme = await h.ino("/repo/README.md")
+    attr = pyfuse3.EntryAttributes()
+    attr.st_size = 0
+    await fails(h.ops.setattr(readme, attr, fields(update_size=True), None, CTX), errno.EROFS)
+    h.denial("write", "/repo/README.md", "repo", "EROFS", "repo is not writable")
+    assert (h.project / "README.md").read_text() == "# demo project\n"
+
+    attr = pyfuse3.EntryAttributes()
+    attr.st_mode = stat.S_IFDIR | 0o700
+    session = ZONE_INO[Zone.SESSION]
+    await fails(h.ops.setattr(session, attr, fields(update_mode=True), None, CTX), errno.EACCES)
+    h.denial("write", "/session", "session", "EACCES", ZONE_ROOT_REASON)
+    await fails(h.ops.setattr(ROOT_INO, attr, fields(update_mode=True), None, CTX), errno.EACCES)
+    h.denial("write", "/", None, "EACCES", ZONE_ROOT_REASON)
+    await fails(h.ops.setattr(CONTEXT_INO, attr, fields(update_mode=True), None, CTX), errno.EACCES)
+    h.denial("write", "/.sandboxfs/context.json", None, "EACCES", "read-only at every trust level")
+
+
+# ===== readlink and symlink =======================================================================
+
+
+async def test_symlink_and_readlink(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    working = await h.ino("/session/working")
+    target = b"../../../../etc/passwd"
+    attrs = await h.ops.symlink(working, b"link", target, CTX)
+    assert stat.S_ISLNK(attrs.st_mode)
+    assert await h.ops.readlink(attrs.st_ino, CTX) == target  # unchanged, never resolved
+    assert os.readlink(h.dirs[Zone.SESSION] / "working" / "link") == target.decode()
+    h.allowed("write", "/session/working/link", "session", detail="symlink")
+    notes = await h.ino("/session/working/notes.txt")
+    await fails(h.ops.readlink(notes, CTX), errno.EINVAL)  # backing error passes through
+
+
+async def test_symlink_refused_in_read_only_zone(make: Callable[[str], Harness]) -> None:
+    h = make("workspace")
+    await fails(h.ops.symlink(ZONE_INO[Zone.REPO], b"l", b"README.md", CTX), errno.EROFS)
+    h.denial("write", "/repo/l", "repo", "EROFS", "repo is not writable")
+    assert not (h.project / "l").is_symlink()
+
+
+# ===== directories ==============================================================================
+
+
+async def test_readdir_root(make: Callable[[str], Harness]) -> None:
+    h = make("untrusted")
+    replies = await h.listdir(ROOT_INO)
+    names = [b".", b"..", *(z.encode() for z in ZONE_NAMES), b".sandboxfs"]
+    assert replies.names == names
+    assert [next_id for _, _, next_id in replies.got] == list(range(1, len(names) + 1))
+    inos = dict((name, ino) for name, ino, _ in replies.got)
+    assert inos[b"repo"] == ZONE_INO[Zone.REPO]
+    assert inos[b".sandboxfs"] == CONTROL_INO
+    assert (await h.listdir(CONTROL_INO)).names == [b".", b"..", b"context.json"]
+    assert h.entries() == []  # / and /.sandboxfs are not zones: nothing to audit
+
+
+async def test_readdir_zone_audits_once_per_open(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    working = await h.ino("/session/working")
+    for name in (b"a", b"b", b"c"):
+        await h.write_new(working, name, b"x")
+    fh = await h.ops.opendir(working, CTX)
+    first = await h.readdir(fh, 0, limit=3)
+    assert first.names == [b".", b"..", b"a"]
+    rest = await h.readdir(fh, first.got[-1][2])
+    assert rest.names == [b"b", b"c", b"notes.txt"]
+    assert [i for _, _, i in first.got + rest.got] == [1, 2, 3, 4, 5, 6]
+    await h.ops.releasedir(fh)
+    h.allowed("list", "/session/working", "session")
+
+
+async def test_readdir_counts_lookups_only_for_entries_that_fit(
+    make: Callable[[str], Harness],
+) -> None:
+    h = make("session")
+    working = await h.ino("/session/working")
+    for name in (b"a", b"b"):
+        await h.write_new(working, name, b"x")
+    # Forget what create counted, so only readdir's counting is left.
+    for name in (b"a", b"b"):
+        ino = (await h.ops.lookup(working, name, CTX)).st_ino
+        forget(h.ops, ino, h.store.nodes[ino].lookups)
+        assert ino not in h.store.nodes
+
+    fh = await h.ops.opendir(working, CTX)
+    first = await h.readdir(fh, 0, limit=3)  # ".", "..", "a"; "b" does not fit
+    ino_a = dict((n, i) for n, i, _ in first.got)[b"a"]
+    assert h.store.nodes[ino_a].lookups == 1
+    not_sent = [n for n in h.store.nodes.values() if n.name == b"b" and n.parent is not None]
+    assert all(node.lookups == 0 for node in not_sent)
+
+    rest = await h.readdir(fh, first.got[-1][2])
+    await h.ops.releasedir(fh)
+    ino_b = dict((n, i) for n, i, _ in rest.got)[b"b"]
+    assert h.store.nodes[ino_b].lookups == 1
+    assert h.store.nodes[ino_a].lookups == 1
+    forget(h.ops, ino_b, 1)
+    assert ino_b not in h.store.nodes
+
+
+async def test_readdir_root_counts_only_zones_that_fit(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    repo = h.store.zone_roots[Zone.REPO]
+    before = repo.lookups
+    replies = await h.listdir(ROOT_INO, limit=4)  # ".", "..", "session", "workspace"
+    assert replies.names[-1] == b"workspace"
+    assert repo.lookups == before
+    assert h.store.zone_roots[Zone.WORKSPACE].lookups == before + 1
+
+
+async def test_opendir_of_a_file_is_enotdir(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    notes = await h.ino("/session/working/notes.txt")
+    await fails(h.ops.opendir(notes, CTX), errno.ENOTDIR)
+
+
+async def test_readdir_omits_deny_listed_and_state_entries(make: Callable[[str], Harness]) -> None:
+    h = make("full")
+    names = (await h.listdir(ZONE_INO[Zone.REPO])).names
+    for hidden in (b".env", b"server.pem", b".ssh", b".sandbox", b"mnt"):
+        assert hidden not in names
+    for shown in (b"README.md", b"src", b".workers"):
+        assert shown in names
+    h.allowed("list", "/repo", "repo")
+
+
+# ===== open, read, write, release ===============================================================
+
+
+async def test_open_read_audits_one_entry_per_open(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    inode = await h.ino("/session/working/notes.txt")
+    fi = await h.ops.open(inode, os.O_RDONLY, CTX)
+    assert await h.ops.read(fi.fh, 0, 7) == b"session"
+    assert await h.ops.read(fi.fh, 8, 100) == b"notes\n"
+    await fails(h.ops.write(fi.fh, 0, b"no"), errno.EBADF)
+    await h.ops.release(fi.fh)
+    entry = h.allowed("read", "/session/working/notes.txt", "session")
+    assert entry["bytes"] is None
+    assert entry["uid"] == CTX.uid
+    assert entry["trust"] == "session"
+    assert h.entries(op="write") == []
+
+
+async def test_open_write_audits_bytes_summed_at_release(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    inode = await h.ino("/session/working/notes.txt")
+    fi = await h.ops.open(inode, os.O_WRONLY, CTX)
+    assert await h.ops.write(fi.fh, 0, b"SESS") == 4
+    assert await h.ops.write(fi.fh, 4, b"ION") == 3
+    assert h.entries(op="write") == []  # written at release, not per write call
+    await h.ops.release(fi.fh)
+    entry = h.allowed("write", "/session/working/notes.txt", "session")
+    assert entry["bytes"] == 7
+    assert h.entries(op="read") == []
+    assert (h.dirs[Zone.SESSION] / "working" / "notes.txt").read_text() == "SESSION notes\n"
+
+
+async def test_open_rdwr_and_trunc(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    inode = await h.ino("/session/working/notes.txt")
+    fi = await h.ops.open(inode, os.O_RDWR, CTX)
+    assert await h.ops.read(fi.fh, 0, 7) == b"session"
+    await h.ops.write(fi.fh, 0, b"S")
+    await h.ops.release(fi.fh)
+    assert h.one(op="write", allowed=True)["bytes"] == 1
+
+    fi = await h.ops.open(inode, os.O_WRONLY | os.O_TRUNC, CTX)
+    await h.ops.release(fi.fh)
+    assert (h.dirs[Zone.SESSION] / "working" / "notes.txt").read_bytes() == b""
+    assert [e["bytes"] for e in h.entries(op="write", allowed=True)] == [1, 0]
+
+
+async def test_repo_at_workspace_is_read_only(make: Callable[[str], Harness]) -> None:
+    h = make("workspace")
+    readme = await h.ino("/repo/README.md")
+    assert await h.read_file(readme) == b"# demo project\n"
+    h.allowed("read", "/repo/README.md", "repo")
+
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC):
+        await fails(h.ops.open(readme, flags, CTX), errno.EROFS)
+    denied = h.entries(op="write", path="/repo/README.md", allowed=False)
+    assert len(denied) == 3
+    assert all(e["errno"] == "EROFS" for e in denied)
+    assert "writable zones: session, workspace, staged" in denied[0]["reason"]
+
+    await fails(h.ops.unlink(ZONE_INO[Zone.REPO], b"README.md", CTX), errno.EROFS)
+    h.denial("delete", "/repo/README.md", "repo", "EROFS", "repo is not deletable")
+    await fails(h.ops.rmdir(ZONE_INO[Zone.REPO], b"src", CTX), errno.EROFS)
+    h.denial("delete", "/repo/src", "repo", "EROFS")
+    await fails(h.ops.create(ZONE_INO[Zone.REPO], b"new.txt", 0o644, os.O_WRONLY, CTX), errno.EROFS)
+    h.denial("write", "/repo/new.txt", "repo", "EROFS")
+    await fails(h.ops.mkdir(ZONE_INO[Zone.REPO], b"newdir", 0o755, CTX), errno.EROFS)
+    repo = ZONE_INO[Zone.REPO]
+    await fails(h.ops.rename(repo, b"README.md", repo, b"R.md", 0, CTX), errno.EROFS)
+    h.denial("rename", "/repo/README.md", "repo", "EROFS")
+    await fails(h.ops.link(readme, repo, b"R2.md", CTX), errno.EROFS)
+    assert sorted(os.listdir(h.project)) == sorted(
+        [".env", ".sandbox", ".ssh", ".workers", "README.md", "mnt", "server.pem", "src"]
+    )
+    assert (h.project / "README.md").read_text() == "# demo project\n"
+
+
+async def test_open_directory_is_eisdir(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    await fails(h.ops.open(await h.ino("/session/working"), os.O_RDONLY, CTX), errno.EISDIR)
+    await fails(h.ops.open(ROOT_INO, os.O_RDONLY, CTX), errno.EISDIR)
+
+
+# ===== creating entries ==========================================================================
+
+
+async def test_create_write_release(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    working = await h.ino("/session/working")
+    fi, attrs = await h.ops.create(working, b"new.txt", 0o6755, os.O_WRONLY, CTX)
+    assert stat.S_ISREG(attrs.st_mode)
+    assert not attrs.st_mode & (stat.S_ISUID | stat.S_ISGID)
+    await h.ops.write(fi.fh, 0, b"hello ")
+    await h.ops.write(fi.fh, 6, b"world")
+    await h.ops.release(fi.fh)
+    backing = h.dirs[Zone.SESSION] / "working" / "new.txt"
+    assert backing.read_bytes() == b"hello world"
+    assert not backing.stat().st_mode & (stat.S_ISUID | stat.S_ISGID)
+    entry = h.allowed("write", "/session/working/new.txt", "session", detail="create")
+    assert entry["bytes"] == 11
+    assert (await h.ops.lookup(working, b"new.txt", CTX)).st_ino == attrs.st_ino
+
+
+async def test_mkdir_and_mknod(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    working = await h.ino("/session/working")
+    d = await h.ops.mkdir(working, b"sub", 0o6755, CTX)
+    assert stat.S_ISDIR(d.st_mode)
+    assert not (h.dirs[Zone.SESSION] / "working" / "sub").stat().st_mode & stat.S_ISUID
+    h.allowed("write", "/session/working/sub", "session", detail="mkdir")
+    await fails(h.ops.mkdir(working, b"sub", 0o755, CTX), errno.EEXIST)
+
+    reg = await h.ops.mknod(working, b"plain", stat.S_IFREG | 0o644, 0, CTX)
+    assert stat.S_ISREG(reg.st_mode)
+    fifo = await h.ops.mknod(working, b"pipe", stat.S_IFIFO | 0o644, 0, CTX)
+    assert stat.S_ISFIFO(fifo.st_mode)
+    assert stat.S_ISFIFO((h.dirs[Zone.SESSION] / "working" / "pipe").lstat().st_mode)
+    assert len(h.entries(op="write", detail="mknod", allowed=True)) == 2
+
+    for kind in (stat.S_IFCHR, stat.S_IFBLK):
+        await fails(h.ops.mknod(working, b"dev", kind | 0o644, os.makedev(1, 3), CTX), errno.EPERM)
+    assert not (h.dirs[Zone.SESSION] / "working" / "dev").exists()
+    denied = h.entries(op="write", path="/session/working/dev", allowed=False)
+    assert len(denied) == 2
+    assert all(e["errno"] == "EPERM" and "device nodes" in e["reason"] for e in denied)
+
+
+async def test_nothing_can_be_created_at_root_or_in_control_dir(
+    make: Callable[[str], Harness],
+) -> None:
+    h = make("full")
+    await fails(h.ops.create(ROOT_INO, b"x.txt", 0o644, os.O_WRONLY, CTX), errno.EACCES)
+    h.denial(
+        "write",
+        "/x.txt",
+        None,
+        "EACCES",
+        "nothing can be created at /; create inside one of the zones: "
+        "session, workspace, repo, staged, workers",
+    )
+    await fails(h.ops.mkdir(ROOT_INO, b"newzone", 0o755, CTX), errno.EACCES)
+    h.denial("write", "/newzone", None, "EACCES", "nothing can be created at /")
+    await fails(h.ops.symlink(ROOT_INO, b"l", b"session", CTX), errno.EACCES)
+    await fails(h.ops.mknod(ROOT_INO, b"p", stat.S_IFIFO | 0o644, 0, CTX), errno.EACCES)
+    await fails(h.ops.create(CONTROL_INO, b"y", 0o644, os.O_WRONLY, CTX), errno.EACCES)
+    h.denial("write", "/.sandboxfs/y", None, "EACCES", "read-only at every trust level")
+
+
+# ===== link ======================================================================================
+
+
+async def test_link_same_zone(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    notes = await h.ino("/session/working/notes.txt")
+    outputs = await h.ino("/session/outputs")
+    attrs = await h.ops.link(notes, outputs, b"copy.txt", CTX)
+    assert attrs.st_ino == notes  # one inode for both names
+    assert attrs.st_nlink == 2
+    assert (h.dirs[Zone.SESSION] / "outputs" / "copy.txt").read_text() == "session notes\n"
+    entry = h.one(op="link", allowed=True)
+    assert entry["dest"] == "/session/outputs/copy.txt"
+    assert entry["zone"] == "session"
+    assert entry["comm"] == COMM
+    # Both names now reach the same content.
+    assert await h.read_file(await h.ino("/session/outputs/copy.txt")) == b"session notes\n"
+
+
+async def test_link_audit_entry_names_source_and_dest(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    notes = await h.ino("/session/working/notes.txt")
+    outputs = await h.ino("/session/outputs")
+    await h.ops.link(notes, outputs, b"copy.txt", CTX)
+    entry = h.allowed("link", "/session/working/notes.txt", "session")
+    assert entry["dest"] == "/session/outputs/copy.txt"
+
+
+async def test_link_across_zones_is_exdev(make: Callable[[str], Harness]) -> None:
+    h = make("full")
+    notes = await h.ino("/session/working/notes.txt")
+    data = await h.ino("/workspace/data")
+    await fails(h.ops.link(notes, data, b"notes.txt", CTX), errno.EXDEV)
+    entry = h.denial("link", "/session/working/notes.txt", "session", "EXDEV", "cannot cross zones")
+    assert entry["dest"] == "/workspace/data/notes.txt"
+    assert not (h.dirs[Zone.WORKSPACE] / "data" / "notes.txt").exists()
+
+
+async def test_unlinking_one_hard_link_keeps_the_other_usable(
+    make: Callable[[str], Harness],
+) -> None:
+    h = make("session")
+    notes = await h.ino("/session/working/notes.txt")
+    working = await h.ino("/session/working")
+    await h.ops.link(notes, working, b"second.txt", CTX)
+    await h.ops.unlink(working, b"second.txt", CTX)
+    # notes.txt still exists, and the kernel still holds its inode.
+    attrs = await h.ops.getattr(notes, CTX)
+    assert attrs.st_nlink == 1
+    assert await h.read_file(notes) == b"session notes\n"
+
+
+async def test_release_after_unlink_audits_the_files_path(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    working = await h.ino("/session/working")
+    fi, attrs = await h.ops.create(working, b"tmp.txt", 0o644, os.O_WRONLY, CTX)
+    await h.ops.write(fi.fh, 0, b"abc")
+    await h.ops.unlink(working, b"tmp.txt", CTX)
+    assert (await h.ops.getattr(attrs.st_ino, CTX)).st_size == 3  # still usable while open
+    await h.ops.release(fi.fh)
+    entry = h.one(op="write", allowed=True)
+    assert entry["bytes"] == 3
+    assert entry["path"] == "/session/working/tmp.txt"
+
+
+# ===== unlink and rmdir ===========================================================================
+
+
+async def test_unlink_and_rmdir(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    working = await h.ino("/session/working")
+    notes = await h.ino("/session/working/notes.txt")
+    await h.ops.unlink(working, b"notes.txt", CTX)
+    assert not (h.dirs[Zone.SESSION] / "working" / "notes.txt").exists()
+    entry = h.allowed("delete", "/session/working/notes.txt", "session")
+    assert entry.get("detail") is None
+    await fails(h.ops.getattr(notes, CTX), errno.ENOENT)  # the kernel's inode is gone too
+
+    await h.ops.mkdir(working, b"empty", 0o755, CTX)
+    await h.ops.rmdir(working, b"empty", CTX)
+    h.allowed("delete", "/session/working/empty", "session", detail="rmdir")
+    assert not (h.dirs[Zone.SESSION] / "working" / "empty").exists()
+
+
+async def test_backing_errors_pass_through_unaudited(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    working = await h.ino("/session/working")
+    session = ZONE_INO[Zone.SESSION]
+    await fails(h.ops.unlink(working, b"missing.txt", CTX), errno.ENOENT)
+    await fails(h.ops.rmdir(session, b"working", CTX), errno.ENOTEMPTY)
+    await fails(h.ops.rmdir(working, b"notes.txt", CTX), errno.ENOTDIR)
+    await fails(h.ops.unlink(session, b"inputs", CTX), errno.EISDIR)
+    assert (h.dirs[Zone.SESSION] / "working" / "notes.txt").exists()
+    assert h.entries() == []  # not denials, and nothing was done
+
+
+async def test_zone_roots_cannot_be_removed_or_renamed(make: Callable[[str], Harness]) -> None:
+    h = make("full")
+    await fails(h.ops.rmdir(ROOT_INO, b"session", CTX), errno.EACCES)
+    h.denial("delete", "/session", None, "EACCES", ZONE_ROOT_REASON)
+    await fails(h.ops.unlink(ROOT_INO, b"repo", CTX), errno.EACCES)
+    await fails(h.ops.rename(ROOT_INO, b"repo", ROOT_INO, b"old-repo", 0, CTX), errno.EACCES)
+    entry = h.denial("rename", "/repo", None, "EACCES", ZONE_ROOT_REASON)
+    assert entry["dest"] == "/old-repo"
+    working = await h.ino("/session/working")
+    await fails(h.ops.rename(ROOT_INO, b"staged", working, b"s", 0, CTX), errno.EACCES)
+    await fails(h.ops.rename(working, b"notes.txt", ROOT_INO, b"n.txt", 0, CTX), errno.EACCES)
+    h.denial("rename", "/session/working/notes.txt", "session", "EACCES", "nothing can be created")
+    await fails(h.ops.rmdir(CONTROL_INO, b"context.json", CTX), errno.EACCES)
+    for zone_dir in h.dirs.values():
+        assert zone_dir.is_dir()
+    assert (h.dirs[Zone.SESSION] / "working" / "notes.txt").exists()
+
+
+# ===== rename ====================================================================================
+
+
+async def test_rename_same_zone_moves_cached_nodes(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    session = ZONE_INO[Zone.SESSION]
+    notes = await h.ino("/session/working/notes.txt")
+    await h.ops.rename(session, b"working", session, b"done", 0, CTX)
+    entry = h.allowed("rename", "/session/working", "session")
+    assert entry["dest"] == "/session/done"
+    assert h.store.nodes[notes].vpath() == "/session/done/notes.txt"
+    assert await h.read_file(notes) == b"session notes\n"
+    h.allowed("read", "/session/done/notes.txt", "session")
+
+
+async def test_rename_across_zones_is_exdev(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    working = await h.ino("/session/working")
+    data = await h.ino("/workspace/data")
+    await fails(h.ops.rename(working, b"notes.txt", data, b"notes.txt", 0, CTX), errno.EXDEV)
+    entry = h.denial(
+        "rename", "/session/working/notes.txt", "session", "EXDEV", "session -> workspace"
+    )
+    assert entry["dest"] == "/workspace/data/notes.txt"
+    assert (h.dirs[Zone.SESSION] / "working" / "notes.txt").exists()
+
+
+async def test_rename_noreplace_and_exchange(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    working = await h.ino("/session/working")
+    a = await h.write_new(working, b"a", b"AAA")
+    b = await h.write_new(working, b"b", b"BBB")
+    backing = h.dirs[Zone.SESSION] / "working"
+
+    noreplace = pyfuse3.RENAME_NOREPLACE
+    await fails(h.ops.rename(working, b"a", working, b"b", noreplace, CTX), errno.EEXIST)
+    assert (backing / "a").read_bytes() == b"AAA"
+    assert (backing / "b").read_bytes() == b"BBB"
+    assert h.entries(op="rename") == []
+
+    await h.ops.rename(working, b"a", working, b"b", pyfuse3.RENAME_EXCHANGE, CTX)
+    assert (backing / "a").read_bytes() == b"BBB"
+    assert (backing / "b").read_bytes() == b"AAA"
+    assert h.store.nodes[a].vpath() == "/session/working/b"
+    assert h.store.nodes[b].vpath() == "/session/working/a"
+    assert await h.read_file(a) == b"AAA"
+    entry = h.allowed("rename", "/session/working/a", "session")
+    assert entry["dest"] == "/session/working/b"
+
+
+async def test_rename_replacing_a_file(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    working = await h.ino("/session/working")
+    a = await h.write_new(working, b"a", b"AAA")
+    b = await h.write_new(working, b"b", b"BBB")
+    await h.ops.rename(working, b"a", working, b"b", 0, CTX)
+    assert (h.dirs[Zone.SESSION] / "working" / "b").read_bytes() == b"AAA"
+    assert not (h.dirs[Zone.SESSION] / "working" / "a").exists()
+    assert await h.read_file(a) == b"AAA"
+    assert h.store.nodes[a].vpath() == "/session/working/b"
+    await fails(h.ops.getattr(b, CTX), errno.ENOENT)  # replaced: no backing name any more
+
+
+# ===== extended attributes =======================================================================
+
+
+async def test_user_xattrs(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    notes = await h.ino("/session/working/notes.txt")
+    path = "/session/working/notes.txt"
+    await h.ops.setxattr(notes, b"user.origin", b"web", CTX)
+    h.allowed("write", path, "session", detail="setxattr user.origin")
+    backing = h.dirs[Zone.SESSION] / "working" / "notes.txt"
+    assert os.getxattr(backing, "user.origin") == b"web"
+    assert await h.ops.getxattr(notes, b"user.origin", CTX) == b"web"
+    assert b"user.origin" in await h.ops.listxattr(notes, CTX)
+    await fails(h.ops.getxattr(notes, b"user.missing", CTX), pyfuse3.ENOATTR)
+    await h.ops.removexattr(notes, b"user.origin", CTX)
+    h.allowed("write", path, "session", detail="removexattr user.origin")
+    assert b"user.origin" not in await h.ops.listxattr(notes, CTX)
+    await fails(h.ops.removexattr(notes, b"user.origin", CTX), pyfuse3.ENOATTR)
+    # A directory carries them too.
+    working = await h.ino("/session/working")
+    await h.ops.setxattr(working, b"user.tag", b"1", CTX)
+    assert await h.ops.getxattr(working, b"user.tag", CTX) == b"1"
+
+
+async def test_non_user_xattrs_are_refused(make: Callable[[str], Harness]) -> None:
+    h = make("full")
+    notes = await h.ino("/session/working/notes.txt")
+    path = "/session/working/notes.txt"
+    await fails(h.ops.setxattr(notes, b"security.capability", b"\0", CTX), errno.EPERM)
+    h.denial("write", path, "session", "EPERM", "only user.* extended attributes")
+    await fails(h.ops.setxattr(notes, b"trusted.x", b"1", CTX), errno.EPERM)
+    await fails(h.ops.removexattr(notes, b"security.selinux", CTX), errno.EPERM)
+    for name in (b"system.posix_acl_access", b"system.posix_acl_default"):
+        await fails(h.ops.setxattr(notes, name, b"\2\0\0\0", CTX), errno.EOPNOTSUPP)
+        await fails(h.ops.removexattr(notes, name, CTX), errno.EOPNOTSUPP)
+    await fails(
+        h.ops.setxattr(ZONE_INO[Zone.SESSION], b"user.x", b"1", CTX), errno.EACCES
+    )  # a zone root cannot be changed
+    h.denial("write", "/session", "session", "EACCES", ZONE_ROOT_REASON)
+    assert h.entries(allowed=True) == []
+
+
+async def test_xattrs_refused_by_policy(make: Callable[[str], Harness]) -> None:
+    h = make("workspace")
+    readme = await h.ino("/repo/README.md")
+    os.setxattr(h.project / "README.md", "user.kept", b"v")
+    assert await h.ops.getxattr(readme, b"user.kept", CTX) == b"v"  # read is allowed
+    await fails(h.ops.setxattr(readme, b"user.x", b"1", CTX), errno.EROFS)
+    h.denial("write", "/repo/README.md", "repo", "EROFS")
+    await fails(h.ops.removexattr(readme, b"user.kept", CTX), errno.EROFS)
+    assert os.getxattr(h.project / "README.md", "user.kept") == b"v"
+
+
+# ===== statfs and forget ========================================================================
+
+
+async def test_statfs(make: Callable[[str], Harness]) -> None:
+    h = make("untrusted")
+    data = await h.ops.statfs(CTX)
+    assert data.f_namemax == 255
+    assert data.f_bsize > 0
+    assert data.f_blocks > 0
+    assert h.entries() == []
+
+
+async def test_forget_drops_node_when_count_reaches_zero(make: Callable[[str], Harness]) -> None:
+    h = make("session")
+    working = await h.ino("/session/working")
+    first = await h.ops.lookup(working, b"notes.txt", CTX)
+    second = await h.ops.lookup(working, b"notes.txt", CTX)
+    inode = first.st_ino
+    assert second.st_ino == inode
+    assert h.store.nodes[inode].lookups == 2
+    forget(h.ops, inode, 1)
+    assert inode in h.store.nodes
+    assert (await h.ops.getattr(inode, CTX)).st_ino == inode
+    forget(h.ops, inode, 1)
+    assert inode not in h.store.nodes
+    await fails(h.ops.getattr(inode, CTX), errno.ESTALE)
+    # Virtual nodes are never dropped; unknown inodes are ignored.
+    forget(h.ops, ZONE_INO[Zone.SESSION], 100)
+    forget(h.ops, 123456, 1)
+    assert ZONE_INO[Zone.SESSION] in h.store.nodes
+    again = await h.ops.lookup(working, b"notes.txt", CTX)
+    assert again.st_ino != inode  # a fresh node
+    assert h.store.nodes[again.st_ino].lookups == 1
+
+
+# ===== create-only /staged at untrusted ==========================================================
+
+
+async def test_staged_create_only_at_untrusted(make: Callable[[str], Harness]) -> None:
+    h = make("untrusted")
+    staged = ZONE_INO[Zone.STAGED]
+    backing = h.dirs[Zone.STAGED]
+
+    c0 = await h.ino("/staged/c0")  # existing directories resolve
+    await fails(h.ops.lookup(c0, b"old.txt", CTX), errno.EACCES)
+    h.denial("read", "/staged/c0/old.txt", "staged", "EACCES", "staged is create-only")
+    assert (await h.ops.lookup(c0, b"absent.txt", CTX)).st_ino == 0
+    await fails(h.ops.opendir(staged, CTX), errno.EACCES)
+    h.denial("list", "/staged", "staged", "EACCES", "create-only")
+    await fails(h.ops.opendir(c0, CTX), errno.EACCES)
+    await fails(h.ops.unlink(c0, b"old.txt", CTX), errno.EACCES)
+    h.denial("delete", "/staged/c0/old.txt", "staged", "EACCES", "create-only")
+    await fails(h.ops.rmdir(staged, b"c0", CTX), errno.EACCES)
+    await fails(h.ops.rename(c0, b"old.txt", c0, b"new.txt", 0, CTX), errno.EACCES)
+    h.denial("rename", "/staged/c0/old.txt", "staged", "EACCES")
+    assert (backing / "c0" / "old.txt").read_text() == "staged before this mount\n"
+
+    c1 = (await h.ops.mkdir(staged, b"c1", 0o755, CTX)).st_ino
+    h.allowed("write", "/staged/c1", "staged", detail="mkdir")
+    fi, attrs = await h.ops.create(c1, b"f.txt", 0o644, os.O_WRONLY, CTX)
+    assert await h.ops.write(fi.fh, 0, b"proposed") == 8
+    await h.ops.release(fi.fh)
+    assert (backing / "c1" / "f.txt").read_bytes() == b"proposed"
+    entry = h.allowed("write", "/staged/c1/f.txt", "staged", detail="create")
+    assert entry["bytes"] == 8
+
+    # The file it made resolves for this mount, but cannot be reopened, read or deleted.
+    assert (await h.ops.lookup(c1, b"f.txt", CTX)).st_ino == attrs.st_ino
+    for flags in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR, os.O_WRONLY | os.O_TRUNC):
+        await fails(h.ops.open(attrs.st_ino, flags, CTX), errno.EACCES)
+    assert len(h.entries(path="/staged/c1/f.txt", allowed=False)) == 4
+    await fails(h.ops.getxattr(attrs.st_ino, b"user.x", CTX), errno.EACCES)
+    await fails(h.ops.listxattr(attrs.st_ino, CTX), errno.EACCES)
+    await fails(h.ops.unlink(c1, b"f.txt", CTX), errno.EACCES)
+    await fails(h.ops.create(c1, b"f.txt", 0o644, os.O_WRONLY, CTX), errno.EEXIST)
+    assert (backing / "c1" / "f.txt").read_bytes() == b"proposed"
+    await fails(h.ops.link(attrs.st_ino, c1, b"g.txt", CTX), errno.EACCES)
+
+    # New entries inside a directory that existed before: allowed.
+    nested = await h.ops.mkdir(c0, b"more", 0o755, CTX)
+    await h.write_new(nested.st_ino, b"n.txt", b"n")
+    assert (backing / "c0" / "more" / "n.txt").read_bytes() == b"n"
+    link = await h.ops.symlink(c1, b"l", b"f.txt", CTX)
+    await fails(h.ops.readlink(link.st_ino, CTX), errno.EACCES)
+    fifo = await h.ops.mknod(c1, b"p", stat.S_IFIFO | 0o644, 0, CTX)
+    assert stat.S_ISFIFO(fifo.st_mode)
+
+
+async def test_staged_create_only_truncate_through_creating_handle(
+    make: Callable[[str], Harness],
+) -> None:
+    h = make("untrusted")
+    fi, attrs = await h.ops.create(ZONE_INO[Zone.STAGED], b"f.txt", 0o644, os.O_WRONLY, CTX)
+    await h.ops.write(fi.fh, 0, b"first draft")
+    attr = pyfuse3.EntryAttributes()
+    attr.st_size = 5
+    flags = fields(update_size=True)
+    assert (await h.ops.setattr(attrs.st_ino, attr, flags, fi.fh, CTX)).st_size == 5
+    await h.ops.release(fi.fh)
+    assert (h.dirs[Zone.STAGED] / "f.txt").read_bytes() == b"first"
+
+
+async def test_staged_create_only_no_truncate_after_release(
+    make: Callable[[str], Harness],
+) -> None:
+    h = make("untrusted")
+    inode = await h.write_new(ZONE_INO[Zone.STAGED], b"f.txt", b"proposed")
+    attr = pyfuse3.EntryAttributes()
+    attr.st_size = 0
+    # Reopening with O_TRUNC is refused; truncating by path must be too (SPEC §3).
+    await fails(h.ops.open(inode, os.O_WRONLY | os.O_TRUNC, CTX), errno.EACCES)
+    await fails(h.ops.setattr(inode, attr, fields(update_size=True), None, CTX), errno.EACCES)
+    assert (h.dirs[Zone.STAGED] / "f.txt").read_bytes() == b"proposed"
+
+
+# ===== deny list and state dir ==================================================================
+
+
+async def test_deny_list_at_full(make: Callable[[str], Harness]) -> None:
+    h = make("full")
+    repo = ZONE_INO[Zone.REPO]
+    await fails(h.ops.lookup(repo, b".env", CTX), errno.EACCES)
+    h.denial("read", "/repo/.env", "repo", "EACCES", "matches the deny pattern '.env'; deny-listed")
+    await fails(h.ops.lookup(repo, b"server.pem", CTX), errno.EACCES)
+    h.denial("read", "/repo/server.pem", "repo", "EACCES", "'*.pem'")
+    await fails(h.ops.lookup(repo, b".ssh", CTX), errno.EACCES)
+    h.denial("read", "/repo/.ssh", "repo", "EACCES", "'.ssh/'")
+    await fails(h.ops.lookup(repo, b".env.local", CTX), errno.EACCES)  # absent, still refused
+
+    await fails(h.ops.create(repo, b".env", 0o600, os.O_WRONLY | os.O_TRUNC, CTX), errno.EACCES)
+    h.denial("write", "/repo/.env", "repo", "EACCES", "'.env'")
+    assert (h.project / ".env").read_text() == "API_KEY=secret\n"
+    working = await h.ino("/session/working")
+    await fails(h.ops.create(working, b"deploy.key", 0o600, os.O_WRONLY, CTX), errno.EACCES)
+    await fails(h.ops.mkdir(working, b".aws", 0o700, CTX), errno.EACCES)
+    notes = await h.ino("/session/working/notes.txt")
+    await fails(h.ops.rename(working, b"notes.txt", working, b"id_rsa", 0, CTX), errno.EACCES)
+    await fails(h.ops.link(notes, working, b"x.pem", CTX), errno.EACCES)
+    await fails(h.ops.unlink(repo, b".env", CTX), errno.EACCES)
+    await fails(h.ops.rename(repo, b".env", repo, b"env.txt", 0, CTX), errno.EACCES)
+    assert (h.project / ".env").exists()
+    assert not (h.dirs[Zone.SESSION] / "working" / "deploy.key").exists()
+
+
+async def test_state_dir_and_mountpoint_are_invisible_in_repo(
+    make: Callable[[str], Harness],
+) -> None:
+    h = make("full")
+    repo = ZONE_INO[Zone.REPO]
+    for name in (b".sandbox", b"mnt"):
+        await fails(h.ops.lookup(repo, name, CTX), errno.ENOENT)
+        await fails(h.ops.mkdir(repo, name, 0o755, CTX), errno.EACCES)
+        await fails(h.ops.create(repo, name, 0o644, os.O_WRONLY, CTX), errno.EACCES)
+    denied = h.entries(op="write", path="/repo/.sandbox", allowed=False)
+    assert len(denied) == 2  # mkdir and create
+    assert all(e["errno"] == "EACCES" and "sandboxfs's own state" in e["reason"] for e in denied)
+    looked = h.entries(op="read", path="/repo/.sandbox", allowed=False)
+    assert [e["errno"] for e in looked] == ["ENOENT"]
+    await fails(h.ops.rmdir(repo, b".sandbox", CTX), errno.EACCES)
+    await fails(h.ops.rename(repo, b"src", repo, b".sandbox", 0, CTX), errno.EACCES)
+    assert (h.project / ".sandbox" / "audit.jsonl").exists()
+    assert (h.project / "src").is_dir()
+    # Only the project root's .sandbox is the state dir; elsewhere the name is ordinary.
+    src = await h.ino("/repo/src")
+    made = await h.ops.mkdir(src, b".sandbox", 0o755, CTX)
+    assert (await h.ops.lookup(src, b".sandbox", CTX)).st_ino == made.st_ino
+
+
+async def test_symlinks_in_backing_storage_are_never_followed(
+    make: Callable[[str], Harness],
+) -> None:
+    h = make("full")
+    outside = h.project.parent / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("outside the zone\n")
+    os.symlink(outside, h.project / "dir-escape")
+    os.symlink(outside / "secret.txt", h.project / "file-escape")
+    repo = ZONE_INO[Zone.REPO]
+    to_dir = await h.ops.lookup(repo, b"dir-escape", CTX)
+    assert stat.S_ISLNK(to_dir.st_mode)
+    assert await h.ops.readlink(to_dir.st_ino, CTX) == os.fsencode(outside)
+    assert (await h.ops.lookup(to_dir.st_ino, b"secret.txt", CTX)).st_ino == 0
+    await fails(h.ops.opendir(to_dir.st_ino, CTX), errno.ENOTDIR)
+    to_file = await h.ops.lookup(repo, b"file-escape", CTX)
+    for flags in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR | os.O_TRUNC):
+        await fails(h.ops.open(to_file.st_ino, flags, CTX), errno.ELOOP)
+    attr = pyfuse3.EntryAttributes()
+    attr.st_size = 0
+    await fails(
+        h.ops.setattr(to_file.st_ino, attr, fields(update_size=True), None, CTX), errno.ELOOP
+    )
+    await fails(h.ops.setxattr(to_file.st_ino, b"user.x", b"1", CTX), errno.EPERM)
+    await fails(h.ops.getxattr(to_file.st_ino, b"user.x", CTX), pyfuse3.ENOATTR)
+    assert (outside / "secret.txt").read_text() == "outside the zone\n"
+    assert os.listxattr(outside / "secret.txt") == []
+
+
+async def test_denials_are_on_disk_before_the_error_returns(
+    make: Callable[[str], Harness],
+) -> None:
+    h = make("untrusted")
+    await fails(h.ops.lookup(ZONE_INO[Zone.REPO], b"README.md", CTX), errno.EACCES)
+    on_disk = list(read_entries(h.log_path))  # no flush
+    assert [(e["op"], e["path"], e["allowed"]) for e in on_disk] == [
+        ("read", "/repo/README.md", False)
+    ]
+
+
+# ===== /.sandboxfs/context.json ==================================================================
+
+
+@pytest.mark.parametrize("trust", ["untrusted", "full"])
+async def test_context_json(make: Callable[[str], Harness], trust: str) -> None:
+    h = make(trust)
+    inode = await h.ino("/.sandboxfs/context.json")
+    assert inode == CONTEXT_INO
+    attrs = await h.ops.getattr(inode, CTX)
+    assert stat.S_ISREG(attrs.st_mode)
+    assert stat.S_IMODE(attrs.st_mode) == 0o444
+    fi = await h.ops.open(inode, os.O_RDONLY, CTX)
+    data = await h.ops.read(fi.fh, 0, 1 << 20)
+    assert len(data) == attrs.st_size
+    assert await h.ops.read(fi.fh, 2, 3) == data[2:5]
+    await h.ops.release(fi.fh)
+    doc = json.loads(data)
+    assert doc["trust"] == trust
+    assert doc["session"] == SESSION_ID
+    assert doc["workspace"] == WORKSPACE_ID
+    assert doc["zones"]["session"]["write"] is True
+    assert doc["zones"]["repo"]["read"] is (trust == "full")
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC):
+        await fails(h.ops.open(inode, flags, CTX), errno.EACCES)
+    entries = h.entries(path="/.sandboxfs/context.json", allowed=False)
+    assert len(entries) == 3
+    assert all(e["op"] == "write" and e["errno"] == "EACCES" for e in entries)
+    assert "read-only at every trust level" in entries[0]["reason"]
+    assert entries[0]["comm"] == COMM
+
+
+# ===== /workers union ===========================================================================
+
+
+async def test_workers_union(make: Callable[[str], Harness]) -> None:
+    h = make("untrusted")
+    workers = ZONE_INO[Zone.WORKERS]
+    names = (await h.listdir(workers)).names
+    assert names == [b".", b"..", b"only1.worker", b"review.worker", b"only2.worker"]
+    h.allowed("list", "/workers", "workers")
+    assert await h.read_file(await h.ino("/workers/review.worker")) == b"name: review\n"
+    assert await h.read_file(await h.ino("/workers/only2.worker")) == b"layer 2 only\n"
+    assert await h.read_file(await h.ino("/workers/only1.worker")) == b"layer 1 only\n"
+    assert (await h.ops.lookup(workers, b"absent.worker", CTX)).st_ino == 0
+    await fails(h.ops.create(workers, b"new.worker", 0o644, os.O_WRONLY, CTX), errno.EROFS)
+    h.denial("write", "/workers/new.worker", "workers", "EROFS", "workers is not writable")
+
+
+async def test_workers_second_layer_is_read_only_at_full(make: Callable[[str], Harness]) -> None:
+    h = make("full")
+    workers = ZONE_INO[Zone.WORKERS]
+    only2 = await h.ino("/workers/only2.worker")
+    await fails(h.ops.open(only2, os.O_WRONLY, CTX), errno.EROFS)
+    h.denial("write", "/workers/only2.worker", "workers", "EROFS", "SANDBOXFS_WORKERS_PATH")
+    attr = pyfuse3.EntryAttributes()
+    attr.st_size = 0
+    await fails(h.ops.setattr(only2, attr, fields(update_size=True), None, CTX), errno.EROFS)
+    await fails(h.ops.unlink(workers, b"only2.worker", CTX), errno.EROFS)
+    h.denial("delete", "/workers/only2.worker", "workers", "EROFS", "SANDBOXFS_WORKERS_PATH")
+    await fails(h.ops.rename(workers, b"only2.worker", workers, b"x.worker", 0, CTX), errno.EROFS)
+    assert (h.layer2 / "only2.worker").read_text() == "layer 2 only\n"
+
+    # The first layer, <project>/.workers, is writable at full.
+    review = await h.ino("/workers/review.worker")
+    fi = await h.ops.open(review, os.O_WRONLY | os.O_TRUNC, CTX)
+    await h.ops.write(fi.fh, 0, b"edited\n")
+    await h.ops.release(fi.fh)
+    assert (h.project / ".workers" / "review.worker").read_text() == "edited\n"
+    assert (h.layer2 / "review.worker").read_text() == "layer 2 review\n"
+    await h.write_new(workers, b"new.worker", b"n")
+    assert (h.project / ".workers" / "new.worker").read_bytes() == b"n"
+
+
+# ===== the guard ================================================================================
+
+
+async def test_unexpected_error_becomes_eio_and_is_audited(
+    make: Callable[[str], Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = make("session")
+    working = await h.ino("/session/working")
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("boom")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(h.store, "stat_child", boom)
+        await fails(h.ops.lookup(working, b"notes.txt", CTX), errno.EIO)
+    entry = h.one(op="error")
+    assert entry["allowed"] is False
+    assert entry["errno"] == "EIO"
+    assert entry["reason"] == "internal error in lookup: RuntimeError: boom"
+    assert entry["trust"] == "session"
+    assert entry["session"] == SESSION_ID
+
+    with monkeypatch.context() as patch:
+        patch.setattr(h.store, "list_names", boom)
+        fh = await h.ops.opendir(working, CTX)
+        await fails(h.readdir(fh, 0), errno.EIO)
+        await h.ops.releasedir(fh)
+    assert len(h.entries(op="error")) == 2
+    assert "internal error in readdir" in h.entries(op="error")[1]["reason"]
+
+    # The operations object carries on as before.
+    notes = await h.ino("/session/working/notes.txt")
+    assert await h.read_file(notes) == b"session notes\n"
+    assert b"notes.txt" in (await h.listdir(working)).names
+    await h.write_new(working, b"after.txt", b"ok")
+    assert (h.dirs[Zone.SESSION] / "working" / "after.txt").read_bytes() == b"ok"
