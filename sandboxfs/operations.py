@@ -51,6 +51,7 @@ _OPEN_STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_DIRECT
 _ZONE_NAMES = {zone.value.encode(): zone for zone in Zone}
 _WRITABLE_XATTR_PREFIX = b"user."
 _ACL_XATTR_PREFIX = b"system.posix_acl_"
+_CAPABILITY_XATTR = b"security.capability"
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -950,6 +951,10 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_guarded
     def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        if name == _CAPABILITY_XATTR:
+            # The kernel asks before every write to drop file capabilities; the mount is
+            # nosuid and never stores them, so there are none to report.
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         node = self.store.get(inode)
         if node.zone is not None and node.ino >= FIRST_DYNAMIC_INO:
             self.check(ctx, Op.READ, node)
