@@ -388,15 +388,12 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self._check_change(ctx, node, allow_created=creating or not fields.update_size)
         fd = handle.fd if isinstance(handle, FileHandle) else None
         changes: list[str] = []
+        target, how = self._meta_target(node)
         if fields.update_size:
             if fd is not None and handle is not None and handle.writable:  # type: ignore[union-attr]
                 os.truncate(fd, attr.st_size)
             else:
-                wfd = os.open(
-                    node.name,
-                    os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                    dir_fd=self.store.parent_fd(node),
-                )
+                wfd = self._reopen(node, os.O_WRONLY)
                 try:
                     os.truncate(wfd, attr.st_size)
                 finally:
@@ -404,26 +401,18 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             changes.append(f"size={attr.st_size}")
         if fields.update_mode:
             mode = stat.S_IMODE(attr.st_mode) & ~_SUID_SGID
-            if node.open_fds and not stat.S_ISLNK(attr.st_mode):
-                os.chmod(node.open_fds[-1], mode)
-            else:
-                os.chmod(node.name, mode, dir_fd=self.store.parent_fd(node), follow_symlinks=False)
+            os.chmod(target, mode, **how)
             changes.append(f"mode={mode:o}")
         if fields.update_uid or fields.update_gid:
             uid = attr.st_uid if fields.update_uid else -1
             gid = attr.st_gid if fields.update_gid else -1
-            os.chown(node.name, uid, gid, dir_fd=self.store.parent_fd(node), follow_symlinks=False)
+            os.chown(target, uid, gid, **how)
             changes.append(f"owner={uid}:{gid}")
         if fields.update_atime or fields.update_mtime:
             current = self.store.stat_node(node)
             atime = attr.st_atime_ns if fields.update_atime else current.st_atime_ns
             mtime = attr.st_mtime_ns if fields.update_mtime else current.st_mtime_ns
-            os.utime(
-                node.name,
-                ns=(atime, mtime),
-                dir_fd=self.store.parent_fd(node),
-                follow_symlinks=False,
-            )
+            os.utime(target, ns=(atime, mtime), **how)
             changes.append("times")
         if changes:
             self.record(
@@ -435,6 +424,20 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 detail="setattr " + " ".join(changes),
             )
         return self.node_attrs(node)
+
+    def _meta_target(self, node: Node) -> tuple[int | bytes, dict[str, Any]]:
+        """What to pass to os.chmod/chown/utime for node: an open descriptor when there is
+        one (it still works after the name was unlinked or replaced), else parent + name."""
+        if node.open_fds:
+            return node.open_fds[-1], {}
+        return node.name, {"dir_fd": self.store.parent_fd(node), "follow_symlinks": False}
+
+    def _reopen(self, node: Node, flags: int) -> int:
+        """A new descriptor of node's file, through an open one if there is one."""
+        if node.open_fds:
+            return os.open(f"/proc/self/fd/{node.open_fds[-1]}", flags | os.O_CLOEXEC)
+        parent_fd = self.store.parent_fd(node)
+        return os.open(node.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
 
     def _check_change(self, ctx: Any, node: Node, allow_created: bool = True) -> None:
         """Writes to an existing entry: never to `/`, a zone root or /.sandboxfs.
@@ -636,9 +639,12 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         handle.bytes_written += written
         return written
 
-    @_guarded
-    def flush(self, fh: int) -> None:
-        return None
+    async def flush(self, fh: int) -> None:
+        """Writes go straight to the backing file, so there is nothing to flush.
+
+        ENOSYS makes the kernel stop sending FLUSH at all, saving a round trip per close().
+        """
+        raise pyfuse3.FUSEError(errno.ENOSYS)
 
     @_guarded
     def fsync(self, fh: int, datasync: bool) -> None:
@@ -932,6 +938,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         """A /proc path to node (via an O_PATH descriptor); None for symlinks and virtual nodes."""
         if node.zone is None or (node.key is None and node.ino < FIRST_DYNAMIC_INO):
             return None
+        if node.open_fds:
+            return f"/proc/self/fd/{node.open_fds[-1]}", -1
         fd = self.store.dir_fd(node) if node.is_dir else self.store.open_path_fd(node)
         if not node.is_dir and stat.S_ISLNK(os.stat(fd).st_mode):
             os.close(fd)
@@ -1051,10 +1059,15 @@ def process_name(pid: int) -> str | None:
     if pid <= 0:
         return None
     try:
-        with open(f"/proc/{pid}/comm", "rb") as f:
-            return f.read().rstrip(b"\n").decode("utf-8", "replace")
+        fd = os.open(f"/proc/{pid}/comm", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        return os.read(fd, 64).rstrip(b"\n").decode("utf-8", "replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def context_document(policy: Policy, info: MountInfo, pid: int) -> bytes:
