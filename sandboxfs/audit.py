@@ -14,6 +14,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import time
@@ -25,6 +26,8 @@ from typing import Any, BinaryIO, TextIO
 
 import trio
 
+log = logging.getLogger(__name__)
+_MAX_QUEUED = 100_000
 GENESIS: str = "0" * 64
 
 _CHUNK = 1 << 16
@@ -204,6 +207,7 @@ class AuditLog:
         self._sync = sync
         self._batch_size = batch_size
         self._queue: list[dict[str, Any]] = []
+        self._dropped = 0
         self._tail: _Tail | None = None  # valid while the file still has tail.size bytes
         _make_private_dirs(path.parent)
         self._lock_fd = _open_lock(path)
@@ -218,7 +222,30 @@ class AuditLog:
             queued["ts"] = _now()
         self._queue.append(queued)
         if self._sync or queued.get("allowed") is False or len(self._queue) >= self._batch_size:
+            self.try_flush()
+
+    def try_flush(self) -> bool:
+        """Flush, but keep the entries queued (and the mount up) if the disk refuses them.
+
+        A full or failing disk must not turn a policy refusal into a different error, or take
+        the daemon down; the entries are retried on the next flush. Past _MAX_QUEUED the
+        oldest are dropped and their number is recorded once writing works again.
+        """
+        try:
             self.flush()
+            return True
+        except OSError as exc:
+            log.error(
+                "cannot write audit log %s: %s; %d entries kept queued",
+                self._path,
+                exc.strerror,
+                len(self._queue),
+            )
+            if len(self._queue) > _MAX_QUEUED:
+                excess = len(self._queue) - _MAX_QUEUED
+                self._dropped += excess
+                del self._queue[:excess]
+            return False
 
     def flush(self) -> None:
         """Chain and append every queued entry in one write, under the lock all writers share."""
@@ -230,6 +257,15 @@ class AuditLog:
             if tail is None or tail.size != size:  # another process wrote since we did
                 tail = _scan_tail(self._fd, size)
             pending = self._queue
+            if self._dropped:
+                lost = {
+                    "op": "audit-dropped",
+                    "dropped": self._dropped,
+                    "allowed": True,
+                    "ts": _now(),
+                    "reason": "entries dropped while the log could not be written",
+                }
+                pending = [lost, *pending]
             out = bytearray()
             if tail.valid_end < size:  # a writer died mid-line: close that line, say so
                 if os.pread(self._fd, 1, size - 1) != b"\n":
@@ -244,12 +280,17 @@ class AuditLog:
                 last_hash = sealed["hash"]
                 out += _canonical(sealed) + b"\n"
             self._tail = None  # unknown if the write fails part way
-            _write_all(self._fd, out)
-            if self._sync:
-                os.fsync(self._fd)
+            try:
+                _write_all(self._fd, out)
+                if self._sync:
+                    os.fsync(self._fd)
+            except OSError:
+                os.ftruncate(self._fd, size)  # leave no torn line behind
+                raise
             end = size + len(out)
             self._tail = _Tail(end, last_id, last_hash, end)
             self._queue = []
+            self._dropped = 0
 
     def _follow_replacement(self) -> int:
         """Reopen the log if prune replaced it since we opened it; return its size."""
@@ -265,17 +306,25 @@ class AuditLog:
         try:
             while True:
                 await trio.sleep(interval)
-                self.flush()
+                self.try_flush()
         finally:
-            self.flush()  # synchronous, so cancellation cannot interrupt it
+            self.try_flush()  # synchronous, so cancellation cannot interrupt it
 
     def close(self) -> None:
         """Flush, make it durable and release the files; later calls do nothing."""
         if self._fd < 0:
             return
         try:
-            self.flush()
-            os.fsync(self._fd)
+            if self.try_flush():
+                os.fsync(self._fd)
+            elif self._queue:
+                log.error(
+                    "audit log %s: %d entries could not be written and are lost",
+                    self._path,
+                    len(self._queue),
+                )
+        except OSError as exc:
+            log.error("cannot sync audit log %s: %s", self._path, exc.strerror)
         finally:
             os.close(self._fd)
             os.close(self._lock_fd)

@@ -217,6 +217,9 @@ def serve(req: MountRequest, ready: Callable[[], None]) -> None:
     log.info("mounted %s (trust %s, session %s)", req.mountpoint, req.trust.value, req.session)
     try:
         trio.run(_main, req, audit, ready)
+    except BaseException:
+        log.exception("the daemon stopped on an unexpected error")
+        raise
     finally:
         with contextlib.suppress(Exception):
             pyfuse3.close(unmount=True)

@@ -897,6 +897,10 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 ctx, "rename", src, old_parent.zone, Decision(False, errno.EXDEV, reason), dest=dst
             )
         zone = old_parent.zone
+        if flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE):
+            reason = "only the RENAME_NOREPLACE and RENAME_EXCHANGE flags are supported"
+            decision = Decision(False, errno.EINVAL, reason)
+            raise self.refuse(ctx, "rename", src, old_parent.zone, decision, dest=dst)
         exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
         for parent, name in ((old_parent, name_old), (new_parent, name_new)):
             self._reject_hidden(ctx, parent, name, Op.WRITE)
