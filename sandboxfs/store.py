@@ -154,7 +154,8 @@ class Store:
             self.nodes[node.ino] = node
             self.by_key[key] = node
         elif node.parent is not parent or node.name != name:
-            if not is_dir and (node.parent, node.name) not in node.links and node.parent:
+            _forget_link(node, parent, name)
+            if not is_dir and node.parent is not None:
                 node.links.append((node.parent, node.name))
             node.parent, node.name, node.layer = parent, name, layer
         node.lookups += 1
@@ -178,7 +179,7 @@ class Store:
         `remaining` is the backing link count left; while it is positive the node stays
         reachable through another known name.
         """
-        node.links = [(p, n) for p, n in node.links if not (p is parent and n == name)]
+        _forget_link(node, parent, name)
         if node.parent is parent and node.name == name:
             if node.links and remaining > 0:
                 node.parent, node.name = node.links.pop()
@@ -193,10 +194,11 @@ class Store:
         self, node: Node, old_parent: Node, old_name: bytes, parent: Node, name: bytes
     ) -> None:
         """Record that old_parent/old_name is now parent/name (children follow a directory)."""
+        _forget_link(node, parent, name)
         if node.parent is old_parent and node.name == old_name:
             node.parent, node.name = parent, name
         else:
-            node.links = [(p, n) for p, n in node.links if not (p is old_parent and n == old_name)]
+            _forget_link(node, old_parent, old_name)
             node.links.append((parent, name))
 
     # ----- descriptors --------------------------------------------------------------------
@@ -294,6 +296,11 @@ class Store:
         return os.open(
             node.name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.parent_fd(node)
         )
+
+
+def _forget_link(node: Node, parent: Node, name: bytes) -> None:
+    """Drop parent/name from node's other known names (the current one is node.parent/name)."""
+    node.links = [(p, n) for p, n in node.links if not (p is parent and n == name)]
 
 
 def _open_dir_or_missing(path: Path) -> int:

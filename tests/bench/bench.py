@@ -468,21 +468,21 @@ def rand_teardown(t: Target) -> None:
 
 
 def micro_setup(t: Target) -> None:
-    os.makedirs(t.path("m1", "m2"), exist_ok=True)
-    with open(t.path("m1", "m2", "micro.txt"), "wb") as f:
+    with open(t.path("micro.txt"), "wb") as f:  # depth 2 below the target, as in fsbench
         f.write(b"m" * 4096)
     settle()
 
 
 def micro_rep(t: Target, i: int) -> dict[str, float]:
     a = t.args
-    _, out = run_cmd([sys.executable, "-c", MICRO_SCRIPT, t.path("m1", "m2", "micro.txt"),
+    _, out = run_cmd([sys.executable, "-c", MICRO_SCRIPT, t.path("micro.txt"),
                       str(a.micro_n), str(a.micro_open_n)], capture=True)
     return {k: float(v) for k, v in json.loads(out).items()}
 
 
 def micro_teardown(t: Target) -> None:
-    shutil.rmtree(t.path("m1"), ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(t.path("micro.txt"))
 
 
 Step = Callable[[Target], None] | None
@@ -713,7 +713,9 @@ class Bench:
         self.profile_raw = a.profile + ".collapsed"
         self.profiler = subprocess.Popen(
             [pyspy, "record", "--pid", str(self.daemon_pid), "--format", "raw", "--function",
-             "--rate", str(a.profile_rate), "--nonblocking", "-o", self.profile_raw],
+             "--rate", str(a.profile_rate), "-o", self.profile_raw,
+             # --native needs to pause the process while sampling; otherwise do not
+             *(["--native"] if a.profile_native else ["--nonblocking"])],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(1.0)
         log(f"py-spy recording daemon pid {self.daemon_pid} -> {self.profile_raw}")
@@ -725,10 +727,12 @@ class Bench:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(timeout=30)
+            _, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+            _, err = proc.communicate()
+        if not os.path.exists(self.profile_raw):
+            log(f"py-spy failed ({proc.returncode}): {err.decode(errors='replace')[-400:]}")
 
     # -- teardown: everything best effort, in reverse order
     def cleanup(self) -> None:
@@ -754,11 +758,23 @@ class Bench:
                 shutil.rmtree(self.base, ignore_errors=True)
 
 
+# Stacks whose innermost Python frame is one of these are the daemon waiting, not working.
+IDLE_FRAMES = ("EpollIOManager.get_events", "EpollIOManager._epoll_wait", "WorkerThread._work",
+               "Condition.wait", "Thread._wait_for_tstate_lock")
+# The call chain above the request loop: in every sample, so left out of the cumulative table.
+ROOT_FRAMES = ("<module> (", "_run_code (", "_run_module_as_main (", "main (", "cmd_mount (",
+               "_run_daemon (", "serve (", "run (", "unrolled_run (")
+
+
 def profile_report(raw: str, top: int = 15) -> str:
-    """Top functions by self and cumulative samples from py-spy's collapsed stacks."""
+    """Top functions by self and cumulative samples from py-spy's collapsed stacks.
+
+    Idle stacks (event loop in epoll_wait, parked worker threads) are left out, and so are the
+    root frames (runpy, cli, serve, trio.run) above the request loop.
+    """
     self_n: dict[str, int] = {}
     cum_n: dict[str, int] = {}
-    total = 0
+    total = idle = 0
     with open(raw) as f:
         for line in f:
             stack, _, count = line.rstrip("\n").rpartition(" ")
@@ -767,22 +783,26 @@ def profile_report(raw: str, top: int = 15) -> str:
             n = int(count)
             frames = [fr for fr in stack.split(";") if fr and not fr.startswith("process ")
                       and not fr.startswith("thread ")]
-            if not frames:
+            py_frames = [fr for fr in frames if ".py:" in fr or ".pyx:" in fr or ".pxi:" in fr]
+            if not frames or (py_frames and py_frames[-1].startswith(IDLE_FRAMES)):
+                idle += n
                 continue
             total += n
             self_n[frames[-1]] = self_n.get(frames[-1], 0) + n
             for fr in set(frames):
                 cum_n[fr] = cum_n.get(fr, 0) + n
     if not total:
-        return "profile: no samples"
+        return "profile: no busy samples"
 
     def short(fr: str) -> str:
-        return fr.replace(str(REPO_ROOT) + "/", "").replace(sysconfig.get_paths()["purelib"]
-                                                            + "/", "")
+        for prefix in (str(REPO_ROOT) + "/", sysconfig.get_paths()["purelib"] + "/"):
+            fr = fr.replace(prefix, "")
+        return fr
 
-    out = [f"profile: {total} samples (busy daemon threads)"]
-    for title, table in (("cumulative", cum_n), ("self", self_n)):
-        out.append(f"top {top} by {title} samples:")
+    out = [f"profile: {total} busy samples of the daemon ({idle} idle samples left out)"]
+    cum = {fr: n for fr, n in cum_n.items() if not fr.startswith(ROOT_FRAMES)}
+    for title, table in (("cumulative", cum), ("self", self_n)):
+        out.append(f"top {top} by {title} samples (% of busy):")
         for fr, n in sorted(table.items(), key=lambda kv: -kv[1])[:top]:
             out.append(f"  {100 * n / total:5.1f}%  {n:7d}  {short(fr)}")
     return "\n".join(out)
@@ -837,6 +857,8 @@ def parse_args() -> argparse.Namespace:
                     help="record the sandboxfs daemon with py-spy into PREFIX.collapsed and "
                     "print its top functions")
     ap.add_argument("--profile-rate", type=int, default=250)
+    ap.add_argument("--profile-native", action="store_true",
+                    help="py-spy --native: also show C/Cython frames (pyfuse3, libfuse)")
     ap.add_argument("--no-drop-caches", dest="drop_caches", action="store_false")
     ap.add_argument("--keep", action="store_true", help="keep the base directory (not the image)")
     a = ap.parse_args()

@@ -50,12 +50,14 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: st
 
 
 def process_gone(pid: int) -> bool:
-    """True once `pid` has exited (a zombie counts: our init may not reap orphans)."""
+    """True once `pid` and all its threads have exited (a zombie counts: our init may not
+    reap orphans; the leader turns zombie before its other threads have closed /dev/fuse)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
+        threads = os.listdir(f"/proc/{pid}/task")
     except (OSError, IndexError):
         return True
-    return state in "ZX"
+    return state in "ZX" and len(threads) <= 1
 
 
 def wait_gone(pid: int, timeout: float = 15.0) -> bool:
@@ -81,6 +83,25 @@ def context_of(mnt: Path) -> dict[str, Any] | None:
         return dict(json.loads((mnt / ".sandboxfs" / "context.json").read_text()))
     except (OSError, ValueError):
         return None
+
+
+def audit_entries(project: Path, *filters: str) -> list[dict[str, Any]]:
+    result = sandboxfs("audit", "--project", project, "--json", *filters)
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+
+
+def start_foreground(mnt: Path, project: Path, *extra: str) -> subprocess.Popen[str]:
+    """`sandboxfs mount --foreground` as a child process, returned once the mount answers."""
+    proc = subprocess.Popen(
+        [*SANDBOXFS, "mount", str(mnt), "--project", str(project), "--foreground", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert wait_until(lambda: context_of(mnt) is not None or proc.poll() is not None)
+    assert proc.poll() is None, proc.communicate()
+    return proc
 
 
 def kill_daemon(pid: int) -> None:
@@ -325,21 +346,17 @@ def test_foreground_unmounts_cleanly_on_signal(
 ) -> None:
     mnt = tmp_path / "fg"
     mnt.mkdir()
-    proc = subprocess.Popen(
-        [*SANDBOXFS, "mount", str(mnt), "--project", str(project), "--trust", "session",
-         "--foreground"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_foreground(mnt, project, "--trust", "session")
     try:
-        assert wait_until(lambda: context_of(mnt) is not None or proc.poll() is not None)
-        assert proc.poll() is None, proc.communicate()
         context = context_of(mnt)
         assert context is not None
         assert context["pid"] == proc.pid
         session = context["session"]
         assert sh(f"echo hi > {mnt}/session/working/fg.txt").returncode == 0
+        # The kernel sends RELEASE (which logs the write) after close() returns: wait for it,
+        # test_foreground_signal_audits_files_still_open covers the file still open.
+        assert wait_until(lambda: any(
+            e["path"] == "/session/working/fg.txt" for e in audit_entries(project)))
 
         proc.send_signal(signum)
         out, err = proc.communicate(timeout=20)
@@ -349,8 +366,7 @@ def test_foreground_unmounts_cleanly_on_signal(
         assert fuse_mounts_under(mnt) == []
         assert not os.path.ismount(mnt)
 
-        log = sandboxfs("audit", "--project", project, "--json", "--session", session)
-        entries = [json.loads(line) for line in log.stdout.splitlines()]
+        entries = audit_entries(project, "--session", session)
         ops = [e["op"] for e in entries]
         assert "mount" in ops and "unmount" in ops
         mount_entry = next(e for e in entries if e["op"] == "mount")
@@ -360,6 +376,46 @@ def test_foreground_unmounts_cleanly_on_signal(
         assert unmount_entry["pid"] == proc.pid
         assert sandboxfs("audit", "verify", "--project", project).returncode == 0
     finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        if fuse_mounts_under(mnt):
+            force_unmount(mnt)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: a file still open for writing when the daemon stops on a signal is never "
+    "audited (its write entry is only made at RELEASE, which never comes)",
+)
+def test_foreground_signal_audits_files_still_open(tmp_path: Path, project: Path) -> None:
+    mnt = tmp_path / "fg"
+    mnt.mkdir()
+    proc = start_foreground(mnt, project, "--trust", "session")
+    target = mnt / "session/working/still-open.txt"
+    writer = subprocess.Popen(
+        ["sh", "-c", f"exec 3> {target}; printf hello >&3; echo ready; exec sleep 60"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout is not None
+        assert writer.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=20)
+        assert proc.returncode == 0
+        assert fuse_mounts_under(mnt) == []
+        stored = next((project / ".sandbox/workspaces/default/sessions").glob(
+            "*/working/still-open.txt"))
+        assert stored.read_text() == "hello"  # the data reached the storage ...
+        writes = [e for e in audit_entries(project, "--op", "write")
+                  if e["path"] == "/session/working/still-open.txt"]
+        assert writes, "... so the write must be in the audit log"
+        assert writes[0]["allowed"] is True and writes[0]["comm"] == "sh"
+        assert writes[0]["bytes"] == 5
+    finally:
+        writer.kill()
+        writer.communicate(timeout=10)
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
