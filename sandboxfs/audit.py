@@ -484,18 +484,24 @@ def follow(
     as_json: bool,
     poll: float = 0.2,
     stop: Callable[[], bool] = lambda: False,
+    resume: tuple[int, int] | None = None,
 ) -> None:
     """Print entries appended from now on that match `q` (its `limit` is ignored), until stop().
 
     Entries are recognised as new by id, so re-reading a log that prune replaced prints nothing
-    twice. Table rows come without a header.
+    twice. Table rows come without a header. `resume` = (file offset, last id already shown)
+    continues a `query` without a gap: pass the log's size from before the query and the
+    largest id it printed.
     """
     last_id = 0
     pending = b""
     matches = _Filter(q)
     stream = _open_or_none(path)
     try:
-        if stream is not None:
+        if stream is not None and resume is not None:
+            stream.seek(resume[0])
+            last_id = resume[1]
+        elif stream is not None:
             tail = _scan_tail(stream.fileno(), os.fstat(stream.fileno()).st_size)
             stream.seek(tail.valid_end)  # a line being written right now is still to come
             last_id = tail.last_id

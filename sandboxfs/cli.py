@@ -13,7 +13,6 @@ import re
 import select
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
@@ -28,6 +27,7 @@ from .daemon import (
     check_id,
     lazy_unmount,
     new_session_id,
+    read_context,
     sandboxfs_mounts,
     serve,
     validate_mountpoint,
@@ -293,7 +293,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
     mountpoint = Path(os.path.abspath(args.mountpoint))
     if str(mountpoint) not in sandboxfs_mounts():
         raise UserError(f"{args.mountpoint} is not a sandboxfs mount (see 'sandboxfs status')")
-    context = _read_context(mountpoint, timeout=2.0)
+    context = read_context(mountpoint, timeout=2.0)
     pid = context.get("pid") if isinstance(context, dict) else None
     alive = isinstance(context, dict)
     cmd = (
@@ -323,23 +323,6 @@ def _wait_for_exit(pid: int, timeout: float) -> None:
         time.sleep(0.02)
 
 
-def _read_context(mountpoint: Path, timeout: float) -> dict[str, Any] | str:
-    """The mount's context.json, or "dead" / "unresponsive" when it cannot be read."""
-    result: dict[str, Any] | str = "unresponsive"
-
-    def read() -> None:
-        nonlocal result
-        try:
-            result = json.loads((mountpoint / ".sandboxfs" / "context.json").read_bytes())
-        except OSError:
-            result = "dead"
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return result
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     mounts = sandboxfs_mounts()
     if args.mountpoint is not None:
@@ -349,7 +332,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         mounts = [wanted]
     rows: list[dict[str, Any]] = []
     for mp in mounts:
-        context = _read_context(Path(mp), timeout=2.0)
+        context = read_context(Path(mp), timeout=2.0)
         if isinstance(context, dict):
             rows.append(
                 {
@@ -405,6 +388,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         pid=args.pid,
         limit=args.limit,
     )
+    start = path.stat().st_size if path.exists() else 0
     entries = audit_mod.query(path, query)
     if args.json:
         for entry in entries:
@@ -414,7 +398,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     if args.follow:
         try:
-            audit_mod.follow(path, query, sys.stdout, as_json=args.json)
+            shown = max((e["id"] for e in entries), default=0)
+            audit_mod.follow(path, query, sys.stdout, as_json=args.json, resume=(start, shown))
         except KeyboardInterrupt:
             return 0
     return 0

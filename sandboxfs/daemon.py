@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import faulthandler
+import json
 import logging
 import os
 import re
@@ -17,9 +18,11 @@ import secrets
 import shutil
 import signal
 import subprocess
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyfuse3
 import trio
@@ -35,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 FSTYPE = "fuse.sandboxfs"
+_DEAD_MOUNT_ERRNOS = (errno.ENOTCONN, errno.ECONNABORTED)
 
 
 @dataclass(frozen=True)
@@ -89,10 +93,14 @@ def validate_mountpoint(mountpoint: Path, project: Path) -> Path:
             f"(mkdir {mountpoint})"
         ) from None
     except OSError as exc:
-        if exc.errno != errno.ENOTCONN:
+        if exc.errno not in _DEAD_MOUNT_ERRNOS:
             raise UserError(f"mountpoint {mountpoint}: {exc.strerror}") from None
         lazy_unmount(mountpoint)
-    mp = mountpoint.resolve()
+    mp = Path(os.path.abspath(mountpoint))
+    if str(mp) in sandboxfs_mounts() and read_context(mp, timeout=2.0) == "dead":
+        # stat() above may have been answered from the kernel's cache of a dead mount.
+        lazy_unmount(mp)
+    mp = mp.resolve()
     if os.path.ismount(mp):
         raise UserError(
             f"mountpoint {mountpoint} is already mounted; unmount it first "
@@ -114,6 +122,27 @@ def validate_mountpoint(mountpoint: Path, project: Path) -> Path:
     if os.geteuid() != 0 and shutil.which("fusermount3") is None:
         raise UserError("fusermount3 not found; install fuse3 (apt-get install fuse3)")
     return mp
+
+
+def read_context(mountpoint: Path, timeout: float) -> dict[str, Any] | str:
+    """A mount's context.json, or "dead" / "unresponsive" when it cannot be read.
+
+    Opening the file always reaches the daemon (opens are never answered from the kernel's
+    cache), so this tells a live mount from a dead one; a thread bounds a hung daemon.
+    """
+    result: dict[str, Any] | str = "unresponsive"
+
+    def read() -> None:
+        nonlocal result
+        try:
+            result = json.loads((mountpoint / ".sandboxfs" / "context.json").read_bytes())
+        except (OSError, ValueError):
+            result = "dead"
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return result
 
 
 def lazy_unmount(mountpoint: Path) -> None:
@@ -195,25 +224,17 @@ def serve(req: MountRequest, ready: Callable[[], None]) -> None:
     if req.debug:
         options.add("debug")
     pid, comm = os.getpid(), process_name(os.getpid())
-    lifecycle = {
-        "path": "/",
-        "zone": None,
-        "session": req.session,
-        "workspace": req.workspace,
-        "trust": req.trust.value,
-        "allowed": True,
-        "pid": pid,
-        "uid": os.getuid(),
-        "comm": comm,
-        "detail": str(req.mountpoint),
-    }
+
+    def lifecycle(op: str) -> None:
+        ops.record(op, "/", None, pid=pid, uid=os.getuid(), comm=comm, detail=str(req.mountpoint))
+
     try:
         pyfuse3.init(ops, str(req.mountpoint), options)
     except RuntimeError as exc:
         audit.close()
         store.close()
         raise UserError(f"cannot mount {req.mountpoint}: {exc}", exit_code=1) from None
-    audit.record({"op": "mount", **lifecycle})
+    lifecycle("mount")
     log.info("mounted %s (trust %s, session %s)", req.mountpoint, req.trust.value, req.session)
     try:
         trio.run(_main, req, audit, ready)
@@ -223,7 +244,8 @@ def serve(req: MountRequest, ready: Callable[[], None]) -> None:
     finally:
         with contextlib.suppress(Exception):
             pyfuse3.close(unmount=True)
-        audit.record({"op": "unmount", **lifecycle})
+        ops.release_all()
+        lifecycle("unmount")
         audit.close()
         store.close()
         log.info("unmounted %s", req.mountpoint)

@@ -154,7 +154,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     def record(
         self,
         op: str,
-        path: str,
+        path: str | None,
         zone: Zone | None,
         *,
         pid: int,
@@ -215,15 +215,15 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             raise self.refuse(ctx, op.value, node.vpath(child), node.zone, decision)
 
     def audit_internal_error(self, callback: str, exc: BaseException) -> None:
-        self.audit.record(
-            {
-                "op": "error",
-                "path": None,
-                **self._base_entry,
-                "allowed": False,
-                "reason": f"internal error in {callback}: {type(exc).__name__}: {exc}",
-                "errno": "EIO",
-            }
+        self.record(
+            "error",
+            None,
+            None,
+            pid=0,
+            uid=0,
+            allowed=False,
+            reason=f"internal error in {callback}: {type(exc).__name__}: {exc}",
+            err=errno.EIO,
         )
 
     # ----- attributes -----------------------------------------------------------------------------
@@ -654,6 +654,17 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_guarded
     def release(self, fh: int) -> None:
+        self._release(fh)
+
+    def release_all(self) -> None:
+        """Close what is still open when the mount stops, auditing writes as release would."""
+        for fh in list(self._handles):
+            try:
+                self._release(fh)
+            except OSError as exc:
+                log.warning("closing handle %d on unmount: %s", fh, exc.strerror)
+
+    def _release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)
         if not isinstance(handle, FileHandle):
             return

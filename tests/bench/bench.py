@@ -55,8 +55,12 @@ METRICS: list[tuple[str, str, bool, str]] = [
     ("meta.stat", "s", False, "lstat all {files} files (python loop)"),
     ("meta.ls_lR", "s", False, "ls -lR > /dev/null"),
     ("meta.rm", "s", False, "rm -rf the {files} files"),
-    ("tree.untar", "s", False,
-     "tar -xf source tree ({tree_files} files, {tree_mb} MB, {tree_kind})"),
+    (
+        "tree.untar",
+        "s",
+        False,
+        "tar -xf source tree ({tree_files} files, {tree_mb} MB, {tree_kind})",
+    ),
     ("tree.grep", "s", False, "grep -r -c -F import (reads every file)"),
     ("tree.git_commit", "s", False, "git init && git add -A && git commit"),
     ("tree.git_status", "s", False, "git status --porcelain"),
@@ -65,8 +69,12 @@ METRICS: list[tuple[str, str, bool, str]] = [
     ("data.sync", "s", False, "global `sync` right after the dd write"),
     ("data.read_cold", "s", False, "dd read {size} MiB after drop_caches"),
     ("data.read_warm", "s", False, "dd read {size} MiB again (warm)"),
-    ("rand.read4k", "IOPS", True,
-     "4k random read, {rand_engine}, {rand_mib} MiB, {rand_runtime}s, warm"),
+    (
+        "rand.read4k",
+        "IOPS",
+        True,
+        "4k random read, {rand_engine}, {rand_mib} MiB, {rand_runtime}s, warm",
+    ),
     ("micro.stat", "us", False, "os.stat one file, us/op ({micro_n} ops)"),
     ("micro.fstat", "us", False, "os.fstat of an open fd, us/op ({micro_n} ops)"),
     ("micro.open_close", "us", False, "open+close one file, us/op ({micro_open_n} ops)"),
@@ -76,8 +84,22 @@ WORKLOADS = ["meta", "tree", "data", "rand", "micro"]
 
 # sandboxfs's default deny list (config/defaults.yaml): files matching it cannot be created
 # through the mount, so they are left out of the source tree (same tree for every target).
-DENY_GLOBS = [".env", ".env.*", "*.pem", "*.key", "id_rsa*", "id_ed25519*", "id_ecdsa*", ".netrc",
-              ".git-credentials", ".npmrc", ".pypirc", ".ssh", ".aws", ".gnupg"]
+DENY_GLOBS = [
+    ".env",
+    ".env.*",
+    "*.pem",
+    "*.key",
+    "id_rsa*",
+    "id_ed25519*",
+    "id_ecdsa*",
+    ".netrc",
+    ".git-credentials",
+    ".npmrc",
+    ".pypirc",
+    ".ssh",
+    ".aws",
+    ".gnupg",
+]
 
 MICRO_SCRIPT = r"""
 import json, os, sys, time
@@ -130,15 +152,27 @@ class StepError(Exception):
     pass
 
 
-def run_cmd(argv: list[str], cwd: str | None = None, env: dict[str, str] | None = None,
-            ok: tuple[int, ...] = (0,), capture: bool = False,
-            timeout: float = CMD_TIMEOUT) -> tuple[float, str]:
+def run_cmd(
+    argv: list[str],
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
+    ok: tuple[int, ...] = (0,),
+    capture: bool = False,
+    timeout: float = CMD_TIMEOUT,
+) -> tuple[float, str]:
     """Run a command; return (seconds, stdout). Raise StepError on failure."""
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                           stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, timeout=timeout, check=False)
+        p = subprocess.run(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=timeout,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         raise StepError(f"timeout after {timeout}s: {' '.join(argv)}") from None
     dt = time.perf_counter() - t0
@@ -149,8 +183,9 @@ def run_cmd(argv: list[str], cwd: str | None = None, env: dict[str, str] | None 
 
 
 def quiet(argv: list[str]) -> int:
-    return subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
-                          check=False).returncode
+    return subprocess.run(
+        argv, stdin=subprocess.DEVNULL, capture_output=True, check=False
+    ).returncode
 
 
 def drop_caches() -> bool:
@@ -199,6 +234,7 @@ def proc_cpu(pid: int | None) -> float | None:
 # --------------------------------------------------------------------------------------------
 # source tree tarball (built once into --cache-dir, deterministic)
 
+
 def _denied(rel: str) -> bool:
     return any(fnmatch.fnmatchcase(part, g) for part in rel.split("/") for g in DENY_GLOBS)
 
@@ -220,16 +256,38 @@ def _python3_stdlib() -> str | None:
     exe = shutil.which("python3")
     if not exe:
         return None
-    p = subprocess.run([exe, "-c", "import sysconfig; print(sysconfig.get_paths()['stdlib'])"],
-                       capture_output=True, text=True, check=False)
+    p = subprocess.run(
+        [exe, "-c", "import sysconfig; print(sysconfig.get_paths()['stdlib'])"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return p.stdout.strip() or None
 
 
 def _synthetic_files(n_files: int = 2400) -> list[tuple[str, bytes]]:
     """A deterministic python-like tree: ~2,400 files, ~40 MB, in nested packages."""
     rng = random.Random(20240601)
-    words = ["import", "def", "class", "return", "self", "value", "result", "data", "path",
-             "config", "from", "yield", "async", "await", "lambda", "None", "True", "False"]
+    words = [
+        "import",
+        "def",
+        "class",
+        "return",
+        "self",
+        "value",
+        "result",
+        "data",
+        "path",
+        "config",
+        "from",
+        "yield",
+        "async",
+        "await",
+        "lambda",
+        "None",
+        "True",
+        "False",
+    ]
     dirs = ["Lib"]
     for i in range(24):
         top = f"Lib/pkg{i:02d}"
@@ -258,8 +316,9 @@ def _thin(items: list[Any], limit: int | None) -> list[Any]:
     return items[::step]
 
 
-def build_tree_tar(cache_dir: str, source: str,
-                   limit: int | None = None) -> tuple[str, dict[str, Any]]:
+def build_tree_tar(
+    cache_dir: str, source: str, limit: int | None = None
+) -> tuple[str, dict[str, Any]]:
     """source: 'auto', 'stdlib', 'synthetic' or a directory. Returns (tar path, info)."""
     stdlib = sysconfig.get_paths()["stdlib"]
     if source == "auto":
@@ -270,8 +329,11 @@ def build_tree_tar(cache_dir: str, source: str,
                 source = cand
                 break
     src_dir = stdlib if source == "stdlib" else source
-    key = "synthetic" if source == "synthetic" else (
-        "dir-" + os.path.realpath(src_dir).strip("/").replace("/", "_"))
+    key = (
+        "synthetic"
+        if source == "synthetic"
+        else ("dir-" + os.path.realpath(src_dir).strip("/").replace("/", "_"))
+    )
     tar_path = os.path.join(cache_dir, f"tree-{key}{f'-max{limit}' if limit else ''}.tar")
     info_path = tar_path + ".json"
     if os.path.exists(tar_path) and os.path.exists(info_path):
@@ -282,6 +344,7 @@ def build_tree_tar(cache_dir: str, source: str,
     with tarfile.open(tmp, "w", format=tarfile.GNU_FORMAT) as tf:
         if source == "synthetic":
             import io
+
             for rel, data in _thin(_synthetic_files(), limit):
                 ti = tarfile.TarInfo(rel)
                 ti.size, ti.mode, ti.mtime = len(data), 0o644, 1700000000
@@ -313,9 +376,11 @@ def build_tree_tar(cache_dir: str, source: str,
 # --------------------------------------------------------------------------------------------
 # targets and workloads
 
+
 class Target:
-    def __init__(self, label: str, directory: str, args: argparse.Namespace,
-                 pid: int | None = None) -> None:
+    def __init__(
+        self, label: str, directory: str, args: argparse.Namespace, pid: int | None = None
+    ) -> None:
         self.label = label
         self.dir = directory
         self.work = os.path.join(directory, f"bench.{label}.{os.getpid()}")
@@ -337,12 +402,19 @@ def git_env(args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ)
     home = os.path.join(args.cache_dir, "home")
     os.makedirs(home, exist_ok=True)
-    env.update({
-        "HOME": home, "LC_ALL": "C", "GIT_CONFIG_NOSYSTEM": "1",
-        "GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@localhost",
-        "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "bench@localhost",
-        "GIT_AUTHOR_DATE": "1700000000 +0000", "GIT_COMMITTER_DATE": "1700000000 +0000",
-    })
+    env.update(
+        {
+            "HOME": home,
+            "LC_ALL": "C",
+            "GIT_CONFIG_NOSYSTEM": "1",
+            "GIT_AUTHOR_NAME": "bench",
+            "GIT_AUTHOR_EMAIL": "bench@localhost",
+            "GIT_COMMITTER_NAME": "bench",
+            "GIT_COMMITTER_EMAIL": "bench@localhost",
+            "GIT_AUTHOR_DATE": "1700000000 +0000",
+            "GIT_COMMITTER_DATE": "1700000000 +0000",
+        }
+    )
     return env
 
 
@@ -392,8 +464,9 @@ def tree_rep(t: Target, i: int) -> dict[str, float]:
     run_cmd(["git", "commit", "-q", "-m", "import"], cwd=src, env=env)
     r["tree.git_commit"] = time.perf_counter() - t0
     settle()
-    r["tree.git_status"], out = run_cmd(["git", "status", "--porcelain"], cwd=src, env=env,
-                                        capture=True)
+    r["tree.git_status"], out = run_cmd(
+        ["git", "status", "--porcelain"], cwd=src, env=env, capture=True
+    )
     if out.strip():
         raise StepError(f"git status not clean: {out[:200]!r}")
     r["tree.rm"], _ = run_cmd(["rm", "-rf", dest])
@@ -408,8 +481,9 @@ def data_rep(t: Target, i: int) -> dict[str, float]:
         os.unlink(f)
     settle()
     r: dict[str, float] = {}
-    r["data.write"], _ = run_cmd(["dd", "if=/dev/zero", "of=" + f, "bs=1M", f"count={a.size}",
-                                  "conv=fsync", "status=none"])
+    r["data.write"], _ = run_cmd(
+        ["dd", "if=/dev/zero", "of=" + f, "bs=1M", f"count={a.size}", "conv=fsync", "status=none"]
+    )
     t0 = time.perf_counter()
     os.sync()
     r["data.sync"] = time.perf_counter() - t0
@@ -431,9 +505,20 @@ def rand_setup(t: Target) -> None:
     a = t.args
     f = t.path("rand.bin")
     if a.rand_engine == "fio":
-        run_cmd(["fio", "--name=layout", "--filename=" + f, "--rw=write", "--bs=1M",
-                 f"--size={a.rand_mib}M", "--ioengine=psync", "--end_fsync=1",
-                 "--refill_buffers", "--output=/dev/null"])
+        run_cmd(
+            [
+                "fio",
+                "--name=layout",
+                "--filename=" + f,
+                "--rw=write",
+                "--bs=1M",
+                f"--size={a.rand_mib}M",
+                "--ioengine=psync",
+                "--end_fsync=1",
+                "--refill_buffers",
+                "--output=/dev/null",
+            ]
+        )
     else:
         rng = random.Random(7)
         with open(f, "wb") as fh:
@@ -449,14 +534,31 @@ def rand_rep(t: Target, i: int) -> dict[str, float]:
     f = t.path("rand.bin")
     run_cmd(["dd", "if=" + f, "of=/dev/null", "bs=1M", "status=none"])  # prime the cache
     if a.rand_engine == "fio":
-        _, out = run_cmd(["fio", "--name=randread", "--filename=" + f, "--rw=randread", "--bs=4k",
-                          f"--size={a.rand_mib}M", "--ioengine=psync", "--numjobs=1",
-                          "--invalidate=0", "--time_based", f"--runtime={a.rand_runtime}",
-                          "--output-format=json"], capture=True, timeout=a.rand_runtime + 120)
-        iops = json.loads(out[out.index("{"):])["jobs"][0]["read"]["iops"]
+        _, out = run_cmd(
+            [
+                "fio",
+                "--name=randread",
+                "--filename=" + f,
+                "--rw=randread",
+                "--bs=4k",
+                f"--size={a.rand_mib}M",
+                "--ioengine=psync",
+                "--numjobs=1",
+                "--invalidate=0",
+                "--time_based",
+                f"--runtime={a.rand_runtime}",
+                "--output-format=json",
+            ],
+            capture=True,
+            timeout=a.rand_runtime + 120,
+        )
+        iops = json.loads(out[out.index("{") :])["jobs"][0]["read"]["iops"]
     else:
-        _, out = run_cmd([sys.executable, "-c", PREAD_SCRIPT, f, str(a.rand_runtime)],
-                         capture=True, timeout=a.rand_runtime + 120)
+        _, out = run_cmd(
+            [sys.executable, "-c", PREAD_SCRIPT, f, str(a.rand_runtime)],
+            capture=True,
+            timeout=a.rand_runtime + 120,
+        )
         iops = float(out.strip())
     return {"rand.read4k": iops}
 
@@ -475,8 +577,17 @@ def micro_setup(t: Target) -> None:
 
 def micro_rep(t: Target, i: int) -> dict[str, float]:
     a = t.args
-    _, out = run_cmd([sys.executable, "-c", MICRO_SCRIPT, t.path("micro.txt"),
-                      str(a.micro_n), str(a.micro_open_n)], capture=True)
+    _, out = run_cmd(
+        [
+            sys.executable,
+            "-c",
+            MICRO_SCRIPT,
+            t.path("micro.txt"),
+            str(a.micro_n),
+            str(a.micro_open_n),
+        ],
+        capture=True,
+    )
     return {k: float(v) for k, v in json.loads(out).items()}
 
 
@@ -539,10 +650,14 @@ def run_all(targets: list[Target], args: argparse.Namespace) -> None:
                         t.cpu[wl] = t.cpu.get(wl, 0.0) + cpu1 - cpu0
                     for key, v in res.items():
                         t.add(key, v)
-                    shown = " ".join(f"{key.split('.', 1)[1]}={fmt(v, METRIC_INFO[key][1])}"
-                                     for key, v in res.items())
-                    log(f"[{wl} {i + 1}/{args.reps}] {t.label:<10} {shown}  "
-                        f"({time.perf_counter() - t0:.1f}s)")
+                    shown = " ".join(
+                        f"{key.split('.', 1)[1]}={fmt(v, METRIC_INFO[key][1])}"
+                        for key, v in res.items()
+                    )
+                    log(
+                        f"[{wl} {i + 1}/{args.reps}] {t.label:<10} {shown}  "
+                        f"({time.perf_counter() - t0:.1f}s)"
+                    )
             for t in active:
                 if teardown:
                     try:
@@ -556,6 +671,7 @@ def run_all(targets: list[Target], args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------------------------
 # reporting (same JSON layout as fsbench.py, so `fsbench.py --report` can render it too)
+
 
 def render(results: dict[str, Any], baseline: str = "native") -> str:
     targets = results["targets"]
@@ -609,8 +725,9 @@ def render(results: dict[str, Any], baseline: str = "native") -> str:
     notes.append("")
     for lb in labels:
         t = targets[lb]
-        notes.append(f"  {lb:<10} {t.get('dir')}  fstype={t.get('fstype')} "
-                     f"opts={t.get('mountopts')}")
+        notes.append(
+            f"  {lb:<10} {t.get('dir')}  fstype={t.get('fstype')} opts={t.get('mountopts')}"
+        )
         if t.get("daemon_cpu_s"):
             cpu = ", ".join(f"{w} {s:.1f}s" for w, s in t["daemon_cpu_s"].items())
             notes.append(f"  {lb:<10} daemon CPU time (all reps): {cpu}")
@@ -621,6 +738,7 @@ def render(results: dict[str, Any], baseline: str = "native") -> str:
 
 # --------------------------------------------------------------------------------------------
 # environment: loop filesystem, mounts, profiler
+
 
 class Bench:
     """Owns everything that must be undone: loop fs, mounts, profiler, directories."""
@@ -648,8 +766,9 @@ class Bench:
             self.image = self.base + ".img"
             with open(self.image, "wb") as f:
                 f.truncate(a.loop_size << 30)
-            _, out = run_cmd(["losetup", "--direct-io=on", "-f", "--show", self.image],
-                             capture=True)
+            _, out = run_cmd(
+                ["losetup", "--direct-io=on", "-f", "--show", self.image], capture=True
+            )
             self.loopdev = out.strip()
             run_cmd(["mkfs.ext4", "-q", "-F", self.loopdev])
             run_cmd(["mount", self.loopdev, self.base])
@@ -670,13 +789,23 @@ class Bench:
     def mount_sandboxfs(self) -> str:
         a = self.args
         mnt = os.path.join(self.base, "mnt")
-        cmd = [a.python, "-m", "sandboxfs", "mount", mnt, "--project",
-               os.path.join(self.base, "project"), "--trust", a.trust]
+        cmd = [
+            a.python,
+            "-m",
+            "sandboxfs",
+            "mount",
+            mnt,
+            "--project",
+            os.path.join(self.base, "project"),
+            "--trust",
+            a.trust,
+        ]
         if a.audit_sync:
             cmd.append("--audit-sync")
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT),
-                                                          env.get("PYTHONPATH", "")]))
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")])
+        )
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=False)
         if p.returncode != 0:
             raise SystemExit(f"sandboxfs mount failed ({p.returncode}): {p.stderr.strip()}")
@@ -684,8 +813,11 @@ class Bench:
         with open(os.path.join(mnt, ".sandboxfs", "context.json")) as f:
             self.daemon_pid = json.load(f).get("pid")
         log(f"sandboxfs: {' '.join(cmd)}  (daemon pid {self.daemon_pid})")
-        work = os.path.join(mnt, "repo") if a.zone == "repo" else os.path.join(
-            mnt, "session", "working")
+        work = (
+            os.path.join(mnt, "repo")
+            if a.zone == "repo"
+            else os.path.join(mnt, "session", "working")
+        )
         if not os.path.isdir(work):
             raise SystemExit(f"{work} is not a directory")
         return work
@@ -712,11 +844,25 @@ class Bench:
             return
         self.profile_raw = a.profile + ".collapsed"
         self.profiler = subprocess.Popen(
-            [pyspy, "record", "--pid", str(self.daemon_pid), "--format", "raw", "--function",
-             "--rate", str(a.profile_rate), "-o", self.profile_raw,
-             # --native needs to pause the process while sampling; otherwise do not
-             *(["--native"] if a.profile_native else ["--nonblocking"])],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            [
+                pyspy,
+                "record",
+                "--pid",
+                str(self.daemon_pid),
+                "--format",
+                "raw",
+                "--function",
+                "--rate",
+                str(a.profile_rate),
+                "-o",
+                self.profile_raw,
+                # --native needs to pause the process while sampling; otherwise do not
+                *(["--native"] if a.profile_native else ["--nonblocking"]),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         time.sleep(1.0)
         log(f"py-spy recording daemon pid {self.daemon_pid} -> {self.profile_raw}")
 
@@ -759,11 +905,25 @@ class Bench:
 
 
 # Stacks whose innermost Python frame is one of these are the daemon waiting, not working.
-IDLE_FRAMES = ("EpollIOManager.get_events", "EpollIOManager._epoll_wait", "WorkerThread._work",
-               "Condition.wait", "Thread._wait_for_tstate_lock")
+IDLE_FRAMES = (
+    "EpollIOManager.get_events",
+    "EpollIOManager._epoll_wait",
+    "WorkerThread._work",
+    "Condition.wait",
+    "Thread._wait_for_tstate_lock",
+)
 # The call chain above the request loop: in every sample, so left out of the cumulative table.
-ROOT_FRAMES = ("<module> (", "_run_code (", "_run_module_as_main (", "main (", "cmd_mount (",
-               "_run_daemon (", "serve (", "run (", "unrolled_run (")
+ROOT_FRAMES = (
+    "<module> (",
+    "_run_code (",
+    "_run_module_as_main (",
+    "main (",
+    "cmd_mount (",
+    "_run_daemon (",
+    "serve (",
+    "run (",
+    "unrolled_run (",
+)
 
 
 def profile_report(raw: str, top: int = 15) -> str:
@@ -781,8 +941,11 @@ def profile_report(raw: str, top: int = 15) -> str:
             if not stack or not count.isdigit():
                 continue
             n = int(count)
-            frames = [fr for fr in stack.split(";") if fr and not fr.startswith("process ")
-                      and not fr.startswith("thread ")]
+            frames = [
+                fr
+                for fr in stack.split(";")
+                if fr and not fr.startswith("process ") and not fr.startswith("thread ")
+            ]
             py_frames = [fr for fr in frames if ".py:" in fr or ".pyx:" in fr or ".pxi:" in fr]
             if not frames or (py_frames and py_frames[-1].startswith(IDLE_FRAMES)):
                 idle += n
@@ -817,23 +980,40 @@ def read_loadavg() -> str:
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run (< 1 min): 1 rep, 500 files, 800-file tree, 64 MiB data, "
-                    "32 MiB/2 s rand, fewer micro ops")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run (< 1 min): 1 rep, 500 files, 800-file tree, 64 MiB data, "
+        "32 MiB/2 s rand, fewer micro ops",
+    )
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--workloads", default=",".join(WORKLOADS),
-                    help=f"comma list from {','.join(WORKLOADS)} (default: all)")
+    ap.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma list from {','.join(WORKLOADS)} (default: all)",
+    )
     ap.add_argument("--trust", default="full", help="sandboxfs trust level (default: full)")
-    ap.add_argument("--zone", choices=["repo", "session"], default="repo",
-                    help="run in MNT/repo (default; needs trust full) or MNT/session/working")
+    ap.add_argument(
+        "--zone",
+        choices=["repo", "session"],
+        default="repo",
+        help="run in MNT/repo (default; needs trust full) or MNT/session/working",
+    )
     ap.add_argument("--audit-sync", action="store_true", help="mount sandboxfs with --audit-sync")
     ap.add_argument("--json", help="write the results here (fsbench.py --report can read it)")
-    ap.add_argument("--base", help="parent of the run's directories (default /tmp); with --loop "
-                    "the parent of the image and its mount point")
-    ap.add_argument("--loop", action="store_true",
-                    help="root: run on a fresh journaled ext4 on a loop image (removed after)")
+    ap.add_argument(
+        "--base",
+        help="parent of the run's directories (default /tmp); with --loop "
+        "the parent of the image and its mount point",
+    )
+    ap.add_argument(
+        "--loop",
+        action="store_true",
+        help="root: run on a fresh journaled ext4 on a loop image (removed after)",
+    )
     ap.add_argument("--loop-size", type=int, default=4, help="loop image size in GiB (default 4)")
     ap.add_argument("--no-bindfs", action="store_true", help="skip the bindfs peer")
     ap.add_argument("--size", type=int, help="data workload MiB (default 512, quick 64)")
@@ -844,27 +1024,52 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rand-runtime", type=int, help="rand: seconds (default 10, quick 2)")
     ap.add_argument("--micro-n", type=int, help="micro: stat/fstat ops (default 20000)")
     ap.add_argument("--micro-open-n", type=int, help="micro: open+close ops (default 5000)")
-    ap.add_argument("--tree", default="auto",
-                    help="source tree: auto (this Python's stdlib if >= 2000 files, else "
-                    "synthetic), stdlib, synthetic, or a directory to pack")
-    ap.add_argument("--tree-max", type=int,
-                    help="keep at most this many files of the tree (default all, quick 800)")
-    ap.add_argument("--cache-dir", default="/tmp/sandboxfs-bench-cache",
-                    help="where the tree tarball is built once")
-    ap.add_argument("--python", default=None,
-                    help="python that runs sandboxfs (default: the repo's .venv, else this one)")
-    ap.add_argument("--profile", metavar="PREFIX",
-                    help="record the sandboxfs daemon with py-spy into PREFIX.collapsed and "
-                    "print its top functions")
+    ap.add_argument(
+        "--tree",
+        default="auto",
+        help="source tree: auto (this Python's stdlib if >= 2000 files, else "
+        "synthetic), stdlib, synthetic, or a directory to pack",
+    )
+    ap.add_argument(
+        "--tree-max",
+        type=int,
+        help="keep at most this many files of the tree (default all, quick 800)",
+    )
+    ap.add_argument(
+        "--cache-dir",
+        default="/tmp/sandboxfs-bench-cache",
+        help="where the tree tarball is built once",
+    )
+    ap.add_argument(
+        "--python",
+        default=None,
+        help="python that runs sandboxfs (default: the repo's .venv, else this one)",
+    )
+    ap.add_argument(
+        "--profile",
+        metavar="PREFIX",
+        help="record the sandboxfs daemon with py-spy into PREFIX.collapsed and "
+        "print its top functions",
+    )
     ap.add_argument("--profile-rate", type=int, default=250)
-    ap.add_argument("--profile-native", action="store_true",
-                    help="py-spy --native: also show C/Cython frames (pyfuse3, libfuse)")
+    ap.add_argument(
+        "--profile-native",
+        action="store_true",
+        help="py-spy --native: also show C/Cython frames (pyfuse3, libfuse)",
+    )
     ap.add_argument("--no-drop-caches", dest="drop_caches", action="store_false")
     ap.add_argument("--keep", action="store_true", help="keep the base directory (not the image)")
     a = ap.parse_args()
     quick = a.quick
-    defaults = {"files": (5000, 500), "dirs": (50, 10), "size": (512, 64), "rand_mib": (256, 32),
-                "rand_runtime": (10, 2), "micro_n": (20000, 2000), "micro_open_n": (5000, 500)}
+    defaults = {
+        "files": (5000, 500),
+        "dirs": (50, 10),
+        "size": (512, 64),
+        "rand_mib": (256, 32),
+        "rand_runtime": (10, 2),
+        "micro_n": (20000, 2000),
+        "micro_open_n": (5000, 500),
+    }
     for k, (full, small) in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, small if quick else full)
@@ -894,20 +1099,44 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     os.makedirs(a.cache_dir, exist_ok=True)
-    cfg: dict[str, Any] = {k: getattr(a, k) for k in (
-        "reps", "files", "dirs", "file_size", "size", "rand_mib", "rand_runtime", "rand_engine",
-        "micro_n", "micro_open_n", "drop_caches", "workloads", "trust", "zone", "audit_sync")}
+    cfg: dict[str, Any] = {
+        k: getattr(a, k)
+        for k in (
+            "reps",
+            "files",
+            "dirs",
+            "file_size",
+            "size",
+            "rand_mib",
+            "rand_runtime",
+            "rand_engine",
+            "micro_n",
+            "micro_open_n",
+            "drop_caches",
+            "workloads",
+            "trust",
+            "zone",
+            "audit_sync",
+        )
+    }
     if "tree" in a.workloads:
         a.tree_tar, info = build_tree_tar(a.cache_dir, a.tree, a.tree_max)
-        cfg.update(tree_files=info["files"], tree_mb=round(info["bytes"] / 1e6),
-                   tree_kind=info["kind"])
-        log(f"tree tarball: {a.tree_tar} ({info['files']} files, {info['bytes'] / 1e6:.1f} MB, "
-            f"{info['kind']})")
+        cfg.update(
+            tree_files=info["files"], tree_mb=round(info["bytes"] / 1e6), tree_kind=info["kind"]
+        )
+        log(
+            f"tree tarball: {a.tree_tar} ({info['files']} files, {info['bytes'] / 1e6:.1f} MB, "
+            f"{info['kind']})"
+        )
     bench = Bench(a)
     t_start = time.time()
-    env: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                           "kernel": platform.release(), "python": platform.python_version(),
-                           "nproc": os.cpu_count(), "loadavg_start": read_loadavg()}
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "nproc": os.cpu_count(),
+        "loadavg_start": read_loadavg(),
+    }
     targets: list[Target] = []
     try:
         bench.make_base()
@@ -934,11 +1163,19 @@ def main() -> int:
     env["loadavg_end"] = read_loadavg()
     results: dict[str, Any] = {"env": env, "config": cfg, "targets": {}}
     for t in targets:
-        ms = {k: {"values": v, "median": statistics.median(v), "unit": METRIC_INFO[k][1]}
-              for k, v in t.values.items()}
+        ms = {
+            k: {"values": v, "median": statistics.median(v), "unit": METRIC_INFO[k][1]}
+            for k, v in t.values.items()
+        }
         results["targets"][t.label] = {
-            "dir": t.dir, "fstype": t.fstype, "source": t.source, "mountopts": t.mountopts,
-            "metrics": ms, "errors": t.errors, "daemon_cpu_s": t.cpu}
+            "dir": t.dir,
+            "fstype": t.fstype,
+            "source": t.source,
+            "mountopts": t.mountopts,
+            "metrics": ms,
+            "errors": t.errors,
+            "daemon_cpu_s": t.cpu,
+        }
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)

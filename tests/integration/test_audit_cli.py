@@ -20,8 +20,24 @@ import pytest
 from tests.conftest import SANDBOXFS, make_project, mounted, sandboxfs, sh
 
 SPEC_FIELDS = (
-    "id", "ts", "op", "path", "dest", "zone", "session", "workspace", "trust", "allowed",
-    "reason", "errno", "pid", "uid", "comm", "bytes", "prev", "hash",
+    "id",
+    "ts",
+    "op",
+    "path",
+    "dest",
+    "zone",
+    "session",
+    "workspace",
+    "trust",
+    "allowed",
+    "reason",
+    "errno",
+    "pid",
+    "uid",
+    "comm",
+    "bytes",
+    "prev",
+    "hash",
 )
 
 Entry = dict[str, Any]
@@ -66,8 +82,10 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> History:
     operations, both unmounted again so that every entry is on disk. Made once per module."""
     root = tmp_path_factory.mktemp("history")
     project = make_project(root)
-    with mounted(root / "m1", project, "session") as m1, \
-            mounted(root / "m2", project, "untrusted", "--workspace", "other") as m2:
+    with (
+        mounted(root / "m1", project, "session") as m1,
+        mounted(root / "m2", project, "untrusted", "--workspace", "other") as m2,
+    ):
         ok = sh(
             f"printf 'hello world' > {m1.mnt}/session/working/a.txt && "
             f"cat {m1.mnt}/session/working/a.txt >/dev/null && "
@@ -133,20 +151,28 @@ def test_json_entries_carry_every_spec_field(history: History) -> None:
         assert len(entry["hash"]) == 64 and len(entry["prev"]) == 64
     denial = next(e for e in history.entries if e["path"] == "/repo/README.md")
     assert denial == denial | {
-        "op": "read", "zone": "repo", "session": history.s1, "workspace": "default",
-        "trust": "session", "allowed": False, "errno": "EACCES", "pid": history.cat_pid,
-        "uid": 0, "comm": "cat", "bytes": None, "dest": None,
+        "op": "read",
+        "zone": "repo",
+        "session": history.s1,
+        "workspace": "default",
+        "trust": "session",
+        "allowed": False,
+        "errno": "EACCES",
+        "pid": history.cat_pid,
+        "uid": 0,
+        "comm": "cat",
+        "bytes": None,
+        "dest": None,
     }
     assert "readable zones" in denial["reason"]
     refused_write = [e for e in history.entries if e["path"] == "/repo/new.txt"]
     assert refused_write and all(e["allowed"] is False for e in refused_write)
-    listed = next(e for e in history.entries
-                  if e["op"] == "list" and e["path"] == "/session/working")
+    listed = next(
+        e for e in history.entries if e["op"] == "list" and e["path"] == "/session/working"
+    )
     assert listed["allowed"] is True and listed["comm"] == "ls" and listed["reason"] is None
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: mount/unmount audit entries lack dest, reason, "
-                   "errno and bytes (SPEC §5: each entry has every field)")
 def test_lifecycle_entries_carry_every_spec_field(history: History) -> None:
     lifecycle = [e for e in history.entries if e["op"] in ("mount", "unmount")]
     assert len(lifecycle) == 4
@@ -162,8 +188,9 @@ def test_write_entries_carry_bytes_written(history: History) -> None:
     big = next(e for e in writes if e["path"] == "/workspace/data/big.bin")
     assert big["bytes"] == 300000
     assert big["zone"] == "workspace" and big["comm"] == "sh"  # the shell opens the file
-    reads = [e for e in history.entries
-             if e["op"] == "read" and e["path"] == "/session/working/a.txt"]
+    reads = [
+        e for e in history.entries if e["op"] == "read" and e["path"] == "/session/working/a.txt"
+    ]
     assert len(reads) == 1 and reads[0]["comm"] == "cat" and reads[0]["bytes"] is None
 
 
@@ -176,8 +203,9 @@ def _iso(ts: str, naive: bool = False) -> str:
 
 def test_every_filter(history: History) -> None:
     every = history.entries
-    assert ids(every) == sorted(ids(every), key=lambda i: next(
-        e["ts"] for e in every if e["id"] == i))
+    assert ids(every) == sorted(
+        ids(every), key=lambda i: next(e["ts"] for e in every if e["id"] == i)
+    )
     middle = every[len(every) // 2]["ts"]
     distinct = sorted({e["ts"] for e in every})
     assert len(distinct) > 3
@@ -198,14 +226,19 @@ def test_every_filter(history: History) -> None:
         (("--pid", str(history.cat_pid)), lambda e: e.get("pid") == history.cat_pid),
         (("--since", middle), lambda e: e["ts"] >= middle),
         (("--until", middle), lambda e: e["ts"] < middle),
-        (("--since", _iso(distinct[1], naive=True), "--until", _iso(distinct[-2])),
-         lambda e: distinct[1] <= e["ts"] < distinct[-2]),
+        (
+            ("--since", _iso(distinct[1], naive=True), "--until", _iso(distinct[-2])),
+            lambda e: distinct[1] <= e["ts"] < distinct[-2],
+        ),
         (("--since", "1h"), lambda e: True),
         (("--until", "1h"), lambda e: False),
         (("--since", "10m"), lambda e: True),
-        (("--session", history.s1, "--zone", "repo", "--denied"),
-         lambda e: e.get("session") == history.s1 and e.get("zone") == "repo"
-         and e["allowed"] is False),
+        (
+            ("--session", history.s1, "--zone", "repo", "--denied"),
+            lambda e: (
+                e.get("session") == history.s1 and e.get("zone") == "repo" and e["allowed"] is False
+            ),
+        ),
     ]
     results = audit_many(history.project, [args for args, _ in cases])
     for (args, predicate), got in zip(cases, results, strict=True):
@@ -215,8 +248,9 @@ def test_every_filter(history: History) -> None:
             assert got, f"{args} matched nothing: a weak case"
             assert len(got) < len(every), f"{args} filtered nothing: a weak case"
 
-    limited, limited_denied = audit_many(history.project, [("--limit", "3"),
-                                                          ("--denied", "--limit", "2")])
+    limited, limited_denied = audit_many(
+        history.project, [("--limit", "3"), ("--denied", "--limit", "2")]
+    )
     assert ids(limited) == ids(every[-3:])
     assert ids(limited_denied) == ids([e for e in every if not e["allowed"]][-2:])
 
@@ -232,8 +266,15 @@ def test_every_filter(history: History) -> None:
         (("--denied", "--allowed"), ("--allowed",)),
         (("prune",), ("--before",)),
     ],
-    ids=["since-word", "until-words", "limit-0", "unknown-op", "unknown-trust",
-         "denied-and-allowed", "prune-without-before"],
+    ids=[
+        "since-word",
+        "until-words",
+        "limit-0",
+        "unknown-op",
+        "unknown-trust",
+        "denied-and-allowed",
+        "prune-without-before",
+    ],
 )
 def test_bad_audit_input_is_one_line_exit_2(
     args: tuple[str, ...], needles: tuple[str, ...], project: Path
@@ -258,8 +299,11 @@ def test_verify_detects_an_edited_field(history: History) -> None:
     assert intact.returncode == 0, intact.stdout + intact.stderr
     assert intact.stdout.startswith("ok")
     lines = log.read_bytes().splitlines(keepends=True)
-    index = next(i for i, line in enumerate(lines)
-                 if b'"allowed":false' in line and b"/repo/README.md" in line)
+    index = next(
+        i
+        for i, line in enumerate(lines)
+        if b'"allowed":false' in line and b"/repo/README.md" in line
+    )
     assert 0 < index < len(lines) - 1
     lines[index] = lines[index].replace(b'"allowed":false', b'"allowed":true')
     log.write_bytes(b"".join(lines))
@@ -290,9 +334,7 @@ def test_verify_detects_a_removed_first_line(history: History) -> None:
     assert "line 1:" in result.stdout
 
 
-def test_prune_keeps_the_chain_verifiable(
-    history: History, mount_at: Callable[..., Any]
-) -> None:
+def test_prune_keeps_the_chain_verifiable(history: History, mount_at: Callable[..., Any]) -> None:
     every = history.entries
     cut = every[len(every) // 2]["ts"]
     pruned = sandboxfs("audit", "prune", "--project", history.project, "--before", cut)
@@ -398,8 +440,11 @@ def test_follow_table_rows(
     with mount_at("untrusted") as m:
         proc = follower()
         lines = _reader(proc.stdout)
-        _next_line(lines, lambda line: line.startswith("TIME") or "no matching" in line
-                   or "mount" in line, 20)
+        _next_line(
+            lines,
+            lambda line: line.startswith("TIME") or "no matching" in line or "mount" in line,
+            20,
+        )
         time.sleep(0.5)
         assert sh(f"cat {m.mnt}/repo/README.md").returncode != 0
         row = _next_line(lines, lambda text: "/repo/README.md" in text, 20)

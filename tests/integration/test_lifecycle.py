@@ -317,8 +317,11 @@ def test_mount_status_umount(tmp_path: Path, project: Path) -> None:
         assert down.returncode == 0, down.stderr
         assert fuse_mounts_under(mnt) == []
         assert wait_gone(pid), "daemon still running after umount"
-        assert not [r for r in json.loads(sandboxfs("status", "--json").stdout)
-                    if r["mountpoint"] == str(mnt)]
+        assert not [
+            r
+            for r in json.loads(sandboxfs("status", "--json").stdout)
+            if r["mountpoint"] == str(mnt)
+        ]
         assert_one_line_error(sandboxfs("status", mnt), "not a sandboxfs mount")
     finally:
         if fuse_mounts_under(mnt):
@@ -355,8 +358,9 @@ def test_foreground_unmounts_cleanly_on_signal(
         assert sh(f"echo hi > {mnt}/session/working/fg.txt").returncode == 0
         # The kernel sends RELEASE (which logs the write) after close() returns: wait for it,
         # test_foreground_signal_audits_files_still_open covers the file still open.
-        assert wait_until(lambda: any(
-            e["path"] == "/session/working/fg.txt" for e in audit_entries(project)))
+        assert wait_until(
+            lambda: any(e["path"] == "/session/working/fg.txt" for e in audit_entries(project))
+        )
 
         proc.send_signal(signum)
         out, err = proc.communicate(timeout=20)
@@ -383,11 +387,6 @@ def test_foreground_unmounts_cleanly_on_signal(
             force_unmount(mnt)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a file still open for writing when the daemon stops on a signal is never "
-    "audited (its write entry is only made at RELEASE, which never comes)",
-)
 def test_foreground_signal_audits_files_still_open(tmp_path: Path, project: Path) -> None:
     mnt = tmp_path / "fg"
     mnt.mkdir()
@@ -405,11 +404,15 @@ def test_foreground_signal_audits_files_still_open(tmp_path: Path, project: Path
         proc.communicate(timeout=20)
         assert proc.returncode == 0
         assert fuse_mounts_under(mnt) == []
-        stored = next((project / ".sandbox/workspaces/default/sessions").glob(
-            "*/working/still-open.txt"))
+        stored = next(
+            (project / ".sandbox/workspaces/default/sessions").glob("*/working/still-open.txt")
+        )
         assert stored.read_text() == "hello"  # the data reached the storage ...
-        writes = [e for e in audit_entries(project, "--op", "write")
-                  if e["path"] == "/session/working/still-open.txt"]
+        writes = [
+            e
+            for e in audit_entries(project, "--op", "write")
+            if e["path"] == "/session/working/still-open.txt"
+        ]
         assert writes, "... so the write must be in the audit log"
         assert writes[0]["allowed"] is True and writes[0]["comm"] == "sh"
         assert writes[0]["bytes"] == 5
@@ -446,8 +449,10 @@ def test_concurrent_sessions_are_isolated_but_share_the_workspace(
 def test_session_resumes_after_unmount(mount_at: Callable[..., Any]) -> None:
     with mount_at("session") as first:
         session = first.session
-        wrote = sh(f"seq 1 3000 > {first.mnt}/session/outputs/notes.txt && "
-                   f"sync {first.mnt}/session/outputs/notes.txt")
+        wrote = sh(
+            f"seq 1 3000 > {first.mnt}/session/outputs/notes.txt && "
+            f"sync {first.mnt}/session/outputs/notes.txt"
+        )
         assert wrote.returncode == 0, wrote.stderr
     with mount_at("session", "--session", session) as second:
         assert second.session == session
@@ -462,8 +467,7 @@ def test_session_resumes_after_unmount(mount_at: Callable[..., Any]) -> None:
 
 
 def test_workspaces_are_isolated(mount_at: Callable[..., Any]) -> None:
-    with mount_at("session", "--workspace", "a") as a, \
-            mount_at("session", "--workspace", "b") as b:
+    with mount_at("session", "--workspace", "a") as a, mount_at("session", "--workspace", "b") as b:
         assert sh(f"echo a > {a.mnt}/workspace/data/only-a.txt").returncode == 0
         made = sh(f"mkdir {a.mnt}/staged/c1 && echo a > {a.mnt}/staged/c1/change.txt")
         assert made.returncode == 0, made.stderr
@@ -570,11 +574,6 @@ def test_crash_recovery(mount_at: Callable[..., Any]) -> None:
         assert verify.stdout.startswith("ok")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: validate_mountpoint trusts a cached stat of a dead mount and says "
-    "'already mounted' instead of cleaning it up",
-)
 def test_mount_cleans_up_a_dead_mountpoint(mount_at: Callable[..., Any]) -> None:
     with mount_at("session") as m:
         text = _write_synced(m.mnt / "session/working/kept.txt", 1000)
@@ -625,8 +624,9 @@ def _as_nobody(command: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
-                    reason="needs root and setpriv")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv"
+)
 def test_allow_other_lets_another_user_in(open_tmp: Path) -> None:
     project = make_project(open_tmp)
     project.chmod(0o755)
@@ -636,13 +636,17 @@ def test_allow_other_lets_another_user_in(open_tmp: Path) -> None:
         read = _as_nobody(f"cat {m.mnt}/session/working/pub.txt")
         assert read.returncode == 0, read.stderr
         assert read.stdout == "public\n"
-        entry = m.wait_audit(lambda e: e["path"] == "/session/working/pub.txt"
-                             and e["op"] == "read" and e["uid"] == 65534)
+        entry = m.wait_audit(
+            lambda e: (
+                e["path"] == "/session/working/pub.txt" and e["op"] == "read" and e["uid"] == 65534
+            )
+        )
         assert entry["allowed"] is True
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
-                    reason="needs root and setpriv")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv"
+)
 def test_without_allow_other_another_user_is_refused(open_tmp: Path) -> None:
     project = make_project(open_tmp)
     project.chmod(0o755)
@@ -662,8 +666,7 @@ def test_without_allow_other_another_user_is_refused(open_tmp: Path) -> None:
 
 def test_installed_package_works_outside_the_repo() -> None:
     result = subprocess.run(
-        [sys.executable, "-c",
-         "import sandboxfs.config as c; print(c.defaults().default_trust)"],
+        [sys.executable, "-c", "import sandboxfs.config as c; print(c.defaults().default_trust)"],
         cwd="/",
         capture_output=True,
         text=True,
@@ -674,7 +677,11 @@ def test_installed_package_works_outside_the_repo() -> None:
     assert result.stdout.strip() == "session"
     help_text = subprocess.run(
         [str(Path(sys.executable).parent / "sandboxfs"), "--help"],
-        cwd="/", capture_output=True, text=True, timeout=60, check=False,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert help_text.returncode == 0, help_text.stderr
     for command in ("mount", "umount", "status", "audit"):
@@ -690,12 +697,18 @@ def test_wheel_ships_defaults_and_entry_point(tmp_path: Path) -> None:
     for extra in ("README.md", "LICENSE", "MANIFEST.in", "setup.cfg", "setup.py"):
         if (repo / extra).exists():
             shutil.copy2(repo / extra, source)
-    shutil.copytree(repo / "sandboxfs", source / "sandboxfs",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(
+        repo / "sandboxfs",
+        source / "sandboxfs",
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+    )
     out = tmp_path / "dist"
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(source)],
-        capture_output=True, text=True, timeout=300, check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert built.returncode == 0, built.stderr[-2000:]
     wheels = list(out.glob("sandboxfs-*.whl"))

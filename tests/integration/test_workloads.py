@@ -877,9 +877,7 @@ def verify_stress(base: Path, manifests: list[dict[str, Any]]) -> None:
     "links",
     [
         pytest.param(False, id="no-hard-links"),
-        pytest.param(
-            True, id="hard-links"
-        ),
+        pytest.param(True, id="hard-links"),
     ],
 )
 def test_eight_mixed_writers_keep_every_byte(
