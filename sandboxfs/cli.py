@@ -11,6 +11,7 @@ import json
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -87,7 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument(
         "--debug", action="store_true", help="log every FUSE request to the daemon log"
     )
-    mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
     umount = sub.add_parser("umount", help="unmount, also a mount whose daemon died")
     umount.add_argument("mountpoint", type=Path)
@@ -185,8 +185,6 @@ def cmd_mount(args: argparse.Namespace) -> int:
         debug=args.debug,
         allow_other=args.allow_other,
     )
-    if args.ready_fd is not None:
-        return _run_daemon(req, args.ready_fd)
     if args.foreground:
 
         def announce() -> None:
@@ -194,7 +192,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
         serve(req, announce)
         return 0
-    return _spawn_daemon(req, args, resumed)
+    return _spawn_daemon(req, resumed)
 
 
 def _mounted_line(req: MountRequest, resumed: bool) -> str:
@@ -204,39 +202,22 @@ def _mounted_line(req: MountRequest, resumed: bool) -> str:
     )
 
 
-def _spawn_daemon(req: MountRequest, args: argparse.Namespace, resumed: bool) -> int:
-    """Start the daemon detached and wait until it reports that the mount answers."""
+def _spawn_daemon(req: MountRequest, resumed: bool) -> int:
+    """Fork the daemon (already validated and imported: no second interpreter start-up) and
+    wait until it reports that the mount answers, or why it could not mount."""
     read_end, write_end = os.pipe()
-    cmd = [
-        sys.executable,
-        "-m",
-        "sandboxfs",
-        "mount",
-        str(req.mountpoint),
-        "--trust",
-        req.trust.value,
-        "--project",
-        str(req.project),
-        "--workspace",
-        req.workspace,
-        "--session",
-        req.session,
-        "--ready-fd",
-        str(write_end),
-    ]
-    if args.config is not None:
-        cmd += ["--config", str(args.config.resolve())]
-    for flag in ("audit_sync", "allow_other", "debug"):
-        if getattr(args, flag):
-            cmd.append("--" + flag.replace("_", "-"))
-    proc = subprocess.Popen(
-        cmd,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        pass_fds=(write_end,),
-        start_new_session=True,
-    )
+    pid = os.fork()
+    if pid == 0:  # the daemon: its own session, no terminal, never returns into the CLI
+        os.close(read_end)
+        code = 1
+        try:
+            os.setsid()
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(devnull, fd)
+            code = _run_daemon(req, write_end)
+        finally:
+            os._exit(code)
     os.close(write_end)
     message = _read_status(read_end, MOUNT_TIMEOUT)
     os.close(read_end)
@@ -244,15 +225,15 @@ def _spawn_daemon(req: MountRequest, args: argparse.Namespace, resumed: bool) ->
         print(_mounted_line(req, resumed))
         return 0
     if not message:
-        proc.kill()
-        proc.wait()
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
         lazy_unmount(req.mountpoint)
         raise UserError(
             f"the daemon did not report a working mount within {MOUNT_TIMEOUT:.0f} s", exit_code=1
         )
-    proc.wait()
-    code, _, text = message.partition(" ")[2].partition(" ")
-    raise UserError(text.strip(), exit_code=int(code) if code.isdigit() else 1)
+    os.waitpid(pid, 0)
+    status, _, text = message.partition(" ")[2].partition(" ")
+    raise UserError(text.strip(), exit_code=int(status) if status.isdigit() else 1)
 
 
 def _read_status(fd: int, timeout: float) -> str:
