@@ -50,7 +50,7 @@ _SUID_SGID = stat.S_ISUID | stat.S_ISGID
 _OPEN_STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_DIRECT
 _ZONE_NAMES = {zone.value.encode(): zone for zone in Zone}
 _WRITABLE_XATTR_PREFIX = b"user."
-_ACL_XATTR_PREFIX = b"system.posix_acl_"
+_ACL_XATTRS = (b"system.posix_acl_access", b"system.posix_acl_default")
 _CAPABILITY_XATTR = b"security.capability"
 
 P = ParamSpec("P")
@@ -119,6 +119,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
     supports_dot_lookup = False
     enable_writeback_cache = False
+    # The kernel caches and enforces POSIX ACLs itself (with default_permissions) instead of
+    # asking the daemon for them on every `ls -l`; the ACLs live on the backing files.
+    enable_acl = True
 
     def __init__(
         self,
@@ -1001,11 +1004,11 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
     def _check_xattr_change(self, ctx: Any, node: Node, name: bytes) -> None:
         self._check_change(ctx, node)
-        if name.startswith(_ACL_XATTR_PREFIX):
-            # Like a filesystem mounted without ACL support: cp and mv then carry on quietly.
-            raise SandboxError(errno.EOPNOTSUPP, "POSIX ACLs are not supported")
-        if not name.startswith(_WRITABLE_XATTR_PREFIX):
-            reason = "only user.* extended attributes can be set or removed through sandboxfs"
+        if not name.startswith(_WRITABLE_XATTR_PREFIX) and name not in _ACL_XATTRS:
+            reason = (
+                "only user.* extended attributes and POSIX ACLs can be set or removed "
+                "through sandboxfs"
+            )
             raise self.refuse(
                 ctx, Op.WRITE.value, node.vpath(), node.zone, Decision(False, errno.EPERM, reason)
             )
