@@ -51,7 +51,7 @@ _OPEN_STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_DIRECT
 _ZONE_NAMES = {zone.value.encode(): zone for zone in Zone}
 _WRITABLE_XATTR_PREFIX = b"user."
 _ACL_XATTRS = (b"system.posix_acl_access", b"system.posix_acl_default")
-_CAPABILITY_XATTR = b"security.capability"
+_SECURITY_XATTR_PREFIX = b"security."
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -615,7 +615,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if not wants_write:
             self.record(Op.READ.value, node.vpath(), node.zone, pid=ctx.pid, uid=ctx.uid, comm=comm)
         handle = FileHandle(fd, node, wants_write, False, ctx.pid, ctx.uid, comm)
-        node.open_fds.append(fd)
+        node.open_fds = (*node.open_fds, fd)
         return self._new_handle(handle, keep_cache=keep_cache, direct_io=bool(flags & os.O_DIRECT))
 
     def _new_handle(
@@ -677,7 +677,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 st = os.stat(handle.fd)
                 node.cache_stamp = (st.st_mtime_ns, st.st_size)
         finally:
-            node.open_fds.remove(handle.fd)
+            node.open_fds = tuple(fd for fd in node.open_fds if fd != handle.fd)
             os.close(handle.fd)
         if handle.writable or handle.created:
             self.record(
@@ -737,7 +737,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         node = self.store.remember(parent, name, st, 0)
         node.created_here = True
         node.cache_stamp = (st.st_mtime_ns, st.st_size)
-        node.open_fds.append(fd)
+        node.open_fds = (*node.open_fds, fd)
         comm = process_name(ctx.pid)
         handle = FileHandle(fd, node, True, True, ctx.pid, ctx.uid, comm)
         info = self._new_handle(handle, keep_cache=True, direct_io=bool(flags & os.O_DIRECT))
@@ -977,9 +977,10 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_guarded
     def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
-        if name == _CAPABILITY_XATTR:
-            # The kernel asks before every write to drop file capabilities; the mount is
-            # nosuid and never stores them, so there are none to report.
+        if name.startswith(_SECURITY_XATTR_PREFIX):
+            # The kernel asks for security.capability before every first write, and ls for
+            # security.selinux; sandboxfs never stores security.* (the mount is nosuid), so
+            # answer at once, without a policy check that would audit a phantom denial.
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         node = self.store.get(inode)
         if node.zone is not None and node.ino >= FIRST_DYNAMIC_INO:

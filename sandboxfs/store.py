@@ -16,7 +16,7 @@ import os
 import stat
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import SandboxError
@@ -56,9 +56,10 @@ class Node:
     lookups: int = 0
     created_here: bool = False
     fd: int = -1
-    open_fds: list[int] = field(default_factory=list)
+    # Tuples, not lists: the empty tuple is shared, so a million idle nodes cost nothing here.
+    open_fds: tuple[int, ...] = ()
     cache_stamp: tuple[int, int] | None = None
-    links: list[tuple[Node, bytes]] = field(default_factory=list)
+    links: tuple[tuple[Node, bytes], ...] = ()
     last_vpath: str = ""
 
     def relpath(self) -> bytes:
@@ -156,7 +157,7 @@ class Store:
         elif node.parent is not parent or node.name != name:
             _forget_link(node, parent, name)
             if not is_dir and node.parent is not None:
-                node.links.append((node.parent, node.name))
+                node.links = (*node.links, (node.parent, node.name))
             node.parent, node.name, node.layer = parent, name, layer
         node.lookups += 1
         return node
@@ -182,7 +183,8 @@ class Store:
         _forget_link(node, parent, name)
         if node.parent is parent and node.name == name:
             if node.links and remaining > 0:
-                node.parent, node.name = node.links.pop()
+                node.parent, node.name = node.links[-1]
+                node.links = node.links[:-1]
             else:
                 node.last_vpath = node.vpath()
                 node.parent, node.name = None, b""
@@ -199,7 +201,7 @@ class Store:
             node.parent, node.name = parent, name
         else:
             _forget_link(node, old_parent, old_name)
-            node.links.append((parent, name))
+            node.links = (*node.links, (parent, name))
 
     # ----- descriptors --------------------------------------------------------------------
 
@@ -300,7 +302,7 @@ class Store:
 
 def _forget_link(node: Node, parent: Node, name: bytes) -> None:
     """Drop parent/name from node's other known names (the current one is node.parent/name)."""
-    node.links = [(p, n) for p, n in node.links if not (p is parent and n == name)]
+    node.links = tuple((p, n) for p, n in node.links if not (p is parent and n == name))
 
 
 def _open_dir_or_missing(path: Path) -> int:
