@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -352,13 +354,34 @@ def test_directory_named_like_project_file(tmp_path: Path) -> None:
     assert str(tmp_path / "sandboxfs.yaml") in message
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can read a mode-000 file")
+def _load_error_as_nobody(project: Path) -> str:
+    """config.load's error message, from a forked child that dropped root (root reads any file)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(65534, 65534, 65534)
+            os.write(write_end, _load_error(project).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        message = pipe.read().decode()
+    os.waitpid(pid, 0)
+    return message
+
+
 def test_unreadable_file(tmp_path: Path) -> None:
-    path = _write(tmp_path, "default_trust: full\n")
-    path.chmod(0)
+    project = Path(tempfile.mkdtemp(prefix="sandboxfs-config-")) if os.geteuid() == 0 else tmp_path
     try:
-        message = _load_error(tmp_path)
+        project.chmod(0o755)
+        path = _write(project, "default_trust: full\n")
+        path.chmod(0)
+        message = _load_error_as_nobody(project) if os.geteuid() == 0 else _load_error(project)
     finally:
-        path.chmod(0o600)
+        if os.geteuid() == 0:
+            shutil.rmtree(project)
     assert str(path) in message
     assert "Permission denied" in message
