@@ -1016,42 +1016,40 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_guarded
     def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
-        node = self.store.get(inode)
-        self._check_xattr_change(ctx, node, name)
-
-        def put(path: str) -> bool:
+        def put(path: str) -> None:
             os.setxattr(path, name, value)
-            return True
 
-        if not self._with_xattr_path(node, put, False):
-            raise SandboxError(errno.EPERM, "symlinks cannot carry user extended attributes")
-        self.record(
-            Op.WRITE.value,
-            node.vpath(),
-            node.zone,
-            pid=ctx.pid,
-            uid=ctx.uid,
-            detail="setxattr " + name.decode("utf-8", "replace"),
-        )
+        self._change_xattr(ctx, inode, name, put, "setxattr", errno.EPERM)
 
     @_guarded
     def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
+        def remove(path: str) -> None:
+            os.removexattr(path, name)
+
+        self._change_xattr(ctx, inode, name, remove, "removexattr", pyfuse3.ENOATTR)
+
+    def _change_xattr(
+        self,
+        ctx: Any,
+        inode: int,
+        name: bytes,
+        change: Callable[[str], None],
+        what: str,
+        symlink_errno: int,
+    ) -> None:
+        """Set or remove one xattr after the write check; symlinks carry none."""
         node = self.store.get(inode)
         self._check_xattr_change(ctx, node, name)
 
-        def remove(path: str) -> bool:
-            os.removexattr(path, name)
+        def apply(path: str) -> bool:
+            change(path)
             return True
 
-        if not self._with_xattr_path(node, remove, False):
-            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        if not self._with_xattr_path(node, apply, False):
+            raise SandboxError(symlink_errno, "symlinks cannot carry extended attributes")
+        detail = f"{what} {name.decode('utf-8', 'replace')}"
         self.record(
-            Op.WRITE.value,
-            node.vpath(),
-            node.zone,
-            pid=ctx.pid,
-            uid=ctx.uid,
-            detail="removexattr " + name.decode("utf-8", "replace"),
+            Op.WRITE.value, node.vpath(), node.zone, pid=ctx.pid, uid=ctx.uid, detail=detail
         )
 
     @_guarded

@@ -46,6 +46,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sandboxfs.config import DEFAULT_DENY
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CMD_TIMEOUT = 900
 
@@ -84,22 +86,7 @@ WORKLOADS = ["meta", "tree", "data", "rand", "micro"]
 
 # sandboxfs's default deny list (config/defaults.yaml): files matching it cannot be created
 # through the mount, so they are left out of the source tree (same tree for every target).
-DENY_GLOBS = [
-    ".env",
-    ".env.*",
-    "*.pem",
-    "*.key",
-    "id_rsa*",
-    "id_ed25519*",
-    "id_ecdsa*",
-    ".netrc",
-    ".git-credentials",
-    ".npmrc",
-    ".pypirc",
-    ".ssh",
-    ".aws",
-    ".gnupg",
-]
+DENY_GLOBS = [pattern.rstrip("/") for pattern in DEFAULT_DENY]
 
 MICRO_SCRIPT = r"""
 import json, os, sys, time
