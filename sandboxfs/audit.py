@@ -66,6 +66,16 @@ def _seal(entry: dict[str, Any], entry_id: int, prev: str) -> dict[str, Any]:
     return sealed
 
 
+def _sealed_line(entry: dict[str, Any], entry_id: int, prev: str) -> tuple[bytes, str]:
+    """The line for `entry` placed in the chain, and its hash, serialising only once: the hash
+    covers the canonical JSON without "hash", which is then appended as the last key."""
+    body = _canonical(
+        {k: v for k, v in entry.items() if k != "hash"} | {"id": entry_id, "prev": prev}
+    )
+    digest = hashlib.sha256(body).hexdigest()
+    return body[:-1] + b',"hash":"' + digest.encode("ascii") + b'"}\n', digest
+
+
 def _parse_entry(line: bytes) -> dict[str, Any] | None:
     """The entry on one line, or None for a torn or foreign line (no id, prev and hash)."""
     try:
@@ -276,9 +286,8 @@ class AuditLog:
             last_id, last_hash = tail.last_id, tail.last_hash
             for entry in pending:
                 last_id += 1
-                sealed = _seal(entry, last_id, last_hash)
-                last_hash = sealed["hash"]
-                out += _canonical(sealed) + b"\n"
+                line, last_hash = _sealed_line(entry, last_id, last_hash)
+                out += line
             self._tail = None  # unknown if the write fails part way
             try:
                 _write_all(self._fd, out)

@@ -102,7 +102,8 @@ def test_chain_of_several_flushes_verifies(tmp_path: Path) -> None:
     for line, entry in zip(_lines(path), entries, strict=True):
         without_hash = {k: v for k, v in entry.items() if k != "hash"}
         assert entry["hash"] == hashlib.sha256(_canonical(without_hash)).hexdigest()
-        assert line == _canonical(entry) + b"\n"
+        # written once: the hashed canonical form, with "hash" appended as the last key
+        assert line == _canonical(without_hash)[:-1] + f',"hash":"{entry["hash"]}"}}\n'.encode()
     result = verify(path)
     assert result.ok
     assert (result.entries, result.first_bad_line, result.torn_lines) == (9, None, ())
