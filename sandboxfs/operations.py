@@ -693,7 +693,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
     # ----- creating entries -----------------------------------------------------------------------
 
-    def _creatable_parent(self, ctx: Any, parent: Node, name: bytes, what: str) -> Zone:
+    def _creatable_parent(self, ctx: Any, parent: Node, name: bytes) -> Zone:
         """Checks for a new name in `parent`; returns its zone."""
         if parent.zone is None:
             reason = ROOT_CREATE_REASON if parent.ino == ROOT_INO else CONTEXT_REASON
@@ -709,7 +709,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self._check_layer(ctx, parent, Op.WRITE, name)
         return zone
 
-    def _own(self, path_fd: int, name: bytes, ctx: Any, is_link: bool = False) -> None:
+    def _own(self, path_fd: int, name: bytes, ctx: Any) -> None:
         """Give a new entry to the caller, as the kernel would on a local filesystem."""
         if self.running_as_root and (ctx.uid != 0 or ctx.gid != 0):
             os.chown(name, ctx.uid, ctx.gid, dir_fd=path_fd, follow_symlinks=False)
@@ -719,7 +719,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         parent = self.store.get(parent_inode)
-        zone = self._creatable_parent(ctx, parent, name, "create")
+        zone = self._creatable_parent(ctx, parent, name)
         dfd = self.store.child_dir_fd(parent, 0, create=True)
         open_flags = (
             (flags & ~(os.O_NOCTTY | os.O_DIRECT)) | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -759,7 +759,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     @_guarded
     def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> pyfuse3.EntryAttributes:
         parent = self.store.get(parent_inode)
-        self._creatable_parent(ctx, parent, name, "mkdir")
+        self._creatable_parent(ctx, parent, name)
         dfd = self.store.child_dir_fd(parent, 0, create=True)
         os.mkdir(name, stat.S_IMODE(mode) & ~_SUID_SGID, dir_fd=dfd)
         return self._finish_new(ctx, parent, name, "mkdir")
@@ -769,7 +769,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self, parent_inode: int, name: bytes, target: bytes, ctx: Any
     ) -> pyfuse3.EntryAttributes:
         parent = self.store.get(parent_inode)
-        self._creatable_parent(ctx, parent, name, "symlink")
+        self._creatable_parent(ctx, parent, name)
         dfd = self.store.child_dir_fd(parent, 0, create=True)
         os.symlink(target, name, dir_fd=dfd)
         return self._finish_new(ctx, parent, name, "symlink")
@@ -790,7 +790,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 parent.zone,
                 Decision(False, errno.EPERM, reason),
             )
-        self._creatable_parent(ctx, parent, name, "mknod")
+        self._creatable_parent(ctx, parent, name)
         dfd = self.store.child_dir_fd(parent, 0, create=True)
         os.mknod(name, stat.S_IFMT(mode) | (stat.S_IMODE(mode) & ~_SUID_SGID), dir_fd=dfd)
         return self._finish_new(ctx, parent, name, "mknod")
