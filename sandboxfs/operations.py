@@ -482,8 +482,13 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         return os.readlink(node.name, dir_fd=self.store.parent_fd(node))
 
     def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        """Drop what the kernel no longer references. Synchronous on purpose: pyfuse3 awaits
+        only a returned coroutine, and FORGET gets no reply, so there is no errno to map."""
         for inode, count in inode_list:
-            self.store.forget(inode, count)
+            try:
+                self.store.forget(inode, count)
+            except Exception:
+                log.exception("internal error in forget")
 
     # ----- directories ----------------------------------------------------------------------------
 
