@@ -31,6 +31,7 @@ from .daemon import (
     read_context,
     sandboxfs_mounts,
     serve,
+    session_dir,
     validate_mountpoint,
     validate_project,
 )
@@ -172,13 +173,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
     project = validate_project(args.project)
     cfg = config_mod.load(project, args.config)
     mountpoint = validate_mountpoint(args.mountpoint, project)
-    resumed = args.session is not None
-    session = check_id("session", args.session) if resumed else new_session_id()
+    workspace = check_id("workspace", args.workspace)
+    session = check_id("session", args.session) if args.session else new_session_id()
+    resumed = session_dir(project, workspace, session).is_dir()
     req = MountRequest(
         mountpoint=mountpoint,
         project=project,
         trust=args.trust or cfg.default_trust,
-        workspace=check_id("workspace", args.workspace),
+        workspace=workspace,
         session=session,
         config=cfg,
         audit_sync=args.audit_sync,

@@ -64,6 +64,10 @@ def audit_path(project: Path) -> Path:
     return state_dir(project) / "audit.jsonl"
 
 
+def session_dir(project: Path, workspace: str, session: str) -> Path:
+    return state_dir(project) / "workspaces" / workspace / "sessions" / session
+
+
 def new_session_id() -> str:
     return secrets.token_hex(4)
 
