@@ -47,6 +47,17 @@ def sh(
     )
 
 
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """Exit 2, exactly one line on stderr (no traceback) containing every needle."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
 def force_unmount(mountpoint: Path) -> None:
     subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
 

@@ -17,7 +17,15 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import SANDBOXFS, force_unmount, make_project, mounted, sandboxfs, sh
+from tests.conftest import (
+    SANDBOXFS,
+    assert_one_line_error,
+    force_unmount,
+    make_project,
+    mounted,
+    sandboxfs,
+    sh,
+)
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 ENOTCONN_TEXT = "Transport endpoint is not connected"
@@ -36,17 +44,6 @@ def fuse_mounts_under(root: Path) -> list[str]:
             if mp == str(root) or mp.startswith(str(root) + "/"):
                 found.append(mp)
     return found
-
-
-def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> str:
-    """Exit 2, exactly one line on stderr (no traceback) containing every needle."""
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2, (result.returncode, result.stderr)
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 def process_gone(pid: int) -> bool:
