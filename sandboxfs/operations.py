@@ -267,11 +267,11 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         entry.st_uid, entry.st_gid = st.st_uid, st.st_gid
         entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = st.st_mtime_ns
         if node.ino == CONTEXT_INO:
-            entry.st_mode = stat.S_IFREG | 0o444
+            entry.st_mode = stat.S_IFREG | 0o644  # writes reach the daemon: refused, audited
             entry.st_nlink = 1
             entry.st_size = len(self.context_json)
         else:
-            entry.st_mode = stat.S_IFDIR | (0o555 if node.ino == CONTROL_INO else 0o755)
+            entry.st_mode = stat.S_IFDIR | 0o755
             entry.st_nlink = 2
         entry.st_blksize = 4096
         return entry
@@ -526,7 +526,12 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 child.lookups += 1
                 continue
             else:
-                st = self._entry_stat(node, name, layer)
+                try:
+                    st = self._entry_stat(node, name, layer)
+                except PermissionError:
+                    if not pyfuse3.readdir_reply(token, name, self._opaque_attrs(), index + 1):
+                        return
+                    continue
                 if st is None:
                     continue
                 child = self.store.remember(node, name, st, layer)
@@ -539,19 +544,37 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 return
 
     def _entry_stat(self, node: Node, name: bytes, layer: int) -> os.stat_result | None:
-        """lstat of a listed entry, or None if it vanished or the deny list hides it."""
-        try:
-            st = os.stat(name, dir_fd=self.store.child_dir_fd(node, layer), follow_symlinks=False)
-        except FileNotFoundError:
-            return None
+        """lstat of a listed entry, or None if it vanished or the deny list hides it.
+
+        PermissionError means the daemon cannot search the directory (no x bit): the caller
+        lists the name without attributes, as getdents does natively (unless it would be
+        deny-listed as a directory, since its type is unknown).
+        """
         text = name.decode("utf-8", "surrogateescape")
         relpath = ""
         if self.policy.has_path_patterns:
             rel = node.relpath()
             relpath = (rel + b"/" + name if rel else name).decode("utf-8", "surrogateescape")
-        if self.policy.denied_name(text, relpath, stat.S_ISDIR(st.st_mode)) is not None:
+        if self.policy.denied_name(text, relpath, False) is not None:
+            return None  # a pattern for every type of entry
+        try:
+            st = os.stat(name, dir_fd=self.store.child_dir_fd(node, layer), follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        except PermissionError:
+            if self.policy.denied_name(text, relpath, True) is not None:
+                return None
+            raise
+        if stat.S_ISDIR(st.st_mode) and self.policy.denied_name(text, relpath, True):
             return None
         return st
+
+    def _opaque_attrs(self) -> pyfuse3.EntryAttributes:
+        """A listing entry without attributes: an inode number nothing else has and no file
+        type, which the kernel shows by name and then forgets; a later stat asks lookup."""
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = self.store.spare_ino()
+        return entry
 
     def _dir_entries(self, node: Node) -> list[tuple[bytes, int]]:
         dots = [(b".", 0), (b"..", 0)]

@@ -162,6 +162,11 @@ class Store:
         node.lookups += 1
         return node
 
+    def spare_ino(self) -> int:
+        """An inode number that no node will ever have (for entries shown without attributes)."""
+        self._next_ino += 1
+        return self._next_ino - 1
+
     def forget(self, ino: int, count: int) -> None:
         node = self.nodes.get(ino)
         if node is None or node.ino < FIRST_DYNAMIC_INO:
@@ -313,8 +318,9 @@ def _open_dir_or_missing(path: Path) -> int:
 
 
 def _listdir(fd: int) -> list[bytes]:
-    # O_PATH descriptors cannot be read; open the directory itself relative to it.
-    dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+    # O_PATH descriptors cannot be read. Reopen the directory through /proc rather than as "."
+    # relative to itself, which would need its x bit (natively, listing needs only r).
+    dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         # With a descriptor, listdir returns str; fsencode restores the exact bytes.
         return [os.fsencode(name) for name in os.listdir(dfd)]

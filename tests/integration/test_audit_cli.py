@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import shutil
 import signal
@@ -150,7 +151,7 @@ def test_json_entries_carry_every_spec_field(history: History) -> None:
         "allowed": False,
         "errno": "EACCES",
         "pid": history.cat_pid,
-        "uid": 0,
+        "uid": os.getuid(),
         "comm": "cat",
         "bytes": None,
         "dest": None,

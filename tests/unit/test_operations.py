@@ -1090,7 +1090,7 @@ async def test_context_json(make: Callable[[str], Harness], trust: str) -> None:
     assert inode == CONTEXT_INO
     attrs = await h.ops.getattr(inode, CTX)
     assert stat.S_ISREG(attrs.st_mode)
-    assert stat.S_IMODE(attrs.st_mode) == 0o444
+    assert stat.S_IMODE(attrs.st_mode) == 0o644
     fi = await h.ops.open(inode, os.O_RDONLY, CTX)
     data = await h.ops.read(fi.fh, 0, 1 << 20)
     assert len(data) == attrs.st_size
