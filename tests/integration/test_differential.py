@@ -389,6 +389,8 @@ names = ["f%d" % i for i in range(12)] + ["d%d" % i for i in range(4)]
 names += ["d%d/f%d" % (i, j) for i in range(4) for j in range(4)] + ["d0/d1", "d1/d2/f0"]
 expected = {errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR,
             errno.EINVAL, errno.EBADF, errno.ELOOP, errno.EPERM, errno.ENODATA, errno.ENXIO}
+if os.geteuid() != 0:  # random chmods lock an ordinary owner out, natively too
+    expected.add(errno.EACCES)
 flag_bits = [os.O_CREAT, os.O_EXCL, os.O_TRUNC, os.O_APPEND, os.O_DIRECT, os.O_NOATIME,
              os.O_SYNC, os.O_DSYNC]
 aligned = mmap.mmap(-1, 8192)
