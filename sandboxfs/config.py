@@ -88,6 +88,12 @@ class AuditConfig(_Strict):
     flush_interval: float = Field(default=0.05, gt=0)
 
 
+class DaemonConfig(_Strict):
+    """How the daemon waits for requests (see sandboxfs.request_wait)."""
+
+    spin_us: float = Field(default=100.0, ge=0, le=10_000)
+
+
 class Config(_Strict):
     """The complete, validated configuration of one mount."""
 
@@ -98,6 +104,7 @@ class Config(_Strict):
     )
     cache: CacheConfig = CacheConfig()
     audit: AuditConfig = AuditConfig()
+    daemon: DaemonConfig = DaemonConfig()
 
     @field_validator("permissions")
     @classmethod
@@ -135,6 +142,7 @@ class ProjectConfig(_Strict):
     permissions: dict[Trust, dict[Zone, Permission]] = Field(default_factory=dict)
     cache: dict[str, Any] = Field(default_factory=dict)
     audit: dict[str, Any] = Field(default_factory=dict)
+    daemon: dict[str, Any] = Field(default_factory=dict)
 
 
 def defaults() -> Config:
@@ -183,6 +191,7 @@ def _merge(base: Config, override: ProjectConfig) -> dict[str, Any]:
             merged["permissions"][trust.value][zone.value] = spec
     merged["cache"].update(override.cache)
     merged["audit"].update(override.audit)
+    merged["daemon"].update(override.daemon)
     return merged
 
 

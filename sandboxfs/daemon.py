@@ -10,13 +10,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import faulthandler
-import inspect
 import json
 import logging
 import os
 import re
 import secrets
-import select
 import shutil
 import signal
 import subprocess
@@ -29,6 +27,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from . import request_wait
 from .audit import AuditLog
 from .config import Config
 from .errors import SandboxError, UserError
@@ -260,65 +259,19 @@ def serve(req: MountRequest, ready: Callable[[], None]) -> None:
 async def _main(req: MountRequest, audit: AuditLog, ready: Callable[[], None]) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(audit.run, req.config.audit.flush_interval)
-        nursery.start_soon(_terminate_on_signal)
+        wait = request_wait.install(req.config.daemon.spin_us / 1e6)
+        nursery.start_soon(_terminate_on_signal, wait)
         nursery.start_soon(_report_ready, req.mountpoint, ready)
-        await pyfuse3.main(min_tasks=1, max_tasks=_request_tasks())
+        await pyfuse3.main(min_tasks=1, max_tasks=1)
         nursery.cancel_scope.cancel()
 
 
-_FAST_STREAK = 64
-
-
-def _request_tasks() -> int:
-    """How many pyfuse3 reader tasks to run: one, with the faster request wait when it fits.
-
-    Every handler of sandboxfs runs to completion without awaiting, so more reader tasks
-    never overlap any work; they only add a lock. pyfuse3's own wait for the next request
-    takes that lock and a full trip through trio's scheduler and epoll for every request,
-    even when the next one is already queued. With a single reader the lock is pointless, and
-    a queued request can be read at once (a zero-timeout poll), yielding to the other tasks
-    (audit flushes, signals) at least every _FAST_STREAK requests. This replaces a private
-    function of pyfuse3, so it is done only where that function is as expected; otherwise
-    pyfuse3's own loop runs unchanged.
-    """
-    original = getattr(pyfuse3, "_wait_fuse_readable", None)
-    fuse_fd = _dev_fuse_fd()
-    if fuse_fd is None or not inspect.iscoroutinefunction(original):
-        return 1
-    poller = select.poll()
-    poller.register(fuse_fd, select.POLLIN)
-    streak = 0
-
-    async def wait_fuse_readable() -> bool:
-        nonlocal streak
-        if streak < _FAST_STREAK and poller.poll(0):
-            streak += 1
-            return True
-        streak = 0
-        try:
-            await trio.lowlevel.wait_readable(fuse_fd)
-        except trio.ClosedResourceError:  # pyfuse3.terminate()
-            return False
-        return True
-
-    setattr(pyfuse3, "_wait_fuse_readable", wait_fuse_readable)  # noqa: B010
-    return 1
-
-
-def _dev_fuse_fd() -> int | None:
-    """The descriptor of this process's FUSE session (pyfuse3 does not expose it)."""
-    found = []
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{name}") == "/dev/fuse":
-                found.append(int(name))
-    return found[0] if len(found) == 1 else None
-
-
-async def _terminate_on_signal() -> None:
+async def _terminate_on_signal(wait: request_wait.RequestWait | None) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async for signum in signals:
             log.info("received signal %d, unmounting", signum)
+            if wait is not None:
+                wait.stop()
             pyfuse3.terminate()
             return
 

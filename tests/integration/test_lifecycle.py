@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from collections.abc import Callable, Iterator
@@ -382,6 +383,48 @@ def test_foreground_unmounts_cleanly_on_signal(
             proc.communicate()
         if fuse_mounts_under(mnt):
             force_unmount(mnt)
+
+
+@pytest.mark.parametrize("spin_us", [0, 100], ids=["no-spin", "spin"])
+def test_foreground_stops_on_signal_while_busy(spin_us: int, tmp_path: Path, project: Path) -> None:
+    """SIGTERM lands while the daemon is answering a stream of requests (and, with spinning,
+    looking for the next one instead of sleeping): it still unmounts promptly and cleanly."""
+    (project / "sandboxfs.yaml").write_text(f"daemon:\n  spin_us: {spin_us}\n")
+    mnt = tmp_path / "fg"
+    mnt.mkdir()
+    proc = start_foreground(mnt, project, "--trust", "session")
+    target = mnt / "session" / "working" / "busy.txt"
+    target.write_text("x")
+    stop = threading.Event()
+    served = 0
+
+    def hammer() -> None:
+        nonlocal served
+        while not stop.is_set():
+            try:
+                os.close(os.open(target, os.O_RDONLY))
+            except OSError:
+                return  # the mount went away
+            served += 1
+
+    worker = threading.Thread(target=hammer)
+    worker.start()
+    try:
+        assert wait_until(lambda: served > 200)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 0, err
+        assert "Traceback" not in err
+        assert not os.path.ismount(mnt)
+    finally:
+        stop.set()
+        worker.join(timeout=20)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        if fuse_mounts_under(mnt):
+            force_unmount(mnt)
+    assert sandboxfs("audit", "verify", "--project", project).returncode == 0
 
 
 def test_foreground_signal_audits_files_still_open(tmp_path: Path, project: Path) -> None:

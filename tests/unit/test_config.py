@@ -22,7 +22,15 @@ DEFAULT_DENY = [
     ".git-credentials", ".npmrc", ".pypirc", ".ssh/", ".aws/", ".gnupg/",
 ]  # fmt: skip
 
-TOP_LEVEL_KEYS = ["default_trust", "deny", "inherit_deny", "permissions", "cache", "audit"]
+TOP_LEVEL_KEYS = [
+    "default_trust",
+    "deny",
+    "inherit_deny",
+    "permissions",
+    "cache",
+    "audit",
+    "daemon",
+]
 
 
 def _write(project: Path, text: str | bytes, name: str = "sandboxfs.yaml") -> Path:
@@ -250,6 +258,16 @@ BAD_CONFIGS = [
         "audit: {flush_interval: 0}\n",
         ["audit.flush_interval", "greater than 0"],
         id="zero-flush-interval",
+    ),
+    pytest.param(
+        "daemon: {spin_us: -5}\n",
+        ["daemon.spin_us", "-5", "greater than or equal to 0"],
+        id="negative-spin",
+    ),
+    pytest.param(
+        "daemon: {spin_us: 1000000}\n",
+        ["daemon.spin_us", "less than or equal to 10000"],
+        id="huge-spin",
     ),
     pytest.param("cache: 5\n", ["cache", "dictionary"], id="cache-not-mapping"),
     pytest.param(
