@@ -45,14 +45,28 @@ def _format_ts(moment: datetime) -> str:
     return moment.isoformat(timespec="microseconds") + "Z"
 
 
+_second_cache: tuple[int, str] = (-1, "")
+
+
 def _now() -> str:
-    return _format_ts(datetime.now(UTC))
+    """`_format_ts` of the current time, formatting the date and time of day once per second."""
+    global _second_cache
+    micros = time.time_ns() // 1000
+    second, fraction = divmod(micros, 1_000_000)
+    cached_second, prefix = _second_cache
+    if second != cached_second:
+        prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        _second_cache = (second, prefix)
+    return f"{prefix}.{fraction:06d}Z"
+
+
+# Built once: json.dumps with options builds a new encoder on every call.
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
 
 
 def _canonical(entry: dict[str, Any]) -> bytes:
     """The one byte form of an entry that is hashed and written; values JSON lacks become str."""
-    text = json.dumps(entry, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
-    return text.encode("ascii")
+    return _ENCODER.encode(entry).encode("ascii")
 
 
 def _digest(entry: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import stat
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -146,6 +147,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self._handles: dict[int, FileHandle | BlobHandle] = {}
         self._dirs: dict[int, DirHandle] = {}
         self._next_fh = 1
+        self.process_names = ProcessNames()
         self._base_entry = {
             "session": info.session,
             "workspace": info.workspace,
@@ -181,7 +183,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             "errno": errno.errorcode.get(err, str(err)) if err else None,
             "pid": pid,
             "uid": uid,
-            "comm": comm if comm is not None else process_name(pid),
+            "comm": comm if comm is not None else self.process_names.get(pid),
             "bytes": nbytes,
         }
         if detail is not None:
@@ -639,7 +641,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         stamp = (st.st_mtime_ns, st.st_size)
         keep_cache = node.cache_stamp == stamp and not flags & os.O_TRUNC
         node.cache_stamp = stamp
-        comm = process_name(ctx.pid)
+        comm = self.process_names.get(ctx.pid)
         if not wants_write:
             self.record(Op.READ.value, node.vpath(), node.zone, pid=ctx.pid, uid=ctx.uid, comm=comm)
         handle = FileHandle(fd, node, wants_write, False, ctx.pid, ctx.uid, comm)
@@ -694,6 +696,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 self._release(fh)
             except OSError as exc:
                 log.warning("closing handle %d on unmount: %s", fh, exc.strerror)
+        self.process_names.close()
 
     def _release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)
@@ -766,7 +769,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         node.created_here = True
         node.cache_stamp = (st.st_mtime_ns, st.st_size)
         node.open_fds = (*node.open_fds, fd)
-        comm = process_name(ctx.pid)
+        comm = self.process_names.get(ctx.pid)
         handle = FileHandle(fd, node, True, True, ctx.pid, ctx.uid, comm)
         info = self._new_handle(handle, keep_cache=True, direct_io=bool(flags & os.O_DIRECT))
         return info, self.attrs(node, st)
@@ -1108,11 +1111,62 @@ def process_name(pid: int) -> str | None:
     except OSError:
         return None
     try:
-        return os.read(fd, 64).rstrip(b"\n").decode("utf-8", "replace")
+        return _read_comm(fd)
     except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def _read_comm(fd: int) -> str:
+    return os.pread(fd, 64, 0).rstrip(b"\n").decode("utf-8", "replace")
+
+
+class ProcessNames:
+    """`comm` of recent callers, read through a descriptor kept open per pid.
+
+    Opening /proc/<pid>/comm is most of the cost of reading it, and the same few processes
+    make most requests. A descriptor stays bound to the process it was opened for: once that
+    process is gone, reading fails (ESRCH) even if its pid has been reused, and the pid is
+    looked up afresh. A name changed by exec or prctl shows on the next read.
+    """
+
+    def __init__(self, capacity: int = 64) -> None:
+        self._capacity = capacity
+        self._fds: OrderedDict[int, int] = OrderedDict()
+
+    def get(self, pid: int) -> str | None:
+        fd = self._fds.get(pid)
+        if fd is not None:
+            try:
+                name = _read_comm(fd)
+            except OSError:
+                del self._fds[pid]
+                os.close(fd)
+            else:
+                self._fds.move_to_end(pid)
+                return name
+        if pid <= 0:
+            return None
+        try:
+            fd = os.open(f"/proc/{pid}/comm", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            name = _read_comm(fd)
+        except OSError:
+            os.close(fd)
+            return None
+        self._fds[pid] = fd
+        if len(self._fds) > self._capacity:
+            _, oldest = self._fds.popitem(last=False)
+            os.close(oldest)
+        return name
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def context_document(policy: Policy, info: MountInfo, pid: int) -> bytes:

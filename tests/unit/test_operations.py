@@ -12,6 +12,8 @@ import errno
 import json
 import os
 import stat
+import subprocess
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -1189,3 +1191,43 @@ async def test_unexpected_error_becomes_eio_and_is_audited(
     assert b"notes.txt" in (await h.listdir(working)).names
     await h.write_new(working, b"after.txt", b"ok")
     assert (h.dirs[Zone.SESSION] / "working" / "after.txt").read_bytes() == b"ok"
+
+
+# ----- process names ------------------------------------------------------------------------------
+
+
+def eventually_named(names: operations.ProcessNames, pid: int, name: str) -> bool:
+    """Whether `pid` shows `name` within 10 s (a child's comm changes only once exec is done)."""
+    deadline = time.monotonic() + 10
+    while names.get(pid) != name:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_process_names_follow_exec_and_forget_dead_processes() -> None:
+    names = operations.ProcessNames(capacity=2)
+    proc = subprocess.Popen(["sh", "-c", "read line; exec sleep 30"], stdin=subprocess.PIPE)
+    try:
+        assert names.get(proc.pid) == "sh"
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        assert eventually_named(names, proc.pid, "sleep")  # read afresh, same descriptor
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert names.get(proc.pid) is None  # gone (and reaped): no stale name
+    assert names.get(os.getpid()) == COMM
+    assert names.get(0) is None
+    others = [subprocess.Popen(["sleep", "30"]) for _ in range(3)]
+    try:
+        assert all(eventually_named(names, p.pid, "sleep") for p in others)
+        assert len(names._fds) == 2  # bounded: the oldest descriptor was closed
+    finally:
+        for p in others:
+            p.kill()
+            p.wait()
+        names.close()
+    assert names._fds == {}
