@@ -514,12 +514,13 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if handle.entries is None or start_id == 0:
             handle.entries = self._dir_entries(node)
         entries = handle.entries
+        layer_fds: dict[int, int] = {}  # where each layer's names live, looked up once
         for index in range(start_id, len(entries)):
             name, layer = entries[index]
             if name == b".":
-                attrs = self.node_attrs(node)
+                attrs = _dot_attrs(node)
             elif name == b"..":
-                attrs = self.node_attrs(node.parent or node)
+                attrs = _dot_attrs(node.parent or node)
             elif node.zone is None:
                 child = self._virtual_child(node, name)
                 attrs = self.node_attrs(child)
@@ -529,7 +530,10 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 continue
             else:
                 try:
-                    st = self._entry_stat(node, name, layer)
+                    fd = layer_fds.get(layer)
+                    if fd is None:
+                        fd = layer_fds[layer] = self.store.child_dir_fd(node, layer)
+                    st = self._entry_stat(node, name, fd)
                 except PermissionError:
                     if not pyfuse3.readdir_reply(token, name, self._opaque_attrs(), index + 1):
                         return
@@ -545,7 +549,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             if not pyfuse3.readdir_reply(token, name, attrs, index + 1):
                 return
 
-    def _entry_stat(self, node: Node, name: bytes, layer: int) -> os.stat_result | None:
+    def _entry_stat(self, node: Node, name: bytes, dir_fd: int) -> os.stat_result | None:
         """lstat of a listed entry, or None if it vanished or the deny list hides it.
 
         PermissionError means the daemon cannot search the directory (no x bit): the caller
@@ -560,7 +564,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if self.policy.denied_name(text, relpath, False) is not None:
             return None  # a pattern for every type of entry
         try:
-            st = os.stat(name, dir_fd=self.store.child_dir_fd(node, layer), follow_symlinks=False)
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             return None
         except PermissionError:
@@ -1116,6 +1120,15 @@ def process_name(pid: int) -> str | None:
         return None
     finally:
         os.close(fd)
+
+
+def _dot_attrs(node: Node) -> pyfuse3.EntryAttributes:
+    """Listing attributes of `.` and `..`: the kernel takes only their inode number and type
+    (it never makes dentries or counts lookups for them), so no stat is needed."""
+    entry = pyfuse3.EntryAttributes()
+    entry.st_ino = node.ino
+    entry.st_mode = stat.S_IFDIR
+    return entry
 
 
 def _read_comm(fd: int) -> str:

@@ -729,6 +729,20 @@ def test_listing_stable_while_entries_change(wd: Dirs) -> None:
     assert len(os.listdir(d)) == 1200
 
 
+def test_dot_entries_carry_the_right_inode_numbers(wd: Dirs) -> None:
+    """`.` and `..` in a listing name the directory and its parent, as stat does."""
+    child = wd.path / "child"
+    (child / "grandchild").mkdir(parents=True)
+    listed = sh(f"ls -ai {child}")
+    assert listed.returncode == 0, listed.stderr
+    inodes = {name: int(ino) for ino, name in (line.split() for line in listed.stdout.splitlines())}
+    assert inodes == {
+        ".": child.stat().st_ino,
+        "..": wd.path.stat().st_ino,
+        "grandchild": (child / "grandchild").stat().st_ino,
+    }
+
+
 @pytest.mark.slow
 def test_hundred_thousand_entries(mount_at: Callable[..., Any], project: Path) -> None:
     big = project / "bigdir"
