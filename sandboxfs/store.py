@@ -319,13 +319,9 @@ def _open_dir_or_missing(path: Path) -> int:
 
 def _listdir(fd: int) -> list[bytes]:
     # O_PATH descriptors cannot be read. Reopen the directory through /proc rather than as "."
-    # relative to itself, which would need its x bit (natively, listing needs only r).
-    dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        # With a descriptor, listdir returns str; fsencode restores the exact bytes.
-        return [os.fsencode(name) for name in os.listdir(dfd)]
-    finally:
-        os.close(dfd)
+    # relative to itself, which would need its x bit (natively, listing needs only r). A bytes
+    # path makes listdir return the names' exact bytes.
+    return os.listdir(b"/proc/self/fd/%d" % fd)
 
 
 # ----- renameat2, which the os module does not offer -----------------------------------------
