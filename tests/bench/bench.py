@@ -789,6 +789,8 @@ class Bench:
         ]
         if a.audit_sync:
             cmd.append("--audit-sync")
+        if a.config:
+            cmd += ["--config", os.path.abspath(a.config)]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")])
@@ -990,6 +992,9 @@ def parse_args() -> argparse.Namespace:
         help="run in MNT/repo (default; needs trust full) or MNT/session/working",
     )
     ap.add_argument("--audit-sync", action="store_true", help="mount sandboxfs with --audit-sync")
+    ap.add_argument(
+        "--config", help="sandboxfs config file for the mount (e.g. to compare daemon.spin_us)"
+    )
     ap.add_argument("--json", help="write the results here (fsbench.py --report can read it)")
     ap.add_argument(
         "--base",
