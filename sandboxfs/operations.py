@@ -414,9 +414,12 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             os.chown(target, uid, gid, **how)
             changes.append(f"owner={uid}:{gid}")
         if fields.update_atime or fields.update_mtime:
-            current = self.store.stat_node(node)
-            atime = attr.st_atime_ns if fields.update_atime else current.st_atime_ns
-            mtime = attr.st_mtime_ns if fields.update_mtime else current.st_mtime_ns
+            if fields.update_atime and fields.update_mtime:
+                atime, mtime = attr.st_atime_ns, attr.st_mtime_ns
+            else:  # os.utime has no UTIME_OMIT: keep the other time as it is
+                current = self.store.stat_node(node)
+                atime = attr.st_atime_ns if fields.update_atime else current.st_atime_ns
+                mtime = attr.st_mtime_ns if fields.update_mtime else current.st_mtime_ns
             os.utime(target, ns=(atime, mtime), **how)
             changes.append("times")
         if changes:
