@@ -31,7 +31,7 @@ from . import request_wait
 from .audit import AuditLog
 from .config import Config
 from .errors import SandboxError, UserError
-from .operations import MountInfo, SandboxOperations, context_document, process_name
+from .operations import MountInfo, SandboxOperations, context_document
 from .policy import Policy, Trust, Zone
 from .store import CONTEXT_NAME, CONTROL_NAME, STATE_DIR_NAME, Store, ensure_dirs
 
@@ -228,7 +228,8 @@ def serve(req: MountRequest, ready: Callable[[], None]) -> None:
         options.add("allow_other")
     if req.debug:
         options.add("debug")
-    pid, comm = os.getpid(), process_name(os.getpid())
+    pid = os.getpid()
+    comm = ops.process_names.get(pid)
 
     def lifecycle(op: str) -> None:
         ops.record(op, "/", None, pid=pid, uid=os.getuid(), comm=comm, detail=str(req.mountpoint))

@@ -1109,22 +1109,6 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         return data
 
 
-def process_name(pid: int) -> str | None:
-    """The calling process's name (`comm`), or None if it has already gone."""
-    if pid <= 0:
-        return None
-    try:
-        fd = os.open(f"/proc/{pid}/comm", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        return _read_comm(fd)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
 def _dot_attrs(node: Node) -> pyfuse3.EntryAttributes:
     """Listing attributes of `.` and `..`: the kernel takes only their inode number and type
     (it never makes dentries or counts lookups for them), so no stat is needed."""

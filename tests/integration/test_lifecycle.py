@@ -102,6 +102,15 @@ def start_foreground(mnt: Path, project: Path, *extra: str) -> subprocess.Popen[
     return proc
 
 
+def stop_foreground(proc: subprocess.Popen[str], mnt: Path) -> None:
+    """Cleanup for start_foreground: end the daemon if it still runs, unmount if still mounted."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+    if fuse_mounts_under(mnt):
+        force_unmount(mnt)
+
+
 def kill_daemon(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
     assert wait_gone(pid), f"daemon {pid} survived SIGKILL"
@@ -378,11 +387,7 @@ def test_foreground_unmounts_cleanly_on_signal(
         assert unmount_entry["pid"] == proc.pid
         assert sandboxfs("audit", "verify", "--project", project).returncode == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        if fuse_mounts_under(mnt):
-            force_unmount(mnt)
+        stop_foreground(proc, mnt)
 
 
 @pytest.mark.parametrize("spin_us", [0, 100], ids=["no-spin", "spin"])
@@ -419,11 +424,7 @@ def test_foreground_stops_on_signal_while_busy(spin_us: int, tmp_path: Path, pro
     finally:
         stop.set()
         worker.join(timeout=20)
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        if fuse_mounts_under(mnt):
-            force_unmount(mnt)
+        stop_foreground(proc, mnt)
     assert sandboxfs("audit", "verify", "--project", project).returncode == 0
 
 
@@ -459,11 +460,7 @@ def test_foreground_signal_audits_files_still_open(tmp_path: Path, project: Path
     finally:
         writer.kill()
         writer.communicate(timeout=10)
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        if fuse_mounts_under(mnt):
-            force_unmount(mnt)
+        stop_foreground(proc, mnt)
 
 
 # ----- isolation ----------------------------------------------------------------------------------
