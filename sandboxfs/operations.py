@@ -48,6 +48,7 @@ from .store import (
 log = logging.getLogger(__name__)
 
 _SUID_SGID = stat.S_ISUID | stat.S_ISGID
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 _OPEN_STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_DIRECT
 _ZONE_NAMES = {zone.value.encode(): zone for zone in Zone}
 _WRITABLE_XATTR_PREFIX = b"user."
@@ -78,6 +79,9 @@ class FileHandle:
     uid: int
     comm: str | None
     bytes_written: int = 0
+    # A write began inside a page: the kernel then holds pages only partly written through
+    # this handle, which it never marks up to date and later reads back one page per request.
+    partial_pages: bool = False
 
 
 @dataclass(slots=True)
@@ -677,6 +681,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             raise SandboxError(errno.EBADF)
         written = os.pwrite(handle.fd, buf, off)
         handle.bytes_written += written
+        if off % _PAGE_SIZE:
+            handle.partial_pages = True
         return written
 
     async def flush(self, fh: int) -> None:
@@ -711,7 +717,11 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             return
         node = handle.node
         try:
-            if handle.writable or handle.created:
+            if handle.partial_pages:
+                # The next open drops the kernel's copy, so that a reader fetches the file in
+                # whole read-ahead windows rather than page by page (`tar x` then `grep`).
+                node.cache_stamp = None
+            elif handle.writable or handle.created:
                 st = os.stat(handle.fd)
                 node.cache_stamp = (st.st_mtime_ns, st.st_size)
         finally:

@@ -531,6 +531,33 @@ async def test_open_write_audits_bytes_summed_at_release(make: Callable[[str], H
     assert (h.dirs[Zone.SESSION] / "working" / "notes.txt").read_text() == "SESSION notes\n"
 
 
+async def test_kernel_cache_kept_unless_pages_were_written_in_parts(
+    make: Callable[[str], Harness],
+) -> None:
+    """keep_cache on open: yes for a file unchanged since its last open, or written in whole
+    pages; no after a write that began inside a page (tar's 10 KiB records), whose partly
+    written pages the kernel would otherwise fetch back one request per page."""
+    h = make("session")
+    working = await h.ino("/session/working")
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    async def written_then_reopened(name: bytes, chunk: int) -> bool:
+        fi, attrs = await h.ops.create(working, name, 0o644, os.O_WRONLY, CTX)
+        for offset in range(0, 3 * chunk, chunk):
+            await h.ops.write(fi.fh, offset, b"x" * chunk)
+        await h.ops.release(fi.fh)
+        fi = await h.ops.open(attrs.st_ino, os.O_RDONLY, CTX)
+        await h.ops.release(fi.fh)
+        keep = bool(fi.keep_cache)
+        fi = await h.ops.open(attrs.st_ino, os.O_RDONLY, CTX)  # unchanged since: kept
+        await h.ops.release(fi.fh)
+        assert fi.keep_cache
+        return keep
+
+    assert await written_then_reopened(b"whole-pages", 2 * page)
+    assert not await written_then_reopened(b"tar-records", 10240)
+
+
 async def test_open_rdwr_and_trunc(make: Callable[[str], Harness]) -> None:
     h = make("session")
     inode = await h.ino("/session/working/notes.txt")
