@@ -1026,10 +1026,12 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     @_guarded
     def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
         if name.startswith(_SECURITY_XATTR_PREFIX):
-            # The kernel asks for security.capability before every first write, and ls for
-            # security.selinux; sandboxfs never stores security.* (the mount is nosuid), so
-            # answer at once, without a policy check that would audit a phantom denial.
-            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+            # sandboxfs has no security.* namespace: it never shows or stores labels or file
+            # capabilities (the mount is nosuid). Say so at once, without a policy check that
+            # would audit a phantom denial. The kernel asks for security.capability before
+            # writes and `ls -l` for security.selinux; EOPNOTSUPP rather than ENODATA lets
+            # ls remember the answer for the whole mount instead of asking for every file.
+            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
         node = self.store.get(inode)
         if node.zone is not None and node.ino >= FIRST_DYNAMIC_INO:
             self.check(ctx, Op.READ, node)
@@ -1049,7 +1051,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             self.check(ctx, Op.READ, node)
         empty: list[str] = []
         names = self._with_xattr_path(node, os.listxattr, empty)
-        return [n.encode("utf-8", "surrogateescape") for n in names]
+        encoded = (n.encode("utf-8", "surrogateescape") for n in names)
+        return [n for n in encoded if not n.startswith(_SECURITY_XATTR_PREFIX)]
 
     def _check_xattr_change(self, ctx: Any, node: Node, name: bytes) -> None:
         self._check_change(ctx, node)

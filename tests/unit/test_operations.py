@@ -875,6 +875,21 @@ async def test_user_xattrs(make: Callable[[str], Harness]) -> None:
     assert await h.ops.getxattr(working, b"user.tag", CTX) == b"1"
 
 
+async def test_security_namespace_is_not_supported(make: Callable[[str], Harness]) -> None:
+    """security.* is neither shown nor stored: reads say EOPNOTSUPP (so `ls -l` stops asking
+    for labels after one file), listings leave backing labels out, and nothing is audited."""
+    h = make("full")
+    notes = await h.ino("/session/working/notes.txt")
+    await fails(h.ops.getxattr(notes, b"security.selinux", CTX), errno.EOPNOTSUPP)
+    await fails(h.ops.getxattr(notes, b"security.capability", CTX), errno.EOPNOTSUPP)
+    backing = h.dirs[Zone.SESSION] / "working" / "notes.txt"
+    os.setxattr(backing, "user.shown", b"1")
+    if os.geteuid() == 0:  # only root can label a backing file
+        os.setxattr(backing, "security.sandboxfs-test", b"label")
+    assert await h.ops.listxattr(notes, CTX) == [b"user.shown"]
+    assert h.entries(allowed=False) == []
+
+
 async def test_non_user_xattrs_are_refused(make: Callable[[str], Harness]) -> None:
     h = make("full")
     notes = await h.ino("/session/working/notes.txt")
