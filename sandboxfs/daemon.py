@@ -240,6 +240,7 @@ def serve(req: MountRequest, ready: Callable[[], None]) -> None:
         audit.close()
         store.close()
         raise UserError(f"cannot mount {req.mountpoint}: {exc}", exit_code=1) from None
+    ops.kernel_store = pyfuse3.notify_store
     lifecycle("mount")
     log.info("mounted %s (trust %s, session %s)", req.mountpoint, req.trust.value, req.session)
     try:

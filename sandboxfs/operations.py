@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 
 _SUID_SGID = stat.S_ISUID | stat.S_ISGID
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+# Files up to this size are handed to the kernel's page cache whole after a write that left
+# pages partly written (see _release); larger ones are re-read by the next reader instead.
+_KERNEL_STORE_LIMIT = 256 << 10
 _OPEN_STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_DIRECT
 _ZONE_NAMES = {zone.value.encode(): zone for zone in Zone}
 _WRITABLE_XATTR_PREFIX = b"user."
@@ -82,6 +85,8 @@ class FileHandle:
     # A write began inside a page: the kernel then holds pages only partly written through
     # this handle, which it never marks up to date and later reads back one page per request.
     partial_pages: bool = False
+    # A write ended inside a page (a file's tail): one page the kernel will read back.
+    ragged_end: bool = False
 
 
 @dataclass(slots=True)
@@ -152,6 +157,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self._dirs: dict[int, DirHandle] = {}
         self._next_fh = 1
         self.process_names = ProcessNames()
+        # pyfuse3.notify_store once the mount is up: (inode, offset, data) into the page cache.
+        self.kernel_store: Callable[[int, int, bytes], None] | None = None
         self._base_entry = {
             "session": info.session,
             "workspace": info.workspace,
@@ -417,11 +424,19 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             gid = attr.st_gid if fields.update_gid else -1
             os.chown(target, uid, gid, **how)
             changes.append(f"owner={uid}:{gid}")
+        # A new mtime alone leaves the kernel's cached pages valid (`tar` sets it after
+        # writing): carry the cache stamp over, if it held up to now.
+        keeps_cache = False
         if fields.update_atime or fields.update_mtime:
+            if node.cache_stamp is None or fields.update_size:
+                current = None
+            else:
+                current = self.store.stat_node(node)
+                keeps_cache = node.cache_stamp == (current.st_mtime_ns, current.st_size)
             if fields.update_atime and fields.update_mtime:
                 atime, mtime = attr.st_atime_ns, attr.st_mtime_ns
             else:  # os.utime has no UTIME_OMIT: keep the other time as it is
-                current = self.store.stat_node(node)
+                current = current or self.store.stat_node(node)
                 atime = attr.st_atime_ns if fields.update_atime else current.st_atime_ns
                 mtime = attr.st_mtime_ns if fields.update_mtime else current.st_mtime_ns
             os.utime(target, ns=(atime, mtime), **how)
@@ -435,7 +450,10 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 uid=ctx.uid,
                 detail="setattr " + " ".join(changes),
             )
-        return self.node_attrs(node)
+        attrs = self.node_attrs(node)
+        if keeps_cache:
+            node.cache_stamp = (attrs.st_mtime_ns, attrs.st_size)
+        return attrs
 
     def _meta_target(self, node: Node) -> tuple[int | bytes, dict[str, Any]]:
         """What to pass to os.chmod/chown/utime for node: an open descriptor when there is
@@ -683,6 +701,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         handle.bytes_written += written
         if off % _PAGE_SIZE:
             handle.partial_pages = True
+        elif (off + written) % _PAGE_SIZE:
+            handle.ragged_end = True
         return written
 
     async def flush(self, fh: int) -> None:
@@ -717,15 +737,18 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             return
         node = handle.node
         try:
-            if handle.partial_pages:
-                # The next open drops the kernel's copy, so that a reader fetches the file in
-                # whole read-ahead windows rather than page by page (`tar x` then `grep`).
-                node.cache_stamp = None
+            node.open_fds = tuple(fd for fd in node.open_fds if fd != handle.fd)
+            stored = None
+            if handle.partial_pages or handle.ragged_end:
+                stored = self._complete_kernel_copy(node, handle.fd)
+            if stored is not None or handle.partial_pages:
+                # Unstored partial pages: the next open drops the kernel's copy, so a reader
+                # fetches whole read-ahead windows rather than one page per request.
+                node.cache_stamp = stored
             elif handle.writable or handle.created:
                 st = os.stat(handle.fd)
                 node.cache_stamp = (st.st_mtime_ns, st.st_size)
         finally:
-            node.open_fds = tuple(fd for fd in node.open_fds if fd != handle.fd)
             os.close(handle.fd)
         if handle.writable or handle.created:
             self.record(
@@ -738,6 +761,36 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 nbytes=handle.bytes_written,
                 detail="create" if handle.created else None,
             )
+
+    def _complete_kernel_copy(self, node: Node, fd: int) -> tuple[int, int] | None:
+        """After writes that left pages partly written (`tar` writes 10 KiB records; most files
+        end inside a page), give the kernel the whole file, so that the next reader finds it
+        cached instead of fetching the pages the kernel never marked up to date one request
+        each. Returns the cache stamp, or None if the file was not stored.
+
+        Only when no other handle of the node is open: then no write or read through the mount
+        can be in flight on it, so nothing newer can be overwritten and no page the kernel
+        holds locked while it waits for this daemon can block the store.
+        """
+        if self.kernel_store is None or node.open_fds:
+            return None
+        try:
+            rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None  # e.g. a write-only file the daemon may not read
+        try:
+            st = os.fstat(rfd)
+            if st.st_size > _KERNEL_STORE_LIMIT:
+                return None
+            data = os.pread(rfd, st.st_size, 0)
+            if len(data) != st.st_size:
+                return None
+            self.kernel_store(node.ino, 0, data)
+        except OSError:
+            return None
+        finally:
+            os.close(rfd)
+        return (st.st_mtime_ns, st.st_size)
 
     # ----- creating entries -----------------------------------------------------------------------
 

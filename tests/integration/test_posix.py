@@ -743,6 +743,49 @@ def test_dot_entries_carry_the_right_inode_numbers(wd: Dirs) -> None:
     }
 
 
+def _resident_pages(fd: int, size: int) -> int:
+    """How many of the file's pages are in the page cache (mincore on a shared mapping)."""
+    _libc.mmap.restype = ctypes.c_void_p
+    _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                           ctypes.c_int, ctypes.c_long]  # fmt: skip
+    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    _check(0 if addr not in (None, ctypes.c_void_p(-1).value) else -1)
+    try:
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        _check(_libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec))
+        return sum(byte & 1 for byte in vec)
+    finally:
+        _libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+
+
+def test_file_written_in_records_stays_cached_for_its_reader(wd: Dirs) -> None:
+    """tar writes 10 KiB records, which leave pages partly written. At close sandboxfs hands
+    the kernel the whole file, so the next open keeps the cache (every page resident, without
+    a READ) and reads return exactly what was written, also after a later in-place change."""
+    path = wd.path / "extracted.py"
+    records = [bytes([65 + i]) * 10240 for i in range(5)] + [b"tail\n"]
+    content = b"".join(records)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    for record in records:
+        os.write(fd, record)
+    os.close(fd)
+    os.utime(path, ns=(1_700_000_000 * 10**9, 1_700_000_000 * 10**9))  # as tar does
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pages = (len(content) + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        assert _resident_pages(fd, len(content)) == pages
+        assert os.pread(fd, len(content) + 1, 0) == content
+    finally:
+        os.close(fd)
+    with open(path, "r+b") as f:
+        f.seek(10000)
+        f.write(b"changed")
+    expected = content[:10000] + b"changed" + content[10007:]
+    assert path.read_bytes() == expected
+    assert (wd.native / "extracted.py").read_bytes() == expected
+
+
 @pytest.mark.slow
 def test_hundred_thousand_entries(mount_at: Callable[..., Any], project: Path) -> None:
     big = project / "bigdir"

@@ -558,6 +558,69 @@ async def test_kernel_cache_kept_unless_pages_were_written_in_parts(
     assert not await written_then_reopened(b"tar-records", 10240)
 
 
+async def test_files_written_in_parts_are_handed_to_the_kernel_whole(
+    make: Callable[[str], Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At release, a file whose pages were left partly written goes into the kernel's page
+    cache whole, so its next reader sends no READ, and the next open keeps it. Not while
+    another handle is open (a write in flight could be overwritten), nor past the size limit.
+    An mtime-only setattr (tar sets it after writing) keeps the cache; a truncate does not."""
+    h = make("session")
+    stored: list[tuple[int, int, bytes]] = []
+    h.ops.kernel_store = lambda ino, off, data: stored.append((ino, off, data))
+    working = await h.ino("/session/working")
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    async def write_file(name: bytes, chunks: list[bytes], other_reader: bool = False) -> int:
+        fi, attrs = await h.ops.create(working, name, 0o644, os.O_WRONLY, CTX)
+        offset = 0
+        for chunk in chunks:
+            await h.ops.write(fi.fh, offset, chunk)
+            offset += len(chunk)
+        reader = await h.ops.open(attrs.st_ino, os.O_RDONLY, CTX) if other_reader else None
+        await h.ops.release(fi.fh)
+        if reader is not None:
+            await h.ops.release(reader.fh)
+        return int(attrs.st_ino)
+
+    async def kept(inode: int) -> bool:
+        fi = await h.ops.open(inode, os.O_RDONLY, CTX)
+        await h.ops.release(fi.fh)
+        return bool(fi.keep_cache)
+
+    records = [b"a" * 10240, b"b" * 10240, b"c" * 100]  # tar's 10 KiB records
+    inode = await write_file(b"records", records)
+    assert stored == [(inode, 0, b"".join(records))]
+    assert await kept(inode)
+
+    stored.clear()
+    tail = await write_file(b"tail", [b"t" * (page + 100)])  # ends inside a page
+    assert stored == [(tail, 0, b"t" * (page + 100))]
+    assert await kept(tail)
+
+    stored.clear()
+    whole = await write_file(b"pages", [b"p" * 2 * page])
+    assert stored == []  # every page complete: nothing to hand over
+    assert await kept(whole)
+
+    busy = await write_file(b"busy", records, other_reader=True)
+    assert stored == []
+    assert not await kept(busy)
+
+    monkeypatch.setattr(operations, "_KERNEL_STORE_LIMIT", 8192)
+    big = await write_file(b"big", records)
+    assert stored == []
+    assert not await kept(big)
+
+    attr = pyfuse3.EntryAttributes()
+    attr.st_atime_ns = attr.st_mtime_ns = 1_700_000_000_000_000_000
+    await h.ops.setattr(inode, attr, fields(update_atime=True, update_mtime=True), None, CTX)
+    assert await kept(inode)
+    attr.st_size = 5
+    await h.ops.setattr(inode, attr, fields(update_size=True), None, CTX)
+    assert not await kept(inode)
+
+
 async def test_open_rdwr_and_trunc(make: Callable[[str], Harness]) -> None:
     h = make("session")
     inode = await h.ino("/session/working/notes.txt")
