@@ -772,8 +772,10 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         can be in flight on it, so nothing newer can be overwritten and no page the kernel
         holds locked while it waits for this daemon can block the store.
         """
-        if self.kernel_store is None or node.open_fds:
+        if self.kernel_store is None or node.open_fds or node.zone is None:
             return None
+        if not self.policy.decide(node.zone, Op.READ).allowed:
+            return None  # nobody may read it here (a create-only zone): nothing to cache
         try:
             rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:

@@ -1038,10 +1038,13 @@ async def test_staged_create_only_at_untrusted(make: Callable[[str], Harness]) -
 
     c1 = (await h.ops.mkdir(staged, b"c1", 0o755, CTX)).st_ino
     h.allowed("write", "/staged/c1", "staged", detail="mkdir")
+    stored: list[bytes] = []
+    h.ops.kernel_store = lambda ino, off, data: stored.append(data)
     fi, attrs = await h.ops.create(c1, b"f.txt", 0o644, os.O_WRONLY, CTX)
     assert await h.ops.write(fi.fh, 0, b"proposed") == 8
     await h.ops.release(fi.fh)
     assert (backing / "c1" / "f.txt").read_bytes() == b"proposed"
+    assert stored == []  # unreadable here, so never put in the kernel's page cache
     entry = h.allowed("write", "/staged/c1/f.txt", "staged", detail="create")
     assert entry["bytes"] == 8
 
