@@ -249,6 +249,7 @@ def serve(req: MountRequest, ready: Callable[[], None]) -> None:
         log.exception("the daemon stopped on an unexpected error")
         raise
     finally:
+        ops.kernel_store = None  # the session goes away with close()
         with contextlib.suppress(Exception):
             pyfuse3.close(unmount=True)
         ops.release_all()
