@@ -944,8 +944,11 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
     # ----- removing and renaming ------------------------------------------------------------------
 
-    def _removable(self, ctx: Any, parent: Node, name: bytes, op_name: str) -> tuple[Zone, int]:
-        """Checks for deleting parent/name; returns its zone and the backing directory fd."""
+    def _removable(
+        self, ctx: Any, parent: Node, name: bytes, op_name: str
+    ) -> tuple[Zone, int, os.stat_result]:
+        """Checks for deleting parent/name; returns its zone, the backing directory fd and the
+        entry's lstat."""
         if parent.zone is None:
             reason = ZONE_ROOT_REASON if parent.ino == ROOT_INO else CONTEXT_REASON
             raise self.refuse(
@@ -958,17 +961,16 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         found = self._find(parent, name)
         if found is None:
             raise SandboxError(errno.ENOENT)
-        layer = found[1]
+        st, layer = found
         if zone is Zone.WORKERS and layer > 0:
             vpath = parent.vpath(name)
             reason = f"{vpath} comes from SANDBOXFS_WORKERS_PATH, which is read-only"
             raise self.refuse(ctx, op_name, vpath, zone, Decision(False, errno.EROFS, reason))
-        return zone, self.store.child_dir_fd(parent, layer)
+        return zone, self.store.child_dir_fd(parent, layer), st
 
     def _remove(self, ctx: Any, parent_inode: int, name: bytes, rmdir: bool) -> None:
         parent = self.store.get(parent_inode)
-        zone, dfd = self._removable(ctx, parent, name, Op.DELETE.value)
-        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        zone, dfd, st = self._removable(ctx, parent, name, Op.DELETE.value)
         (os.rmdir if rmdir else os.unlink)(name, dir_fd=dfd)
         node = self.store.by_key.get((zone, st.st_dev, st.st_ino))
         if node is not None:
