@@ -673,6 +673,24 @@ def test_user_xattrs(wd: Dirs) -> None:
     assert out.stdout == "hi"
 
 
+def test_no_security_namespace(wd: Dirs) -> None:
+    """security.* is not supported through the mount: reads say so, listings leave backing
+    labels out, and `ls -l` and `cp -a` work without complaint."""
+    f = wd.path / "labelled"
+    f.write_text("x")
+    if os.geteuid() == 0:  # only root can label the backing file
+        os.setxattr(wd.native / "labelled", "security.sandboxfs-test", b"label")
+    os.setxattr(f, "user.kept", b"1")
+    assert errno_of(lambda: os.getxattr(f, "security.selinux")) == errno.EOPNOTSUPP
+    assert os.listxattr(f) == ["user.kept"]
+    copied = wd.path / "copied"
+    out = sh(f"ls -l {f} && cp -a {f} {copied} && getfattr --absolute-names -d -m - {copied}")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""
+    attrs = [line.split("=")[0] for line in out.stdout.splitlines()[2:] if line]
+    assert attrs == ["user.kept"]  # the copy carries no security.* label
+
+
 def test_metadata_via_fd_of_unlinked_file(wd: Dirs) -> None:
     f = wd.path / "doomed"
     fd = os.open(f, os.O_CREAT | os.O_RDWR, 0o644)
