@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import stat
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from .store import (
     CONTROL_NAME,
     FIRST_DYNAMIC_INO,
     ROOT_INO,
+    Listed,
     Node,
     Store,
     renameat2,
@@ -52,6 +54,8 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 # Files up to this size are handed to the kernel's page cache whole after a write that left
 # pages partly written (see _release); larger ones are re-read by the next reader instead.
 _KERNEL_STORE_LIMIT = 256 << 10
+# At most this many attribute replies are kept for listings to repeat (see _replayed).
+_GIVEN_LIMIT = 1 << 16
 _OPEN_STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_DIRECT
 _ZONE_NAMES = {zone.value.encode(): zone for zone in Zone}
 _WRITABLE_XATTR_PREFIX = b"user."
@@ -92,7 +96,7 @@ class FileHandle:
 @dataclass(slots=True)
 class DirHandle:
     node: Node
-    entries: list[tuple[bytes, int]] | None = None
+    entries: list[Listed] | None = None
 
 
 @dataclass(slots=True)
@@ -159,6 +163,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self.process_names = ProcessNames()
         # pyfuse3.notify_store once the mount is up: (inode, offset, data) into the page cache.
         self.kernel_store: Callable[[int, int, bytes], None] | None = None
+        # inode -> (monotonic time until which the kernel may use them, attributes): the last
+        # attributes given to the kernel for each inode, which a listing may repeat.
+        self._given: dict[int, tuple[float, pyfuse3.EntryAttributes]] = {}
         self._base_entry = {
             "session": info.session,
             "workspace": info.workspace,
@@ -261,6 +268,50 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         entry.st_atime_ns = st.st_atime_ns
         entry.st_mtime_ns = st.st_mtime_ns
         entry.st_ctime_ns = st.st_ctime_ns
+        if node.ino >= FIRST_DYNAMIC_INO:
+            given = self._given
+            if len(given) >= _GIVEN_LIMIT:
+                given.clear()
+            given[node.ino] = (time.monotonic() + self.attr_timeout, entry)
+        return entry
+
+    def _changing(self, *nodes: Node | None) -> None:
+        """Forget the attributes last given for nodes about to change through the mount (or
+        whose atime the kernel stops trusting), so that no listing repeats them."""
+        given = self._given
+        for node in nodes:
+            if node is not None:
+                given.pop(node.ino, None)
+
+    def _replayed(
+        self, parent: Node, name: bytes, ino: int, is_dir: bool
+    ) -> pyfuse3.EntryAttributes | None:
+        """The attributes last given to the kernel for the inode listed as parent/name, if
+        the kernel may still use them and nothing changed them through the mount since.
+
+        READDIRPLUS needs attributes for every entry; a `git status` lists every directory of
+        a tree whose attributes the kernel holds anyway. Repeating them, with only the
+        validity they have left, tells the kernel nothing it does not already know, and saves
+        an lstat and a reply build per entry. Only for an inode already known under exactly
+        this name whose backing inode number the directory still lists; anything else is
+        stat'ed.
+        """
+        assert parent.zone is not None and parent.key is not None
+        node = self.store.by_key.get((parent.zone, parent.key[1], ino))
+        if node is None or node.is_dir != is_dir:
+            return None
+        if not (node.parent is parent and node.name == name) and (parent, name) not in node.links:
+            return None
+        given = self._given.get(node.ino)
+        if given is None:
+            return None
+        until, entry = given
+        left = until - time.monotonic()
+        if left <= 0:
+            return None
+        entry.attr_timeout = left
+        entry.entry_timeout = self.entry_timeout
+        node.lookups += 1
         return entry
 
     def virtual_attrs(self, node: Node) -> pyfuse3.EntryAttributes:
@@ -402,6 +453,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         handle = self._handles.get(fh) if fh is not None else None
         creating = isinstance(handle, FileHandle) and handle.created
         self._check_change(ctx, node, allow_created=creating or not fields.update_size)
+        self._changing(node)
         fd = handle.fd if isinstance(handle, FileHandle) else None
         changes: list[str] = []
         target, how = self._meta_target(node)
@@ -506,6 +558,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if node.zone is None:
             raise SandboxError(errno.EINVAL)
         self.check(ctx, Op.READ, node)
+        self._changing(node)  # the kernel stops trusting a read link's atime
         return os.readlink(node.name, dir_fd=self.store.parent_fd(node))
 
     def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -538,10 +591,14 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         node = handle.node
         if handle.entries is None or start_id == 0:
             handle.entries = self._dir_entries(node)
+            self._changing(node)  # the kernel stops trusting a listed directory's atime
         entries = handle.entries
+        replay = node.key is not None and not (
+            node.zone is Zone.WORKERS and node.parent is self.store.root
+        )
         layer_fds: dict[int, int] = {}  # where each layer's names live, looked up once
         for index in range(start_id, len(entries)):
-            name, layer = entries[index]
+            name, layer, ino, is_dir = entries[index]
             if name == b".":
                 attrs = _dot_attrs(node)
             elif name == b"..":
@@ -554,6 +611,14 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 child.lookups += 1
                 continue
             else:
+                if self._denied_entry(node, name, is_dir):
+                    continue
+                replayed = self._replayed(node, name, ino, is_dir) if replay else None
+                if replayed is not None:
+                    if not pyfuse3.readdir_reply(token, name, replayed, index + 1):
+                        self.store.get(replayed.st_ino).lookups -= 1
+                        return
+                    continue
                 try:
                     fd = layer_fds.get(layer)
                     if fd is None:
@@ -574,29 +639,27 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             if not pyfuse3.readdir_reply(token, name, attrs, index + 1):
                 return
 
-    def _entry_stat(self, node: Node, name: bytes, dir_fd: int) -> os.stat_result | None:
-        """lstat of a listed entry, or None if it vanished or the deny list hides it.
-
-        PermissionError means the daemon cannot search the directory (no x bit): the caller
-        lists the name without attributes, as getdents does natively (unless it would be
-        deny-listed as a directory, since its type is unknown).
-        """
+    def _denied_entry(self, node: Node, name: bytes, is_dir: bool) -> bool:
+        """Whether the deny list hides a listed entry (its type as the directory gives it)."""
         text = name.decode("utf-8", "surrogateescape")
         relpath = ""
         if self.policy.has_path_patterns:
             rel = node.relpath()
             relpath = (rel + b"/" + name if rel else name).decode("utf-8", "surrogateescape")
-        if self.policy.denied_name(text, relpath, False) is not None:
-            return None  # a pattern for every type of entry
+        return self.policy.denied_name(text, relpath, is_dir) is not None
+
+    def _entry_stat(self, node: Node, name: bytes, dir_fd: int) -> os.stat_result | None:
+        """lstat of a listed entry, or None if it vanished or turned into a deny-listed
+        directory since the listing.
+
+        PermissionError means the daemon cannot search the directory (no x bit): the caller
+        lists the name without attributes, as getdents does natively.
+        """
         try:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             return None
-        except PermissionError:
-            if self.policy.denied_name(text, relpath, True) is not None:
-                return None
-            raise
-        if stat.S_ISDIR(st.st_mode) and self.policy.denied_name(text, relpath, True):
+        if stat.S_ISDIR(st.st_mode) and self._denied_entry(node, name, True):
             return None
         return st
 
@@ -607,13 +670,14 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         entry.st_ino = self.store.spare_ino()
         return entry
 
-    def _dir_entries(self, node: Node) -> list[tuple[bytes, int]]:
-        dots = [(b".", 0), (b"..", 0)]
+    def _dir_entries(self, node: Node) -> list[Listed]:
+        dots: list[Listed] = [(b".", 0, 0, True), (b"..", 0, 0, True)]
         if node.ino == ROOT_INO:
-            return dots + [(zone.value.encode(), 0) for zone in Zone] + [(CONTROL_NAME, 0)]
+            zones: list[Listed] = [(zone.value.encode(), 0, 0, True) for zone in Zone]
+            return dots + zones + [(CONTROL_NAME, 0, 0, True)]
         if node.ino == CONTROL_INO:
-            return [*dots, (CONTEXT_NAME, 0)]
-        return dots + list(self.store.list_names(node))
+            return [*dots, (CONTEXT_NAME, 0, 0, False)]
+        return dots + self.store.list_entries(node)
 
     def _virtual_child(self, node: Node, name: bytes) -> Node:
         if node.ino == ROOT_INO:
@@ -661,6 +725,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if wants_write:
             self.check(ctx, Op.WRITE, node)
             self._check_layer(ctx, node, Op.WRITE)
+        if flags & os.O_TRUNC:
+            self._changing(node)
         fd = os.open(
             node.name,
             (flags & ~_OPEN_STRIP) | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -690,6 +756,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         handle = self._handles[fh]
         if isinstance(handle, BlobHandle):
             return handle.data[off : off + size]
+        self._changing(handle.node)  # the kernel stops trusting a read file's atime
         return os.pread(handle.fd, size, off)
 
     @_guarded
@@ -697,6 +764,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         handle = self._handles[fh]
         if not isinstance(handle, FileHandle) or not handle.writable:
             raise SandboxError(errno.EBADF)
+        self._changing(handle.node)
         written = os.pwrite(handle.fd, buf, off)
         handle.bytes_written += written
         if off % _PAGE_SIZE:
@@ -823,6 +891,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         parent = self.store.get(parent_inode)
         zone = self._creatable_parent(ctx, parent, name)
+        self._changing(parent)
         dfd = self.store.child_dir_fd(parent, 0, create=True)
         open_flags = (
             (flags & ~(os.O_NOCTTY | os.O_DIRECT)) | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -863,6 +932,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> pyfuse3.EntryAttributes:
         parent = self.store.get(parent_inode)
         self._creatable_parent(ctx, parent, name)
+        self._changing(parent)
         dfd = self.store.child_dir_fd(parent, 0, create=True)
         os.mkdir(name, stat.S_IMODE(mode) & ~_SUID_SGID, dir_fd=dfd)
         return self._finish_new(ctx, parent, name, "mkdir")
@@ -873,6 +943,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     ) -> pyfuse3.EntryAttributes:
         parent = self.store.get(parent_inode)
         self._creatable_parent(ctx, parent, name)
+        self._changing(parent)
         dfd = self.store.child_dir_fd(parent, 0, create=True)
         os.symlink(target, name, dir_fd=dfd)
         return self._finish_new(ctx, parent, name, "symlink")
@@ -894,6 +965,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 Decision(False, errno.EPERM, reason),
             )
         self._creatable_parent(ctx, parent, name)
+        self._changing(parent)
         dfd = self.store.child_dir_fd(parent, 0, create=True)
         os.mknod(name, stat.S_IFMT(mode) | (stat.S_IMODE(mode) & ~_SUID_SGID), dir_fd=dfd)
         return self._finish_new(ctx, parent, name, "mknod")
@@ -929,6 +1001,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self.check(ctx, Op.WRITE, parent, new_name)
         self._check_layer(ctx, parent, Op.WRITE, new_name)
         self._check_layer(ctx, node, Op.WRITE)
+        self._changing(node, parent)
         dfd = self.store.child_dir_fd(parent, 0, create=True)
         os.link(
             node.name,
@@ -971,8 +1044,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     def _remove(self, ctx: Any, parent_inode: int, name: bytes, rmdir: bool) -> None:
         parent = self.store.get(parent_inode)
         zone, dfd, st = self._removable(ctx, parent, name, Op.DELETE.value)
-        (os.rmdir if rmdir else os.unlink)(name, dir_fd=dfd)
         node = self.store.by_key.get((zone, st.st_dev, st.st_ino))
+        self._changing(parent, node)
+        (os.rmdir if rmdir else os.unlink)(name, dir_fd=dfd)
         if node is not None:
             self.store.detach(node, parent, name, st.st_nlink - 1 if not rmdir else 0)
         self.record(
@@ -1040,9 +1114,10 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         src_fd = self.store.child_dir_fd(old_parent, src_layer)
         dst_fd = self.store.child_dir_fd(new_parent, 0, create=True)
         dst_st = self.store.stat_child(new_parent, name_new, 0)
-        renameat2(src_fd, name_old, dst_fd, name_new, flags)
         src_node = self.store.by_key.get((zone, src_st.st_dev, src_st.st_ino))
         dst_node = self.store.by_key.get((zone, dst_st.st_dev, dst_st.st_ino)) if dst_st else None
+        self._changing(old_parent, new_parent, src_node, dst_node)
+        renameat2(src_fd, name_old, dst_fd, name_new, flags)
         if dst_node is not None and dst_node is not src_node:
             if exchange:
                 self.store.moved(dst_node, new_parent, name_new, old_parent, name_old)
@@ -1148,6 +1223,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         """Set or remove one xattr after the write check; symlinks carry none."""
         node = self.store.get(inode)
         self._check_xattr_change(ctx, node, name)
+        self._changing(node)
 
         def apply(path: str) -> bool:
             change(path)

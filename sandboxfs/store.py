@@ -15,7 +15,6 @@ import errno
 import os
 import stat
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +35,8 @@ _DIR_OPEN = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FD_CACHE_SIZE = 1024
 
 Key = tuple[Zone, int, int]
+# A listed entry: name, layer, backing inode number (d_ino), whether it is a directory.
+Listed = tuple[bytes, int, int, bool]
 
 
 @dataclass(eq=False, slots=True)
@@ -282,21 +283,26 @@ class Store:
             return False
         return (parent.key[1], parent.key[2], name) in self.hidden
 
-    def list_names(self, node: Node) -> Iterator[tuple[bytes, int]]:
-        """Names in a directory node with their layer, the union for the workers root."""
+    def list_entries(self, node: Node) -> list[Listed]:
+        """The entries of a directory node, sorted by name, with their layer; for the workers
+        root, the union of its layers (each layer's names sorted, the first layer with a name
+        winning)."""
         if node.zone is Zone.WORKERS and node.parent is self.root:
             seen: set[bytes] = set()
+            union: list[Listed] = []
             for layer, fd in enumerate(self.layer_fds):
                 if fd < 0:
                     continue
-                for name in sorted(_listdir(fd)):
+                for name, ino, is_dir in _scan(fd):
                     if name not in seen:
                         seen.add(name)
-                        yield name, layer
-            return
-        for name in sorted(_listdir(self.dir_fd(node))):
-            if not self.is_hidden(node, name):
-                yield name, node.layer
+                        union.append((name, layer, ino, is_dir))
+            return union
+        return [
+            (name, node.layer, ino, is_dir)
+            for name, ino, is_dir in _scan(self.dir_fd(node))
+            if not self.is_hidden(node, name)
+        ]
 
     def open_path_fd(self, node: Node) -> int:
         """A fresh O_PATH descriptor of node itself (for xattrs), never following a symlink."""
@@ -317,11 +323,17 @@ def _open_dir_or_missing(path: Path) -> int:
         return -1
 
 
-def _listdir(fd: int) -> list[bytes]:
-    # O_PATH descriptors cannot be read. Reopen the directory through /proc rather than as "."
-    # relative to itself, which would need its x bit (natively, listing needs only r). A bytes
-    # path makes listdir return the names' exact bytes.
-    return os.listdir(b"/proc/self/fd/%d" % fd)
+def _scan(fd: int) -> list[tuple[bytes, int, bool]]:
+    """(name, inode number, is a directory) of each entry, sorted by name.
+
+    O_PATH descriptors cannot be read. Reopen the directory through /proc rather than as "."
+    relative to itself, which would need its x bit (natively, listing needs only r). A bytes
+    path gives the names' exact bytes.
+    """
+    with os.scandir(b"/proc/self/fd/%d" % fd) as entries:
+        found = [(e.name, e.inode(), e.is_dir(follow_symlinks=False)) for e in entries]
+    found.sort()
+    return found
 
 
 # ----- renameat2, which the os module does not offer -----------------------------------------

@@ -499,6 +499,157 @@ async def test_readdir_omits_deny_listed_and_state_entries(make: Callable[[str],
     h.allowed("list", "/repo", "repo")
 
 
+async def listed_attrs(h: Harness, dir_vpath: str) -> dict[bytes, SimpleNamespace]:
+    """The attributes one listing of dir_vpath gave, by name (copied as they were sent)."""
+    got: dict[bytes, SimpleNamespace] = {}
+    keys = ("st_ino", "st_size", "st_mtime_ns", "st_atime_ns", "attr_timeout")
+
+    def reply(token: Any, name: bytes, attrs: Any, next_id: int) -> bool:
+        got[name] = SimpleNamespace(**{key: getattr(attrs, key) for key in keys})
+        return True
+
+    fh = await h.ops.opendir(await h.ino(dir_vpath), CTX)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pyfuse3, "readdir_reply", reply)
+        await h.ops.readdir(fh, 0, cast(pyfuse3.ReaddirToken, object()))
+    await h.ops.releasedir(fh)
+    return got
+
+
+def grow(path: Path) -> int:
+    """Change a backing file behind the mount's back; returns its new size."""
+    with path.open("ab") as f:
+        f.write(b"# changed outside the mount\n")
+    return path.stat().st_size
+
+
+async def test_listings_repeat_given_attributes_within_their_validity(
+    make: Callable[[str], Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = make("full")
+    main = await h.ino("/repo/src/main.py")  # the lookup gives the kernel its attributes
+    backing = h.project / "src" / "main.py"
+    size = backing.stat().st_size
+    grow(backing)
+    listed = (await listed_attrs(h, "/repo/src"))[b"main.py"]
+    # Nothing the kernel does not already hold: same inode, same size, less validity left.
+    assert (listed.st_ino, listed.st_size) == (main, size)
+    assert 0 < listed.attr_timeout <= h.ops.attr_timeout
+    assert h.store.nodes[main].lookups == 2
+
+    later = time.monotonic() + h.ops.attr_timeout + 0.01
+    monkeypatch.setattr(operations.time, "monotonic", lambda: later)
+    listed = (await listed_attrs(h, "/repo/src"))[b"main.py"]
+    assert listed.st_size == backing.stat().st_size
+    assert listed.attr_timeout == h.ops.attr_timeout
+
+
+async def test_listings_never_repeat_attributes_under_another_name(
+    make: Callable[[str], Harness],
+) -> None:
+    h = make("full")
+    main = await h.ino("/repo/src/main.py")
+    os.rename(h.project / "src" / "main.py", h.project / "src" / "moved.py")
+    size = grow(h.project / "src" / "moved.py")
+    listed = (await listed_attrs(h, "/repo/src"))[b"moved.py"]
+    assert (listed.st_ino, listed.st_size) == (main, size)
+
+
+async def _write_through(h: Harness, main: int, src: int) -> None:
+    fi = await h.ops.open(main, os.O_WRONLY, CTX)
+    await h.ops.write(fi.fh, 0, b"#")
+    await h.ops.release(fi.fh)
+
+
+async def _read_through(h: Harness, main: int, src: int) -> None:
+    await h.read_file(main)
+
+
+async def _truncate_on_open(h: Harness, main: int, src: int) -> None:
+    fi = await h.ops.open(main, os.O_WRONLY | os.O_TRUNC, CTX)
+    await h.ops.release(fi.fh)
+
+
+async def _setxattr(h: Harness, main: int, src: int) -> None:
+    await h.ops.setxattr(main, b"user.note", b"x", CTX)
+
+
+async def _link(h: Harness, main: int, src: int) -> None:
+    await h.ops.link(main, src, b"hard.py", CTX)
+
+
+async def _rename(h: Harness, main: int, src: int) -> None:
+    await h.ops.rename(src, b"main.py", src, b"renamed.py", 0, CTX)
+    await h.ops.rename(src, b"renamed.py", src, b"main.py", 0, CTX)
+
+
+async def _unlink_other_link(h: Harness, main: int, src: int) -> None:
+    await h.ops.unlink(src, b"other.py", CTX)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        _write_through,
+        _read_through,
+        _truncate_on_open,
+        _setxattr,
+        _link,
+        _rename,
+        _unlink_other_link,
+    ],
+)
+async def test_changes_through_the_mount_stop_listings_repeating_attributes(
+    make: Callable[[str], Harness], change: Callable[[Harness, int, int], Awaitable[None]]
+) -> None:
+    h = make("full")
+    backing = h.project / "src" / "main.py"
+    os.link(backing, h.project / "src" / "other.py")
+    src = await h.ino("/repo/src")
+    await h.ops.lookup(src, b"other.py", CTX)
+    main = await h.ino("/repo/src/main.py")
+    grow(backing)
+    await change(h, main, src)
+    st = backing.stat()
+    listed = (await listed_attrs(h, "/repo/src"))[b"main.py"]
+    assert (listed.st_size, listed.st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
+@pytest.mark.parametrize("what", ["create", "mkdir", "symlink", "mknod", "unlink", "rmdir", "list"])
+async def test_new_and_removed_names_stop_listings_repeating_their_directory(
+    make: Callable[[str], Harness], what: str
+) -> None:
+    h = make("full")
+    src = await h.ino("/repo/src")
+    (h.project / "src" / "gone").mkdir()
+    (h.project / "src" / "gone.txt").write_text("x")
+    await h.ops.lookup(src, b"gone", CTX)
+    await h.ops.lookup(src, b"gone.txt", CTX)
+    await listed_attrs(h, "/repo")  # src's attributes given by a listing
+    os.utime(h.project / "src", ns=(1, 1))  # behind the mount's back
+    if what == "create":
+        fi, _ = await h.ops.create(src, b"new", 0o644, os.O_WRONLY, CTX)
+        await h.ops.release(fi.fh)
+    elif what == "mkdir":
+        await h.ops.mkdir(src, b"new", 0o755, CTX)
+    elif what == "symlink":
+        await h.ops.symlink(src, b"new", b"main.py", CTX)
+    elif what == "mknod":
+        await h.ops.mknod(src, b"new", stat.S_IFIFO | 0o644, 0, CTX)
+    elif what == "unlink":
+        await h.ops.unlink(src, b"gone.txt", CTX)
+    elif what == "list":  # the kernel stops trusting a listed directory's atime
+        await listed_attrs(h, "/repo/src")
+    else:
+        await h.ops.rmdir(src, b"gone", CTX)
+    st = (h.project / "src").stat()
+    listed = (await listed_attrs(h, "/repo"))[b"src"]
+    if what == "list":  # relatime: listing a directory whose atime is not after its mtime
+        assert listed.st_atime_ns == st.st_atime_ns != 1
+    else:
+        assert listed.st_mtime_ns == st.st_mtime_ns != 1
+
+
 # ===== open, read, write, release ===============================================================
 
 
@@ -1286,7 +1437,7 @@ async def test_unexpected_error_becomes_eio_and_is_audited(
     assert entry["session"] == SESSION_ID
 
     with monkeypatch.context() as patch:
-        patch.setattr(h.store, "list_names", boom)
+        patch.setattr(h.store, "list_entries", boom)
         fh = await h.ops.opendir(working, CTX)
         await fails(h.readdir(fh, 0), errno.EIO)
         await h.ops.releasedir(fh)
