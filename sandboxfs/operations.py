@@ -567,6 +567,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         for inode, count in inode_list:
             try:
                 self.store.forget(inode, count)
+                if inode not in self.store.nodes:
+                    self._given.pop(inode, None)
             except Exception:
                 log.exception("internal error in forget")
 
@@ -1167,6 +1169,16 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         node = self.store.get(inode)
         if node.zone is not None and node.ino >= FIRST_DYNAMIC_INO:
             self.check(ctx, Op.READ, node)
+            if not node.is_dir and not node.open_fds:
+                # `ls -l` asks for an ACL of every file it lists: one lgetxattr by name in
+                # the parent's descriptor instead of opening the file. A symlink answers
+                # EOPNOTSUPP for ACLs and is told apart the slower way below.
+                path = b"/proc/self/fd/%d/%s" % (self.store.parent_fd(node), node.name)
+                try:
+                    return os.getxattr(path, name, follow_symlinks=False)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EPERM):
+                        raise
 
         def get(path: str) -> bytes:
             return os.getxattr(path, name)

@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import stat
+import struct
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -538,7 +539,7 @@ async def test_listings_repeat_given_attributes_within_their_validity(
     assert h.store.nodes[main].lookups == 2
 
     later = time.monotonic() + h.ops.attr_timeout + 0.01
-    monkeypatch.setattr(operations.time, "monotonic", lambda: later)
+    monkeypatch.setattr("sandboxfs.operations.time.monotonic", lambda: later)
     listed = (await listed_attrs(h, "/repo/src"))[b"main.py"]
     assert listed.st_size == backing.stat().st_size
     assert listed.attr_timeout == h.ops.attr_timeout
@@ -1089,6 +1090,42 @@ async def test_user_xattrs(make: Callable[[str], Harness]) -> None:
     assert await h.ops.getxattr(working, b"user.tag", CTX) == b"1"
 
 
+def _acl(*entries: tuple[int, int, int]) -> bytes:
+    """A POSIX ACL in its xattr form: version 2, then (tag, permissions, id) per entry."""
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+
+
+async def test_acls_and_xattrs_are_read_by_name_without_following_symlinks(
+    make: Callable[[str], Harness],
+) -> None:
+    h = make("full")
+    working = h.dirs[Zone.SESSION] / "working"
+    acl = _acl(
+        (0x01, 6, 0xFFFFFFFF),
+        (0x02, 4, 4242),
+        (0x04, 4, 0xFFFFFFFF),
+        (0x10, 4, 0xFFFFFFFF),
+        (0x20, 0, 0xFFFFFFFF),
+    )
+    os.setxattr(working / "notes.txt", "system.posix_acl_access", acl)
+    notes = await h.ino("/session/working/notes.txt")
+    assert await h.ops.getxattr(notes, b"system.posix_acl_access", CTX) == acl
+    (working / "plain.txt").write_text("no ACL\n")
+    plain = await h.ino("/session/working/plain.txt")
+    await fails(h.ops.getxattr(plain, b"system.posix_acl_access", CTX), pyfuse3.ENOATTR)
+    # A symlink has no ACL and no user.* attributes, whatever its target carries.
+    os.symlink("notes.txt", working / "link")
+    os.setxattr(working / "notes.txt", "user.origin", b"web")
+    link = await h.ino("/session/working/link")
+    await fails(h.ops.getxattr(link, b"system.posix_acl_access", CTX), pyfuse3.ENOATTR)
+    await fails(h.ops.getxattr(link, b"user.origin", CTX), pyfuse3.ENOATTR)
+    # Read under the node's current name after a rename through the mount.
+    session = await h.ino("/session/working")
+    await h.ops.rename(session, b"notes.txt", session, b"renamed.txt", 0, CTX)
+    assert await h.ops.getxattr(notes, b"user.origin", CTX) == b"web"
+    assert h.entries(allowed=False) == []
+
+
 async def test_security_namespace_is_not_supported(make: Callable[[str], Harness]) -> None:
     """security.* is neither shown nor stored: reads say EOPNOTSUPP (so `ls -l` stops asking
     for labels after one file), listings leave backing labels out, and nothing is audited."""
@@ -1155,6 +1192,7 @@ async def test_forget_drops_node_when_count_reaches_zero(make: Callable[[str], H
     assert (await h.ops.getattr(inode, CTX)).st_ino == inode
     forget(h.ops, inode, 1)
     assert inode not in h.store.nodes
+    assert inode not in h.ops._given  # nor the attributes a listing could repeat
     await fails(h.ops.getattr(inode, CTX), errno.ESTALE)
     # Virtual nodes are never dropped; unknown inodes are ignored.
     forget(h.ops, ZONE_INO[Zone.SESSION], 100)
