@@ -284,7 +284,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 given.pop(node.ino, None)
 
     def _replayed(
-        self, parent: Node, name: bytes, ino: int, is_dir: bool
+        self, parent: Node, name: bytes, ino: int, is_dir: bool, now: float
     ) -> pyfuse3.EntryAttributes | None:
         """The attributes last given to the kernel for the inode listed as parent/name, if
         the kernel may still use them and nothing changed them through the mount since.
@@ -306,7 +306,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if given is None:
             return None
         until, entry = given
-        left = until - time.monotonic()
+        left = until - now
         if left <= 0:
             return None
         entry.attr_timeout = left
@@ -598,6 +598,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         replay = node.key is not None and not (
             node.zone is Zone.WORKERS and node.parent is self.store.root
         )
+        now = time.monotonic()
         layer_fds: dict[int, int] = {}  # where each layer's names live, looked up once
         for index in range(start_id, len(entries)):
             name, layer, ino, is_dir = entries[index]
@@ -615,7 +616,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             else:
                 if self._denied_entry(node, name, is_dir):
                     continue
-                replayed = self._replayed(node, name, ino, is_dir) if replay else None
+                replayed = self._replayed(node, name, ino, is_dir, now) if replay else None
                 if replayed is not None:
                     if not pyfuse3.readdir_reply(token, name, replayed, index + 1):
                         self.store.get(replayed.st_ino).lookups -= 1
