@@ -626,7 +626,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                     fd = layer_fds.get(layer)
                     if fd is None:
                         fd = layer_fds[layer] = self.store.child_dir_fd(node, layer)
-                    st = self._entry_stat(node, name, fd)
+                    st = self._entry_stat(node, name, fd, is_dir)
                 except PermissionError:
                     if not pyfuse3.readdir_reply(token, name, self._opaque_attrs(), index + 1):
                         return
@@ -651,9 +651,11 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             relpath = (rel + b"/" + name if rel else name).decode("utf-8", "surrogateescape")
         return self.policy.denied_name(text, relpath, is_dir) is not None
 
-    def _entry_stat(self, node: Node, name: bytes, dir_fd: int) -> os.stat_result | None:
+    def _entry_stat(
+        self, node: Node, name: bytes, dir_fd: int, listed_as_dir: bool
+    ) -> os.stat_result | None:
         """lstat of a listed entry, or None if it vanished or turned into a deny-listed
-        directory since the listing.
+        directory since the listing (which checked it with the type it had then).
 
         PermissionError means the daemon cannot search the directory (no x bit): the caller
         lists the name without attributes, as getdents does natively.
@@ -662,7 +664,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             return None
-        if stat.S_ISDIR(st.st_mode) and self._denied_entry(node, name, True):
+        if stat.S_ISDIR(st.st_mode) and not listed_as_dir and self._denied_entry(node, name, True):
             return None
         return st
 

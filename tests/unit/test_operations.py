@@ -500,6 +500,23 @@ async def test_readdir_omits_deny_listed_and_state_entries(make: Callable[[str],
     h.allowed("list", "/repo", "repo")
 
 
+async def test_readdir_hides_an_entry_that_became_a_deny_listed_directory(
+    make: Callable[[str], Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`.ssh/` matches directories only: an entry listed as a file that is a directory by the
+    time it is stat'ed is checked again, and hidden."""
+    h = make("full")
+    listed = h.store.list_entries
+
+    def as_files(node: Any) -> list[Any]:
+        return [(name, layer, ino, False) for name, layer, ino, _ in listed(node)]
+
+    monkeypatch.setattr(h.store, "list_entries", as_files)
+    names = (await h.listdir(ZONE_INO[Zone.REPO])).names
+    assert b".ssh" not in names
+    assert b"src" in names
+
+
 async def listed_attrs(h: Harness, dir_vpath: str) -> dict[bytes, SimpleNamespace]:
     """The attributes one listing of dir_vpath gave, by name (copied as they were sent)."""
     got: dict[bytes, SimpleNamespace] = {}
