@@ -958,9 +958,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any
     ) -> pyfuse3.EntryAttributes:
         parent = self.store.get(parent_inode)
-        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
             reason = (
-                "only regular files and FIFOs can be created; device nodes and sockets are refused"
+                "only regular files, FIFOs and sockets can be created; device nodes are refused"
             )
             raise self.refuse(
                 ctx,
