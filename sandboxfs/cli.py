@@ -186,6 +186,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         audit_sync=args.audit_sync,
         debug=args.debug,
         allow_other=args.allow_other,
+        config_file=args.config,
     )
     if args.foreground:
 

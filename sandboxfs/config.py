@@ -2,7 +2,9 @@
 
 A project's `sandboxfs.yaml` may override any field. Its `deny:` list adds to the built-in
 deny list unless it also sets `inherit_deny: false`, so that listing one more secret never
-silently drops the protection of the others.
+silently drops the protection of the others; `protect:` and `inherit_protect` work the same
+way, except that the config file itself stays protected whatever the file says (an agent that
+could write it would choose its own policy for the next mount).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from .errors import UserError
 from .policy import Matrix, Trust, Zone, ZoneAccess
 
 PROJECT_CONFIG_NAME = "sandboxfs.yaml"
+# Protected at every trust level whatever a config says: the project's own config file.
+ALWAYS_PROTECTED = "/" + PROJECT_CONFIG_NAME
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -37,6 +41,8 @@ DEFAULT_DENY = [
     ".aws/",
     ".gnupg/",
 ]
+
+DEFAULT_PROTECT = [ALWAYS_PROTECTED, ".git/hooks/", ".git/config"]
 
 DEFAULT_PERMISSIONS: dict[Trust, dict[Zone, str]] = {
     Trust.UNTRUSTED: {
@@ -99,6 +105,7 @@ class Config(_Strict):
 
     default_trust: Trust = Trust.SESSION
     deny: list[str] = Field(default_factory=lambda: list(DEFAULT_DENY))
+    protect: list[str] = Field(default_factory=lambda: list(DEFAULT_PROTECT))
     permissions: dict[Trust, dict[Zone, Permission]] = Field(
         default_factory=lambda: {t: dict(row) for t, row in DEFAULT_PERMISSIONS.items()}
     )
@@ -118,13 +125,18 @@ class Config(_Strict):
                     raise ValueError(f"{trust.value}: missing zone {zone.value!r}")
         return value
 
-    @field_validator("deny")
+    @field_validator("deny", "protect")
     @classmethod
     def _valid_patterns(cls, value: list[str]) -> list[str]:
         for pattern in value:
             if not pattern.strip("/") or "\0" in pattern:
-                raise ValueError(f"invalid deny pattern {pattern!r}")
+                raise ValueError(f"invalid pattern {pattern!r}")
         return value
+
+    @field_validator("protect")
+    @classmethod
+    def _config_stays_protected(cls, value: list[str]) -> list[str]:
+        return value if ALWAYS_PROTECTED in value else [ALWAYS_PROTECTED, *value]
 
     def matrix(self) -> Matrix:
         return {
@@ -139,6 +151,8 @@ class ProjectConfig(_Strict):
     default_trust: Trust | None = None
     deny: list[str] = Field(default_factory=list)
     inherit_deny: bool = True
+    protect: list[str] = Field(default_factory=list)
+    inherit_protect: bool = True
     permissions: dict[Trust, dict[Zone, Permission]] = Field(default_factory=dict)
     cache: dict[str, Any] = Field(default_factory=dict)
     audit: dict[str, Any] = Field(default_factory=dict)
@@ -186,6 +200,9 @@ def _merge(base: Config, override: ProjectConfig) -> dict[str, Any]:
         if pattern not in deny:
             deny.append(pattern)
     merged["deny"] = deny
+    protect = list(base.protect) if override.inherit_protect else [ALWAYS_PROTECTED]
+    protect += [pattern for pattern in override.protect if pattern not in protect]
+    merged["protect"] = protect
     for trust, row in override.permissions.items():
         for zone, spec in row.items():
             merged["permissions"][trust.value][zone.value] = spec

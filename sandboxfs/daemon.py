@@ -34,6 +34,7 @@ from .errors import SandboxError, UserError
 from .operations import MountInfo, SandboxOperations, context_document
 from .policy import Policy, Trust, Zone
 from .store import CONTEXT_NAME, CONTROL_NAME, STATE_DIR_NAME, Store, ensure_dirs
+from .syscalls import CAP_SYS_RESOURCE, drop_effective_capability, make_undumpable
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class MountRequest:
     audit_sync: bool = False
     debug: bool = False
     allow_other: bool = False
+    config_file: Path | None = None
 
 
 def state_dir(project: Path) -> Path:
@@ -179,11 +181,13 @@ def prepare_store(req: MountRequest) -> Store:
         raise UserError(
             f"cannot create the state dir under {req.project}: {exc.strerror}"
         ) from None
-    hidden: set[tuple[int, int, bytes]] = set()
-    pst = os.stat(req.project)
-    hidden.add((pst.st_dev, pst.st_ino, STATE_DIR_NAME.encode()))
-    parent = os.stat(req.mountpoint.parent)
-    hidden.add((parent.st_dev, parent.st_ino, os.fsencode(req.mountpoint.name)))
+    # Hidden by identity, not by name: on case-folding storage `.SANDBOX` is the same
+    # directory. The mountpoint is the directory under the mount (what a listing's d_ino
+    # names); once mounted, lookups see a mount root, which is never entered anyway.
+    hidden: set[tuple[int, int]] = set()
+    for path in (state_dir(req.project), req.mountpoint):
+        st = os.stat(path)
+        hidden.add((st.st_dev, st.st_ino))
     dirs = {
         Zone.SESSION: session,
         Zone.WORKSPACE: workspace,
@@ -191,6 +195,19 @@ def prepare_store(req: MountRequest) -> Store:
         Zone.STAGED: staged,
     }
     return Store(dirs, worker_layers(req.project), hidden)
+
+
+def protected_patterns(req: MountRequest) -> list[str]:
+    """The config's protect list, plus the config file given with --config when it lies
+    inside the project (the mount must not let an agent choose its next policy)."""
+    patterns = list(req.config.protect)
+    if req.config_file is not None:
+        try:
+            inside = req.config_file.resolve().relative_to(req.project)
+        except ValueError:
+            return patterns
+        patterns.append("/" + inside.as_posix())
+    return patterns
 
 
 def _setup_logging(req: MountRequest) -> None:
@@ -208,9 +225,15 @@ def serve(req: MountRequest, ready: Callable[[], None]) -> None:
     """Mount and serve until unmounted or signalled; the audit log is flushed on the way out."""
     os.umask(0)  # modes arrive already masked by the kernel; apply them exactly
     _raise_fd_limit()
+    # Before the first descriptor into backing storage: a same-uid process must not reach
+    # them through /proc/<pid>/fd, nor ptrace the daemon.
+    make_undumpable()
+    # Writes for callers are charged to them (see SandboxOperations._as_caller); a root
+    # daemon that kept CAP_SYS_RESOURCE would let them use root's reserve and pass quotas.
+    drop_effective_capability(CAP_SYS_RESOURCE)
     store = prepare_store(req)
     _setup_logging(req)
-    policy = Policy(req.config.matrix(), req.config.deny, req.trust)
+    policy = Policy(req.config.matrix(), req.config.deny, req.trust, protected_patterns(req))
     audit = AuditLog(audit_path(req.project), sync=req.audit_sync or req.config.audit.sync)
     info = MountInfo(req.session, req.workspace, str(req.project), str(req.mountpoint))
     ops = SandboxOperations(

@@ -9,6 +9,7 @@ a handler, or pyfuse3 takes the whole mount down.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -16,9 +17,9 @@ import os
 import stat
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, NoReturn, ParamSpec, TypeVar
 
 import pyfuse3
 
@@ -41,11 +42,13 @@ from .store import (
     CONTROL_NAME,
     FIRST_DYNAMIC_INO,
     ROOT_INO,
+    HiddenEntry,
     Listed,
     Node,
+    StatLike,
     Store,
-    renameat2,
 )
+from .syscalls import Stat, fstat, renameat2, set_fs_ids
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,7 @@ class FileHandle:
     created: bool
     pid: int
     uid: int
+    gid: int
     comm: str | None
     bytes_written: int = 0
     # A write began inside a page: the kernel then holds pages only partly written through
@@ -157,6 +161,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self.attr_timeout = attr_timeout
         self.context_json = context_json
         self.running_as_root = os.geteuid() == 0
+        session_root = os.stat(store.zone_roots[Zone.SESSION].fd)
+        self.owner = (session_root.st_uid, session_root.st_gid)
+        self.mounted_ns = time.time_ns()
         self._handles: dict[int, FileHandle | BlobHandle] = {}
         self._dirs: dict[int, DirHandle] = {}
         self._next_fh = 1
@@ -183,7 +190,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         pid: int,
         uid: int,
         comm: str | None = None,
-        allowed: bool = True,
+        allowed: bool | None = True,
         reason: str | None = None,
         err: int | None = None,
         dest: str | None = None,
@@ -251,7 +258,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
     # ----- attributes -----------------------------------------------------------------------------
 
-    def attrs(self, node: Node, st: os.stat_result) -> pyfuse3.EntryAttributes:
+    def attrs(self, node: Node, st: StatLike) -> pyfuse3.EntryAttributes:
         entry = pyfuse3.EntryAttributes()
         entry.st_ino = node.ino
         entry.generation = 0
@@ -317,19 +324,20 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     def virtual_attrs(self, node: Node) -> pyfuse3.EntryAttributes:
         """Attributes of `/`, the zone roots and `/.sandboxfs`: modes that let requests reach
         the daemon, so every refusal is decided and audited here rather than by the kernel."""
-        if node.zone is not None and node.key is not None:
+        if node.zone is not None and node.key is not None and self._readable(node.zone):
             st = self.store.stat_node(node)
             entry = self.attrs(node, st)
             entry.st_mode = stat.S_IFDIR | 0o755
             return entry
+        # `/`, /.sandboxfs, and a zone root the level cannot read or list: it looks like an
+        # empty directory made at mount time, so its size, times, owner and link count (which
+        # counts hidden subdirectories) say nothing about what it holds.
         entry = pyfuse3.EntryAttributes()
         entry.st_ino = node.ino
         entry.entry_timeout = self.entry_timeout
         entry.attr_timeout = self.attr_timeout
-        root = self.store.zone_roots[Zone.SESSION]
-        st = self.store.stat_node(root)
-        entry.st_uid, entry.st_gid = st.st_uid, st.st_gid
-        entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = st.st_mtime_ns
+        entry.st_uid, entry.st_gid = self.owner
+        entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = self.mounted_ns
         if node.ino == CONTEXT_INO:
             entry.st_mode = stat.S_IFREG | 0o644  # writes reach the daemon: refused, audited
             entry.st_nlink = 1
@@ -339,6 +347,24 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             entry.st_nlink = 2
         entry.st_blksize = 4096
         return entry
+
+    def _readable(self, zone: Zone) -> bool:
+        ops = self.policy.access(zone).ops
+        return Op.READ in ops or Op.LIST in ops
+
+    @contextlib.contextmanager
+    def _as_caller(self, uid: int, gid: int) -> Iterator[None]:
+        """Make backing calls with the caller's filesystem identity, so the kernel charges
+        their blocks and inodes to the caller (disk quotas, ext4's reserve for root) rather
+        than to a root daemon. The daemon keeps its own identity for everything else."""
+        if not self.running_as_root or (uid == 0 and gid == 0):
+            yield
+            return
+        set_fs_ids(uid, gid)
+        try:
+            yield
+        finally:
+            set_fs_ids(0, 0)
 
     def node_attrs(self, node: Node) -> pyfuse3.EntryAttributes:
         if node.ino < FIRST_DYNAMIC_INO:
@@ -374,40 +400,54 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         return self.store.zone_roots[zone]
 
     def _lookup_zone(self, parent: Node, name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
+        """LOOKUP answers "absent" for every name this level may not know about: deny-listed
+        names, sandboxfs's own state, other mounts, everything in a zone the level cannot
+        access, and existing files of a create-only zone that this mount did not create. The
+        answer is the same whether the name exists or not, so it tells the caller nothing;
+        when the name exists the refusal is audited as `read` (the caller was reaching for
+        it). A CREATE, MKDIR, SYMLINK, MKNOD or LINK that follows a refused lookup reaches
+        its own callback and is refused and audited there as `write`.
+        """
         zone = parent.zone
         assert zone is not None
-        if not self.policy.access(zone).any:
-            decision = self.policy.decide(zone, Op.READ)
-            raise self.refuse(ctx, Op.READ.value, parent.vpath(name), zone, decision)
-        self._reject_hidden(ctx, parent, name, Op.READ)
-        found = self._find(parent, name)
+        vpath = parent.vpath(name)
+        found = self._find(ctx, Op.READ, parent, name)
         st, layer = found if found is not None else (None, 0)
+        if not self.policy.access(zone).any:
+            if st is None:
+                return self._negative_entry()
+            decision = self.policy.decide(zone, Op.READ)
+            raise self.refuse(ctx, Op.READ.value, vpath, zone, _absent(decision))
         is_dir = st is None or stat.S_ISDIR(st.st_mode)
-        self._reject_denied_name(ctx, parent, name, is_dir, Op.READ)
+        pattern = self._denied_pattern(parent, name, is_dir)
+        if pattern is not None:
+            if st is None:
+                return self._negative_entry()
+            decision = self.policy.deny_list_decision(vpath, pattern, errno.ENOENT)
+            raise self.refuse(ctx, Op.READ.value, vpath, zone, decision)
         if st is None:
             return self._negative_entry()
         key = (zone, st.st_dev, st.st_ino)
         known = self.store.by_key.get(key)
-        created_here = known is not None and known.created_here
+        created_here = (
+            known is not None
+            and known.created_here
+            and (not known.birth_ns or known.birth_ns == st.st_birthtime_ns)
+        )
         decision = self.policy.decide_lookup(zone, stat.S_ISDIR(st.st_mode), created_here)
         if not decision.allowed:
-            raise self.refuse(ctx, Op.READ.value, parent.vpath(name), zone, decision)
+            raise self.refuse(ctx, Op.READ.value, vpath, zone, _absent(decision))
         node = self.store.remember(parent, name, st, layer)
         return self.attrs(node, st)
 
-    def _find(self, parent: Node, name: bytes) -> tuple[os.stat_result, int] | None:
-        """lstat of a name in a directory node; for the workers root, first layer wins."""
-        if parent.zone is Zone.WORKERS and parent.parent is self.store.root:
-            for layer, fd in enumerate(self.store.layer_fds):
-                if fd < 0:
-                    continue
-                try:
-                    return os.stat(name, dir_fd=fd, follow_symlinks=False), layer
-                except FileNotFoundError:
-                    continue
-            return None
-        st = self.store.stat_child(parent, name)
-        return (st, parent.layer) if st is not None else None
+    def _find(self, ctx: Any, op: Op, parent: Node, name: bytes) -> tuple[Stat, int] | None:
+        """store.find, with an entry that is never part of a zone (sandboxfs's state, another
+        mount) refused as absent and audited as `op`."""
+        try:
+            return self.store.find(parent, name)
+        except HiddenEntry as exc:
+            decision = Decision(False, errno.ENOENT, exc.reason)
+            raise self.refuse(ctx, op.value, parent.vpath(name), parent.zone, decision) from None
 
     def _negative_entry(self) -> pyfuse3.EntryAttributes:
         # st_ino 0 lets the kernel cache "does not exist" for entry_timeout.
@@ -416,30 +456,44 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         entry.entry_timeout = self.entry_timeout
         return entry
 
-    def _reject_hidden(self, ctx: Any, parent: Node, name: bytes, op: Op) -> None:
-        if self.store.is_hidden(parent, name):
-            reason = (
-                f"{parent.vpath(name)} is sandboxfs's own state or mountpoint and is not part "
-                f"of the {parent.zone.value if parent.zone else ''} zone"
-            )
-            err = errno.ENOENT if op is Op.READ else errno.EACCES
-            raise self.refuse(
-                ctx, op.value, parent.vpath(name), parent.zone, Decision(False, err, reason)
-            )
-
-    def _reject_denied_name(
-        self, ctx: Any, parent: Node, name: bytes, is_dir: bool, op: Op
-    ) -> None:
+    def _denied_pattern(self, parent: Node, name: bytes, is_dir: bool) -> str | None:
+        """The deny pattern that parent/name matches (with its type as given), if any."""
         text = name.decode("utf-8", "surrogateescape")
         relpath = ""
         if self.policy.has_path_patterns:
-            rel = parent.relpath()
-            relpath = (rel + b"/" + name if rel else name).decode("utf-8", "surrogateescape")
-        pattern = self.policy.denied_name(text, relpath, is_dir)
+            relpath = _relpath(parent, name)
+        return self.policy.denied_name(text, relpath, is_dir)
+
+    def _reject_denied_name(
+        self, ctx: Any, parent: Node, name: bytes, is_dir: bool, op: Op | str
+    ) -> None:
+        pattern = self._denied_pattern(parent, name, is_dir)
         if pattern is not None:
             vpath = parent.vpath(name)
             decision = self.policy.deny_list_decision(vpath, pattern)
-            raise self.refuse(ctx, op.value, vpath, parent.zone, decision)
+            raise self.refuse(ctx, str(op), vpath, parent.zone, decision)
+
+    def _reject_protected(
+        self,
+        ctx: Any,
+        op: Op | str,
+        parent: Node,
+        name: bytes,
+        is_dir: bool,
+        dest: str | None = None,
+    ) -> None:
+        """Protected paths (and everything inside a protected directory) are never changed."""
+        if parent.zone is None or not self.policy.protect_patterns:
+            return
+        pattern = self.policy.protect.match_within(_relpath(parent, name), is_dir)
+        if pattern is not None:
+            vpath = parent.vpath(name)
+            decision = self.policy.protect_decision(vpath, pattern)
+            raise self.refuse(ctx, str(op), vpath, parent.zone, decision, dest=dest)
+
+    def _reject_protected_node(self, ctx: Any, op: Op | str, node: Node) -> None:
+        if node.parent is not None and node.zone is not None:
+            self._reject_protected(ctx, op, node.parent, node.name, node.is_dir)
 
     @_guarded
     def getattr(self, inode: int, ctx: Any) -> pyfuse3.EntryAttributes:
@@ -458,14 +512,15 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         changes: list[str] = []
         target, how = self._meta_target(node)
         if fields.update_size:
-            if fd is not None and handle is not None and handle.writable:  # type: ignore[union-attr]
-                os.truncate(fd, attr.st_size)
-            else:
-                wfd = self._reopen(node, os.O_WRONLY)
-                try:
-                    os.truncate(wfd, attr.st_size)
-                finally:
-                    os.close(wfd)
+            with self._as_caller(ctx.uid, ctx.gid):
+                if fd is not None and handle is not None and handle.writable:  # type: ignore[union-attr]
+                    os.truncate(fd, attr.st_size)
+                else:
+                    wfd = self._reopen(node, os.O_WRONLY)
+                    try:
+                        os.truncate(wfd, attr.st_size)
+                    finally:
+                        os.close(wfd)
             changes.append(f"size={attr.st_size}")
         if fields.update_mode:
             mode = stat.S_IMODE(attr.st_mode) & ~_SUID_SGID
@@ -512,14 +567,15 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         one (it still works after the name was unlinked or replaced), else parent + name."""
         if node.open_fds:
             return node.open_fds[-1], {}
-        return node.name, {"dir_fd": self.store.parent_fd(node), "follow_symlinks": False}
+        parent_fd = self.store.checked_parent_fd(node)
+        self.store.stat_node(node)  # the name must still be node's (ESTALE otherwise)
+        return node.name, {"dir_fd": parent_fd, "follow_symlinks": False}
 
     def _reopen(self, node: Node, flags: int) -> int:
         """A new descriptor of node's file, through an open one if there is one."""
         if node.open_fds:
             return os.open(f"/proc/self/fd/{node.open_fds[-1]}", flags | os.O_CLOEXEC)
-        parent_fd = self.store.parent_fd(node)
-        return os.open(node.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+        return self.store.open_file(node, flags)
 
     def _check_change(self, ctx: Any, node: Node, allow_created: bool = True) -> None:
         """Writes to an existing entry: never to `/`, a zone root or /.sandboxfs.
@@ -536,6 +592,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 ctx, Op.WRITE.value, node.vpath(), node.zone, Decision(False, errno.EACCES, reason)
             )
         assert node.zone is not None
+        self._reject_protected_node(ctx, Op.WRITE, node)
         if allow_created and node.created_here and self.policy.access(node.zone).create_only:
             return
         self.check(ctx, Op.WRITE, node)
@@ -614,8 +671,6 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 child.lookups += 1
                 continue
             else:
-                if self._denied_entry(node, name, is_dir):
-                    continue
                 replayed = self._replayed(node, name, ino, is_dir, now) if replay else None
                 if replayed is not None:
                     if not pyfuse3.readdir_reply(token, name, replayed, index + 1):
@@ -653,7 +708,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
     def _entry_stat(
         self, node: Node, name: bytes, dir_fd: int, listed_as_dir: bool
-    ) -> os.stat_result | None:
+    ) -> StatLike | None:
         """lstat of a listed entry, or None if it vanished or turned into a deny-listed
         directory since the listing (which checked it with the type it had then).
 
@@ -661,8 +716,10 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         lists the name without attributes, as getdents does natively.
         """
         try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
+            st = self.store.lstat(dir_fd, name)
+        except HiddenEntry:  # became a mount root since the listing
+            return None
+        if st is None:
             return None
         if stat.S_ISDIR(st.st_mode) and not listed_as_dir and self._denied_entry(node, name, True):
             return None
@@ -682,7 +739,13 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             return dots + zones + [(CONTROL_NAME, 0, 0, True)]
         if node.ino == CONTROL_INO:
             return [*dots, (CONTEXT_NAME, 0, 0, False)]
-        return dots + self.store.list_entries(node)
+        # Deny-listed names are dropped here, before offsets are given, so that the offsets
+        # do not jump where a hidden name was and reveal how many sort before a visible one.
+        return dots + [
+            entry
+            for entry in self.store.list_entries(node)
+            if not self._denied_entry(node, entry[0], entry[3])
+        ]
 
     def _virtual_child(self, node: Node, name: bytes) -> Node:
         if node.ino == ROOT_INO:
@@ -721,22 +784,21 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                     None,
                     Decision(False, errno.EACCES, CONTEXT_REASON),
                 )
-            self.record(Op.READ.value, node.vpath(), None, pid=ctx.pid, uid=ctx.uid)
+            # Not audited: the mount's public description, which `sandboxfs status` and
+            # `mount` read to tell a live mount from a dead one.
             return self._new_handle(BlobHandle(self.context_json), keep_cache=False)
         if node.zone is None or node.is_dir:
             raise SandboxError(errno.EISDIR)
         if accmode != os.O_WRONLY:
             self.check(ctx, Op.READ, node)
         if wants_write:
+            self._reject_protected_node(ctx, Op.WRITE, node)
             self.check(ctx, Op.WRITE, node)
             self._check_layer(ctx, node, Op.WRITE)
         if flags & os.O_TRUNC:
             self._changing(node)
-        fd = os.open(
-            node.name,
-            (flags & ~_OPEN_STRIP) | os.O_NOFOLLOW | os.O_CLOEXEC,
-            dir_fd=self.store.parent_fd(node),
-        )
+        with self._as_caller(ctx.uid, ctx.gid):
+            fd = self.store.open_file(node, flags & ~_OPEN_STRIP)
         st = os.stat(fd)
         stamp = (st.st_mtime_ns, st.st_size)
         keep_cache = node.cache_stamp == stamp and not flags & os.O_TRUNC
@@ -744,7 +806,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         comm = self.process_names.get(ctx.pid)
         if not wants_write:
             self.record(Op.READ.value, node.vpath(), node.zone, pid=ctx.pid, uid=ctx.uid, comm=comm)
-        handle = FileHandle(fd, node, wants_write, False, ctx.pid, ctx.uid, comm)
+        handle = FileHandle(fd, node, wants_write, False, ctx.pid, ctx.uid, ctx.gid, comm)
         node.open_fds = (*node.open_fds, fd)
         return self._new_handle(handle, keep_cache=keep_cache, direct_io=bool(flags & os.O_DIRECT))
 
@@ -770,7 +832,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if not isinstance(handle, FileHandle) or not handle.writable:
             raise SandboxError(errno.EBADF)
         self._changing(handle.node)
-        written = os.pwrite(handle.fd, buf, off)
+        with self._as_caller(handle.uid, handle.gid):
+            written = os.pwrite(handle.fd, buf, off)
         handle.bytes_written += written
         if off % _PAGE_SIZE:
             handle.partial_pages = True
@@ -877,8 +940,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 ctx, Op.WRITE.value, parent.vpath(name), None, Decision(False, errno.EACCES, reason)
             )
         zone = parent.zone
-        self._reject_hidden(ctx, parent, name, Op.WRITE)
         self._reject_denied_name(ctx, parent, name, True, Op.WRITE)
+        self._reject_protected(ctx, Op.WRITE, parent, name, True)
         decision = self.policy.decide_create(zone)
         if not decision.allowed:
             raise self.refuse(ctx, Op.WRITE.value, parent.vpath(name), zone, decision)
@@ -897,17 +960,32 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         parent = self.store.get(parent_inode)
         zone = self._creatable_parent(ctx, parent, name)
         self._changing(parent)
-        dfd = self.store.child_dir_fd(parent, 0, create=True)
-        open_flags = (
-            (flags & ~(os.O_NOCTTY | os.O_DIRECT)) | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        )
-        if self.policy.access(zone).create_only:
+        dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
+        open_flags = flags & ~(os.O_NOCTTY | os.O_DIRECT)
+        create_only = self.policy.access(zone).create_only
+        if create_only:
             open_flags |= os.O_EXCL  # never reopen an existing file through "create"
-        fd = os.open(name, open_flags, stat.S_IMODE(mode) & ~_SUID_SGID, dir_fd=dfd)
+        try:
+            with self._as_caller(ctx.uid, ctx.gid):
+                fd = self.store.create_file(dfd, name, open_flags, stat.S_IMODE(mode) & ~_SUID_SGID)
+        except OSError as exc:
+            if exc.errno == errno.EEXIST and create_only:
+                # An existing file that lookup showed as absent: refused as the write it is.
+                reason = (
+                    f"{parent.vpath(name)} exists, and {zone.value} is create-only at trust "
+                    f"level {self.policy.trust.value}: existing entries cannot be replaced"
+                )
+                decision = Decision(False, errno.EACCES, reason)
+                raise self.refuse(ctx, Op.WRITE.value, parent.vpath(name), zone, decision) from None
+            if exc.errno == errno.EXDEV:  # the name is the root of another mount
+                reason = f"{parent.vpath(name)} is the root of another mount"
+                decision = Decision(False, errno.EACCES, reason)
+                raise self.refuse(ctx, Op.WRITE.value, parent.vpath(name), zone, decision) from None
+            raise
         try:
             if self.running_as_root and (ctx.uid != 0 or ctx.gid != 0):
                 os.fchown(fd, ctx.uid, ctx.gid)
-            st = os.stat(fd)
+            st = fstat(fd)
         except BaseException:
             os.close(fd)
             raise
@@ -916,7 +994,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         node.cache_stamp = (st.st_mtime_ns, st.st_size)
         node.open_fds = (*node.open_fds, fd)
         comm = self.process_names.get(ctx.pid)
-        handle = FileHandle(fd, node, True, True, ctx.pid, ctx.uid, comm)
+        handle = FileHandle(fd, node, True, True, ctx.pid, ctx.uid, ctx.gid, comm)
         info = self._new_handle(handle, keep_cache=True, direct_io=bool(flags & os.O_DIRECT))
         return info, self.attrs(node, st)
 
@@ -925,7 +1003,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     ) -> pyfuse3.EntryAttributes:
         dfd = self.store.child_dir_fd(parent, 0)
         self._own(dfd, name, ctx)
-        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        st = self.store.lstat(dfd, name)
+        if st is None:
+            raise SandboxError(errno.ENOENT, "the new entry vanished")
         node = self.store.remember(parent, name, st, 0)
         node.created_here = True
         self.record(
@@ -938,8 +1018,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         parent = self.store.get(parent_inode)
         self._creatable_parent(ctx, parent, name)
         self._changing(parent)
-        dfd = self.store.child_dir_fd(parent, 0, create=True)
-        os.mkdir(name, stat.S_IMODE(mode) & ~_SUID_SGID, dir_fd=dfd)
+        dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
+        with self._as_caller(ctx.uid, ctx.gid):
+            os.mkdir(name, stat.S_IMODE(mode) & ~_SUID_SGID, dir_fd=dfd)
         return self._finish_new(ctx, parent, name, "mkdir")
 
     @_guarded
@@ -949,8 +1030,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         parent = self.store.get(parent_inode)
         self._creatable_parent(ctx, parent, name)
         self._changing(parent)
-        dfd = self.store.child_dir_fd(parent, 0, create=True)
-        os.symlink(target, name, dir_fd=dfd)
+        dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
+        with self._as_caller(ctx.uid, ctx.gid):
+            os.symlink(target, name, dir_fd=dfd)
         return self._finish_new(ctx, parent, name, "symlink")
 
     @_guarded
@@ -971,8 +1053,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             )
         self._creatable_parent(ctx, parent, name)
         self._changing(parent)
-        dfd = self.store.child_dir_fd(parent, 0, create=True)
-        os.mknod(name, stat.S_IFMT(mode) | (stat.S_IMODE(mode) & ~_SUID_SGID), dir_fd=dfd)
+        dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
+        with self._as_caller(ctx.uid, ctx.gid):
+            os.mknod(name, stat.S_IFMT(mode) | (stat.S_IMODE(mode) & ~_SUID_SGID), dir_fd=dfd)
         return self._finish_new(ctx, parent, name, "mknod")
 
     @_guarded
@@ -992,30 +1075,29 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 dest=parent.vpath(new_name),
             )
         if parent.zone is not node.zone:
-            reason = cross_zone_reason("hard links", node.zone, parent.zone)
-            raise self.refuse(
-                ctx,
-                "link",
-                src,
-                node.zone,
-                Decision(False, errno.EXDEV, reason),
-                dest=parent.vpath(new_name),
-            )
-        self._reject_hidden(ctx, parent, new_name, Op.WRITE)
-        self._reject_denied_name(ctx, parent, new_name, False, Op.WRITE)
+            self._cross_zone("link", ctx, src, parent.vpath(new_name), node.zone, parent.zone)
+        dest = parent.vpath(new_name)
+        if node.parent is None:
+            raise SandboxError(errno.ENOENT, "the entry was removed")
+        # The source is judged by its current path, whatever name the kernel used for it: a
+        # second name for a deny-listed or protected file would carry it out from under its
+        # pattern (writing through a hard link writes the protected file).
+        self._reject_denied_name(ctx, node.parent, node.name, node.is_dir, "link")
+        self._reject_protected(ctx, "link", node.parent, node.name, node.is_dir, dest=dest)
+        self._reject_denied_name(ctx, parent, new_name, False, "link")
+        self._reject_protected(ctx, "link", parent, new_name, False, dest=dest)
         self.check(ctx, Op.WRITE, parent, new_name)
         self._check_layer(ctx, parent, Op.WRITE, new_name)
         self._check_layer(ctx, node, Op.WRITE)
         self._changing(node, parent)
-        dfd = self.store.child_dir_fd(parent, 0, create=True)
-        os.link(
-            node.name,
-            new_name,
-            src_dir_fd=self.store.parent_fd(node),
-            dst_dir_fd=dfd,
-            follow_symlinks=False,
-        )
-        st = os.stat(new_name, dir_fd=dfd, follow_symlinks=False)
+        dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
+        src_fd = self.store.checked_parent_fd(node)
+        self.store.stat_node(node)  # the name must still be node's (ESTALE otherwise)
+        with self._as_caller(ctx.uid, ctx.gid):
+            os.link(node.name, new_name, src_dir_fd=src_fd, dst_dir_fd=dfd, follow_symlinks=False)
+        st = self.store.lstat(dfd, new_name)
+        if st is None:
+            raise SandboxError(errno.ENOENT, "the new link vanished")
         self.store.remember(parent, new_name, st, 0)
         self.record("link", src, node.zone, pid=ctx.pid, uid=ctx.uid, dest=parent.vpath(new_name))
         return self.attrs(node, st)
@@ -1024,7 +1106,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
     def _removable(
         self, ctx: Any, parent: Node, name: bytes, op_name: str
-    ) -> tuple[Zone, int, os.stat_result]:
+    ) -> tuple[Zone, int, StatLike]:
         """Checks for deleting parent/name; returns its zone, the backing directory fd and the
         entry's lstat."""
         if parent.zone is None:
@@ -1033,18 +1115,18 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 ctx, op_name, parent.vpath(name), None, Decision(False, errno.EACCES, reason)
             )
         zone = parent.zone
-        self._reject_hidden(ctx, parent, name, Op.DELETE)
         self._reject_denied_name(ctx, parent, name, True, Op.DELETE)
         self.check(ctx, Op.DELETE, parent, name)
-        found = self._find(parent, name)
+        found = self._find(ctx, Op.DELETE, parent, name)
         if found is None:
             raise SandboxError(errno.ENOENT)
         st, layer = found
+        self._reject_protected(ctx, Op.DELETE, parent, name, stat.S_ISDIR(st.st_mode))
         if zone is Zone.WORKERS and layer > 0:
             vpath = parent.vpath(name)
             reason = f"{vpath} comes from SANDBOXFS_WORKERS_PATH, which is read-only"
             raise self.refuse(ctx, op_name, vpath, zone, Decision(False, errno.EROFS, reason))
-        return zone, self.store.child_dir_fd(parent, layer), st
+        return zone, self.store.child_dir_fd(parent, layer, checked=True), st
 
     def _remove(self, ctx: Any, parent_inode: int, name: bytes, rmdir: bool) -> None:
         parent = self.store.get(parent_inode)
@@ -1090,10 +1172,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 ctx, "rename", src, old_parent.zone, Decision(False, errno.EACCES, reason), dest=dst
             )
         if old_parent.zone is not new_parent.zone:
-            reason = cross_zone_reason("renames", old_parent.zone, new_parent.zone)
-            raise self.refuse(
-                ctx, "rename", src, old_parent.zone, Decision(False, errno.EXDEV, reason), dest=dst
-            )
+            self._cross_zone("rename", ctx, src, dst, old_parent.zone, new_parent.zone)
         zone = old_parent.zone
         if flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE):
             reason = "only the RENAME_NOREPLACE and RENAME_EXCHANGE flags are supported"
@@ -1101,12 +1180,11 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             raise self.refuse(ctx, "rename", src, old_parent.zone, decision, dest=dst)
         exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
         for parent, name in ((old_parent, name_old), (new_parent, name_new)):
-            self._reject_hidden(ctx, parent, name, Op.WRITE)
-            self._reject_denied_name(ctx, parent, name, True, Op.WRITE)
+            self._reject_denied_name(ctx, parent, name, True, "rename")
         for decision in (self.policy.decide(zone, Op.DELETE), self.policy.decide(zone, Op.WRITE)):
             if not decision.allowed:
                 raise self.refuse(ctx, "rename", src, zone, decision, dest=dst)
-        found_old = self._find(old_parent, name_old)
+        found_old = self._find(ctx, Op.WRITE, old_parent, name_old)
         if found_old is None:
             raise SandboxError(errno.ENOENT)
         src_st, src_layer = found_old
@@ -1116,9 +1194,15 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 ctx, "rename", src, zone, Decision(False, errno.EROFS, reason), dest=dst
             )
         self._check_layer(ctx, new_parent, Op.WRITE, name_new)
-        src_fd = self.store.child_dir_fd(old_parent, src_layer)
-        dst_fd = self.store.child_dir_fd(new_parent, 0, create=True)
-        dst_st = self.store.stat_child(new_parent, name_new, 0)
+        found_new = self._find(ctx, Op.WRITE, new_parent, name_new)
+        dst_st = found_new[0] if found_new is not None and found_new[1] == 0 else None
+        moving = [(old_parent, name_old, src_st, new_parent, name_new)]
+        if exchange and dst_st is not None:
+            moving.append((new_parent, name_new, dst_st, old_parent, name_old))
+        for parent, name, st, to_parent, to_name in moving:
+            self._check_move(ctx, parent, name, st, to_parent, to_name, src, dst)
+        src_fd = self.store.child_dir_fd(old_parent, src_layer, checked=True)
+        dst_fd = self.store.child_dir_fd(new_parent, 0, create=True, checked=True)
         src_node = self.store.by_key.get((zone, src_st.st_dev, src_st.st_ino))
         dst_node = self.store.by_key.get((zone, dst_st.st_dev, dst_st.st_ino)) if dst_st else None
         self._changing(old_parent, new_parent, src_node, dst_node)
@@ -1134,6 +1218,54 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             if new_parent.zone is Zone.WORKERS and new_parent.parent is self.store.root:
                 src_node.layer = 0
         self.record("rename", src, zone, pid=ctx.pid, uid=ctx.uid, dest=dst)
+
+    def _check_move(
+        self,
+        ctx: Any,
+        parent: Node,
+        name: bytes,
+        st: StatLike,
+        to_parent: Node,
+        to_name: bytes,
+        src: str,
+        dst: str,
+    ) -> None:
+        """Patterns survive renames: nothing protected is moved away or onto, and no directory
+        is moved while a deny or protect path pattern could match something inside it (it
+        would carry that entry out from under its pattern)."""
+        is_dir = stat.S_ISDIR(st.st_mode)
+        self._reject_protected(ctx, "rename", parent, name, is_dir, dest=dst)
+        self._reject_protected(ctx, "rename", to_parent, to_name, is_dir, dest=dst)
+        if not is_dir:
+            return
+        for patterns, decide, rel in (
+            (self.policy.deny, self.policy.deny_list_decision, _relpath(parent, name)),
+            (self.policy.protect, self.policy.protect_decision, _relpath(parent, name)),
+            (self.policy.protect, self.policy.protect_decision, _relpath(to_parent, to_name)),
+        ):
+            pattern = patterns.match_below(rel)
+            if pattern is not None:
+                decision = decide(f"{parent.vpath(name)}/...", pattern)
+                raise self.refuse(ctx, "rename", src, parent.zone, decision, dest=dst)
+
+    def _cross_zone(
+        self, what: str, ctx: Any, src: str, dst: str, zone: Zone | None, to: Zone | None
+    ) -> NoReturn:
+        """EXDEV for a rename or link across zones. Not a policy refusal (`mv` then copies
+        and deletes, each checked on its own), so it is recorded without `allowed: false`."""
+        reason = cross_zone_reason(f"{what}s" if what == "rename" else "hard links", zone, to)
+        self.record(
+            what,
+            src,
+            zone,
+            pid=ctx.pid,
+            uid=ctx.uid,
+            allowed=None,
+            reason=reason,
+            err=errno.EXDEV,
+            dest=dst,
+        )
+        raise SandboxError(errno.EXDEV, reason)
 
     # ----- extended attributes and statfs ---------------------------------------------------------
 
@@ -1170,18 +1302,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             # ls remember the answer for the whole mount instead of asking for every file.
             raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
         node = self.store.get(inode)
-        if node.zone is not None and node.ino >= FIRST_DYNAMIC_INO:
-            self.check(ctx, Op.READ, node)
-            if not node.is_dir and not node.open_fds:
-                # `ls -l` asks for an ACL of every file it lists: one lgetxattr by name in
-                # the parent's descriptor instead of opening the file. A symlink answers
-                # EOPNOTSUPP for ACLs and is told apart the slower way below.
-                path = b"/proc/self/fd/%d/%s" % (self.store.parent_fd(node), node.name)
-                try:
-                    return os.getxattr(path, name, follow_symlinks=False)
-                except OSError as exc:
-                    if exc.errno not in (errno.EOPNOTSUPP, errno.EPERM):
-                        raise
+        if not self._xattrs_visible(ctx, node):
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
 
         def get(path: str) -> bytes:
             return os.getxattr(path, name)
@@ -1194,12 +1316,22 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     @_guarded
     def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
         node = self.store.get(inode)
-        if node.zone is not None and node.ino >= FIRST_DYNAMIC_INO:
-            self.check(ctx, Op.READ, node)
         empty: list[str] = []
+        if not self._xattrs_visible(ctx, node):
+            return []
         names = self._with_xattr_path(node, os.listxattr, empty)
         encoded = (n.encode("utf-8", "surrogateescape") for n in names)
         return [n for n in encoded if not n.startswith(_SECURITY_XATTR_PREFIX)]
+
+    def _xattrs_visible(self, ctx: Any, node: Node) -> bool:
+        """Whether node's extended attributes may be read (refusals are audited). A zone root
+        the level cannot read or list shows none, like the empty directory it looks like."""
+        if node.zone is None:
+            return True
+        if node.ino < FIRST_DYNAMIC_INO:
+            return self._readable(node.zone)
+        self.check(ctx, Op.READ, node)
+        return True
 
     def _check_xattr_change(self, ctx: Any, node: Node, name: bytes) -> None:
         self._check_change(ctx, node)
@@ -1268,6 +1400,17 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         ):
             setattr(data, attr, getattr(st, attr))
         return data
+
+
+def _absent(decision: Decision) -> Decision:
+    """A refusal answered as ENOENT: the name looks absent to the caller."""
+    return Decision(False, errno.ENOENT, decision.reason)
+
+
+def _relpath(parent: Node, name: bytes) -> str:
+    """parent/name relative to its zone root, as text for pattern matching."""
+    rel = parent.relpath()
+    return (rel + b"/" + name if rel else name).decode("utf-8", "surrogateescape")
 
 
 def _dot_attrs(node: Node) -> pyfuse3.EntryAttributes:

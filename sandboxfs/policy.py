@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import functools
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -110,28 +112,96 @@ def deny(err: int, reason: str) -> Decision:
 Matrix = Mapping[Trust, Mapping[Zone, ZoneAccess]]
 
 
+def fold(text: str) -> str:
+    """The form names and patterns are compared in: Unicode-normalised and case-folded.
+
+    Backing storage may fold case (ext4 casefold, vfat, a macOS folder shared into a VM) or
+    normalise Unicode, so `.ENV` can open `.env`; matching folded names on both sides keeps a
+    pattern's protection whatever the storage does.
+    """
+    if text.isascii():
+        return text.lower()
+    return unicodedata.normalize("NFKC", unicodedata.normalize("NFKC", text).casefold())
+
+
+class Patterns:
+    """A list of globs in the deny-list forms: a trailing "/" matches directories only; a glob
+    containing "/" matches the path relative to the zone root, any other glob a name."""
+
+    def __init__(self, patterns: Sequence[str]) -> None:
+        self.written = tuple(patterns)
+        # (folded glob, directories only, as written)
+        parsed = [(fold(p.strip("/")), p.endswith("/"), p) for p in self.written]
+        self._names = [t for t in parsed if "/" not in t[0] and not t[2].startswith("/")]
+        self._paths = [t for t in parsed if "/" in t[0] or t[2].startswith("/")]
+        self._name_re = _compile(t[0] for t in self._names)
+        self._path_re = _compile(t[0] for t in self._paths)
+
+    @property
+    def has_paths(self) -> bool:
+        return bool(self._paths)
+
+    def match(self, name: str, relpath: str, is_dir: bool) -> str | None:
+        """The pattern that `name` (at zone-relative `relpath`) matches, if any."""
+        for regex, patterns, subject in (
+            (self._name_re, self._names, name),
+            (self._path_re, self._paths, relpath),
+        ):
+            if regex is None or not subject:
+                continue
+            folded = fold(subject)
+            if regex.match(folded):
+                for glob, dir_only, written in patterns:
+                    if fnmatch.fnmatchcase(folded, glob) and (is_dir or not dir_only):
+                        return written
+        return None
+
+    def match_within(self, relpath: str, is_dir: bool) -> str | None:
+        """The pattern that `relpath` or one of the directories above it matches."""
+        parts = relpath.split("/")
+        for depth in range(1, len(parts) + 1):
+            last = depth == len(parts)
+            found = self.match(parts[depth - 1], "/".join(parts[:depth]), is_dir or not last)
+            if found is not None:
+                return found
+        return None
+
+    def match_below(self, relpath: str) -> str | None:
+        """A path pattern that could match something inside the directory at `relpath`: moving
+        that directory would carry such an entry out from under its pattern."""
+        prefix = fold(relpath) + "/"
+        for glob, _dir_only, written in self._paths:
+            if _glob_prefix(glob, prefix):
+                return written
+        return None
+
+
 class Policy:
-    """The matrix and the deny list of one mount, with decisions precomputed per zone and op.
+    """The matrix, the deny list and the protected paths of one mount, with decisions
+    precomputed per zone and op.
 
     Decisions depend only on trust level, zone, operation and name, so the hot path of every
     FUSE callback is a dictionary lookup.
     """
 
-    def __init__(self, matrix: Matrix, deny_patterns: Sequence[str], trust: Trust) -> None:
+    def __init__(
+        self,
+        matrix: Matrix,
+        deny_patterns: Sequence[str],
+        trust: Trust,
+        protect_patterns: Sequence[str] = (),
+    ) -> None:
         self.matrix = matrix
         self.trust = trust
-        self.deny_patterns = tuple(deny_patterns)
-        # (glob, directories only, as written); a glob with "/" matches the zone-relative path.
-        parsed = [(p.strip("/"), p.endswith("/"), p) for p in self.deny_patterns]
-        self._name_patterns = [t for t in parsed if "/" not in t[0] and not t[2].startswith("/")]
-        self._path_patterns = [t for t in parsed if "/" in t[0] or t[2].startswith("/")]
-        self._name_re = _compile(t[0] for t in self._name_patterns)
-        self._path_re = _compile(t[0] for t in self._path_patterns)
+        self.deny = Patterns(deny_patterns)
+        self.protect = Patterns(protect_patterns)
+        self.deny_patterns = self.deny.written
+        self.protect_patterns = self.protect.written
         self._decisions = {(zone, op): self._decide(zone, op) for zone in Zone for op in Op}
 
     @property
     def has_path_patterns(self) -> bool:
-        return bool(self._path_patterns)
+        return self.deny.has_paths
 
     def access(self, zone: Zone) -> ZoneAccess:
         return self.matrix[self.trust][zone]
@@ -163,21 +233,21 @@ class Policy:
 
     def denied_name(self, name: str, relpath: str, is_dir: bool) -> str | None:
         """The deny pattern that `name` (at zone-relative `relpath`) matches, if any."""
-        for regex, patterns, subject in (
-            (self._name_re, self._name_patterns, name),
-            (self._path_re, self._path_patterns, relpath),
-        ):
-            if regex is not None and regex.match(subject):
-                for glob, dir_only, written in patterns:
-                    if fnmatch.fnmatchcase(subject, glob) and (is_dir or not dir_only):
-                        return written
-        return None
+        return self.deny.match(name, relpath, is_dir)
 
-    def deny_list_decision(self, vpath: str, pattern: str) -> Decision:
+    def deny_list_decision(self, vpath: str, pattern: str, err: int = errno.EACCES) -> Decision:
         return deny(
-            errno.EACCES,
+            err,
             f"{vpath} matches the deny pattern {pattern!r}; deny-listed names are "
             f"inaccessible at every trust level",
+        )
+
+    def protect_decision(self, vpath: str, pattern: str) -> Decision:
+        return deny(
+            errno.EROFS,
+            f"{vpath} is protected by the pattern {pattern!r}: it can be read where the trust "
+            f"level allows, but never created, changed, renamed, linked or deleted through "
+            f"sandboxfs",
         )
 
     def zones_with(self, op: Op) -> list[str]:
@@ -218,6 +288,53 @@ class Policy:
 def _compile(patterns: Iterable[str]) -> re.Pattern[str] | None:
     parts = [fnmatch.translate(p) for p in patterns]
     return re.compile("|".join(f"(?:{p})" for p in parts)) if parts else None
+
+
+def _glob_tokens(glob: str) -> list[str]:
+    """A glob split as fnmatch reads it: "*", "?", "[...]" classes and single characters."""
+    tokens: list[str] = []
+    i = 0
+    while i < len(glob):
+        c = glob[i]
+        if c == "[":
+            j = i + 1
+            if j < len(glob) and glob[j] == "!":
+                j += 1
+            if j < len(glob) and glob[j] == "]":
+                j += 1
+            while j < len(glob) and glob[j] != "]":
+                j += 1
+            if j < len(glob):
+                tokens.append(glob[i : j + 1])
+                i = j + 1
+                continue
+        if c != "*" or not tokens or tokens[-1] != "*":
+            tokens.append(c)
+        i += 1
+    return tokens
+
+
+def _glob_prefix(glob: str, text: str) -> bool:
+    """Whether some string that starts with `text` matches `glob` (fnmatch rules: "*" also
+    matches "/")."""
+    tokens = _glob_tokens(glob)
+
+    @functools.cache
+    def step(t: int, i: int) -> bool:
+        if i == len(text):
+            return True  # the rest of the glob can match what follows
+        if t == len(tokens):
+            return False
+        token = tokens[t]
+        if token == "*":
+            return step(t + 1, i) or step(t, i + 1)
+        if token == "?":
+            return step(t + 1, i + 1)
+        if len(token) > 1:
+            return fnmatch.fnmatchcase(text[i], token) and step(t + 1, i + 1)
+        return token == text[i] and step(t + 1, i + 1)
+
+    return step(0, 0)
 
 
 ZONE_ROOT_REASON = "zone roots and / cannot be removed, renamed or changed"

@@ -2,24 +2,38 @@
 
 Every name is resolved one component at a time from a directory descriptor with
 `O_NOFOLLOW`, so neither a symlink planted in backing storage nor a `..` can lead the daemon
-outside a zone's directory. Inode numbers are sandboxfs's own: backing `st_ino` values of
-two filesystems (or two zones) can collide, and the kernel must never confuse them.
+outside a zone's directory. No backing call crosses a mount point (the `find -xdev` rule): an
+entry that is the root of another mount — another sandboxfs, bindfs, a tmpfs, a bind mount — is
+treated as absent, recognised without sending a request into it (see `syscalls.lstat_at`), and
+every open refuses to cross one (`RESOLVE_NO_XDEV`). Inode numbers are sandboxfs's own: backing
+`st_ino` values of two filesystems (or two zones) can collide, and the kernel must never confuse
+them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
+import fcntl
 import os
 import stat
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from .errors import SandboxError
 from .policy import Zone
+from .syscalls import (
+    RESOLVE_BENEATH,
+    RESOLVE_NO_MAGICLINKS,
+    RESOLVE_NO_SYMLINKS,
+    RESOLVE_NO_XDEV,
+    Stat,
+    caches_attributes,
+    lstat_at,
+    openat2,
+)
 
 ROOT_INO = 1
 CONTROL_INO = 2
@@ -32,11 +46,55 @@ CONTEXT_NAME = b"context.json"
 STATE_DIR_NAME = ".sandbox"
 
 _DIR_OPEN = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Every open of a backing name: no symlink, no magic link, no mount point, nothing outside.
+_RESOLVE = RESOLVE_NO_XDEV | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH
 _FD_CACHE_SIZE = 1024
 
 Key = tuple[Zone, int, int]
+# (st_dev, st_ino) of backing directories that are never part of a zone (the state dir).
+Identity = tuple[int, int]
+
+
+class StatLike(Protocol):
+    """What attribute replies need of a stat: `os.stat_result` (fstat) or `syscalls.Stat`."""
+
+    @property
+    def st_mode(self) -> int: ...
+    @property
+    def st_ino(self) -> int: ...
+    @property
+    def st_dev(self) -> int: ...
+    @property
+    def st_nlink(self) -> int: ...
+    @property
+    def st_uid(self) -> int: ...
+    @property
+    def st_gid(self) -> int: ...
+    @property
+    def st_size(self) -> int: ...
+    @property
+    def st_rdev(self) -> int: ...
+    @property
+    def st_blksize(self) -> int: ...
+    @property
+    def st_blocks(self) -> int: ...
+    @property
+    def st_atime_ns(self) -> int: ...
+    @property
+    def st_mtime_ns(self) -> int: ...
+    @property
+    def st_ctime_ns(self) -> int: ...
+
+
 # A listed entry: name, layer, backing inode number (d_ino), whether it is a directory.
 Listed = tuple[bytes, int, int, bool]
+
+
+class HiddenEntry(SandboxError):
+    """A backing entry that is never part of a zone; it looks absent (ENOENT)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(errno.ENOENT, reason)
 
 
 @dataclass(eq=False, slots=True)
@@ -62,6 +120,9 @@ class Node:
     cache_stamp: tuple[int, int] | None = None
     links: tuple[tuple[Node, bytes], ...] = ()
     last_vpath: str = ""
+    # Birth time of the backing inode (0 where the filesystem has none): an inode number reused
+    # after a delete outside the mount is another file, and gets another node.
+    birth_ns: int = 0
 
     def relpath(self) -> bytes:
         """The path below the zone root, b"" for the root itself."""
@@ -94,7 +155,7 @@ class Store:
         self,
         zone_dirs: dict[Zone, Path],
         worker_layers: list[Path],
-        hidden: set[tuple[int, int, bytes]],
+        hidden: set[Identity],
     ) -> None:
         self.hidden = hidden
         self.root = Node(ROOT_INO, None, None, b"", True, lookups=1)
@@ -117,6 +178,13 @@ class Store:
                 node.key = (zone, st.st_dev, st.st_ino)
             self.zone_roots[zone] = node
             self.nodes[node.ino] = node
+        # On FUSE or network storage a DONT_SYNC statx may be stale: stat again (with sync)
+        # whatever is not a mount root.
+        self.resync = any(
+            caches_attributes(fd)
+            for fd in [*self.layer_fds, *(n.fd for n in self.zone_roots.values())]
+            if fd >= 0
+        )
 
     def close(self) -> None:
         for node in self.nodes.values():
@@ -136,7 +204,7 @@ class Store:
         except KeyError:
             raise SandboxError(errno.ESTALE, "unknown inode") from None
 
-    def remember(self, parent: Node, name: bytes, st: os.stat_result, layer: int = 0) -> Node:
+    def remember(self, parent: Node, name: bytes, st: StatLike, layer: int = 0) -> Node:
         """The node for a backing entry just found at parent/name, created if new.
 
         Counts one lookup, as the kernel will. A backing inode seen under a second name is
@@ -146,12 +214,17 @@ class Store:
         assert zone is not None
         key = (zone, st.st_dev, st.st_ino)
         is_dir = stat.S_ISDIR(st.st_mode)
+        birth = getattr(st, "st_birthtime_ns", 0)
         node = self.by_key.get(key)
-        if node is not None and node.is_dir != is_dir:
+        if node is not None and (
+            node.is_dir != is_dir or (birth and node.birth_ns and birth != node.birth_ns)
+        ):
             del self.by_key[key]
             node = None
         if node is None:
-            node = Node(self._next_ino, zone, parent, name, is_dir, key=key, layer=layer)
+            node = Node(
+                self._next_ino, zone, parent, name, is_dir, key=key, layer=layer, birth_ns=birth
+            )
             self._next_ino += 1
             self.nodes[node.ino] = node
             self.by_key[key] = node
@@ -219,7 +292,61 @@ class Store:
             return node.fd
         if node.zone is Zone.WORKERS and node.parent is self.root:
             raise SandboxError(errno.EINVAL, "the workers root is a union of directories")
-        fd = os.open(node.name, _DIR_OPEN, dir_fd=self.parent_fd(node))
+        return self._cache_fd(node, self._open_checked(self.parent_fd(node), node.name, node))
+
+    def checked_dir_fd(self, node: Node) -> int:
+        """dir_fd, after checking that node's path from its zone root still leads to it.
+
+        A cached descriptor follows its directory wherever it goes: one moved out of the
+        project by its user would otherwise let the mount create and read files there. Before
+        anything reads or changes contents, the path is walked again from the zone root
+        (one openat2 confined beneath it) and must reach the same inode; else ESTALE, which
+        makes the kernel look the path up again.
+        """
+        if node.parent is None or node.parent.zone is None:
+            return self.dir_fd(node)  # a zone root (the workers root raises in dir_fd)
+        root_fd = self._zone_root_fd(node)
+        fd = self._open_checked(root_fd, node.relpath(), node)
+        if node.fd >= 0:
+            os.close(node.fd)
+            self._fd_cache.pop(node.ino, None)
+            node.fd = -1
+        return self._cache_fd(node, fd)
+
+    def checked_parent_fd(self, node: Node) -> int:
+        """parent_fd, checked as checked_dir_fd checks a directory."""
+        parent = node.parent
+        if parent is None:
+            raise SandboxError(errno.ENOENT, "the entry was removed")
+        if parent.zone is Zone.WORKERS and parent.parent is self.root:
+            return self.layer_fd(node.layer, create=False)
+        return self.checked_dir_fd(parent)
+
+    def _zone_root_fd(self, node: Node) -> int:
+        """The descriptor of the backing directory that node's relpath starts from."""
+        top = node
+        while top.parent is not None and top.parent.zone is not None:
+            top = top.parent
+        if top.zone is Zone.WORKERS:
+            return self.layer_fd(top.layer if top is not node else node.layer, create=False)
+        return top.fd
+
+    def _open_checked(self, dir_fd: int, path: bytes, node: Node) -> int:
+        """An O_PATH descriptor of path (below dir_fd) that must be node's directory."""
+        try:
+            fd = openat2(dir_fd, path, _DIR_OPEN, 0, _RESOLVE)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EXDEV, errno.ELOOP):
+                raise SandboxError(errno.ESTALE, "the directory moved or was replaced") from None
+            raise
+        if node.key is not None:
+            st = os.stat(fd)
+            if (st.st_dev, st.st_ino) != node.key[1:]:
+                os.close(fd)
+                raise SandboxError(errno.ESTALE, "the directory moved or was replaced")
+        return fd
+
+    def _cache_fd(self, node: Node, fd: int) -> int:
         node.fd = fd
         self._fd_cache[node.ino] = node
         if len(self._fd_cache) > _FD_CACHE_SIZE:
@@ -256,32 +383,60 @@ class Store:
 
     # ----- backing operations --------------------------------------------------------------
 
-    def stat_node(self, node: Node) -> os.stat_result:
+    def stat_node(self, node: Node) -> StatLike:
         if node.open_fds:
             return os.stat(node.open_fds[-1])
         if node.fd >= 0:
             return os.stat(node.fd)
-        return os.stat(node.name, dir_fd=self.parent_fd(node), follow_symlinks=False)
+        st = self.lstat(self.parent_fd(node), node.name)
+        if st is None or (node.key is not None and (st.st_dev, st.st_ino) != node.key[1:]):
+            raise SandboxError(errno.ESTALE, "the entry moved or was replaced")
+        return st
 
-    def stat_child(self, parent: Node, name: bytes, layer: int = 0) -> os.stat_result | None:
-        """lstat of parent/name, or None when absent."""
+    def lstat(self, dir_fd: int, name: bytes) -> Stat | None:
+        """lstat of a backing name, or None when it is missing.
+
+        Raises HiddenEntry for an entry that is never part of a zone: the root of another
+        mount (never entered) or sandboxfs's own state, recognised by identity so that a
+        case-folding filesystem's `.SANDBOX` is hidden too.
+        """
         try:
-            return os.stat(name, dir_fd=self.child_dir_fd(parent, layer), follow_symlinks=False)
-        except FileNotFoundError:
+            st = lstat_at(dir_fd, name)
+            if st.mount_root:
+                raise HiddenEntry(
+                    "it is the root of another mount; sandboxfs never crosses into other mounts"
+                )
+            if self.resync:  # the name is no mount root: a plain lstat cannot cross
+                _refresh(st, os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
+        except (FileNotFoundError, NotADirectoryError):
             return None
-        except NotADirectoryError:
-            return None
+        if self.hidden and (st.st_dev, st.st_ino) in self.hidden:
+            raise HiddenEntry("it is sandboxfs's own state or mountpoint, not part of any zone")
+        return st
 
-    def child_dir_fd(self, parent: Node, layer: int = 0, create: bool = False) -> int:
-        """Where names inside `parent` live; for the workers root, one of its layers."""
+    def stat_child(self, parent: Node, name: bytes, layer: int = 0) -> Stat | None:
+        """lstat of parent/name, or None when absent (see lstat)."""
+        return self.lstat(self.child_dir_fd(parent, layer), name)
+
+    def find(self, parent: Node, name: bytes) -> tuple[Stat, int] | None:
+        """lstat of a name in a directory node and its layer; for the workers root, the first
+        layer holding the name wins."""
+        if parent.zone is Zone.WORKERS and parent.parent is self.root:
+            for layer, fd in enumerate(self.layer_fds):
+                if fd >= 0 and (st := self.lstat(fd, name)) is not None:
+                    return st, layer
+            return None
+        st = self.stat_child(parent, name)
+        return (st, parent.layer) if st is not None else None
+
+    def child_dir_fd(
+        self, parent: Node, layer: int = 0, create: bool = False, checked: bool = False
+    ) -> int:
+        """Where names inside `parent` live; for the workers root, one of its layers.
+        `checked`: before reading or changing contents (see checked_dir_fd)."""
         if parent.zone is Zone.WORKERS and parent.parent is self.root:
             return self.layer_fd(layer, create)
-        return self.dir_fd(parent)
-
-    def is_hidden(self, parent: Node, name: bytes) -> bool:
-        if not self.hidden or parent.key is None:
-            return False
-        return (parent.key[1], parent.key[2], name) in self.hidden
+        return self.checked_dir_fd(parent) if checked else self.dir_fd(parent)
 
     def list_entries(self, node: Node) -> list[Listed]:
         """The entries of a directory node, sorted by name, with their layer; for the workers
@@ -293,22 +448,73 @@ class Store:
             for layer, fd in enumerate(self.layer_fds):
                 if fd < 0:
                     continue
+                dev = os.stat(fd).st_dev
                 for name, ino, is_dir in _scan(fd):
-                    if name not in seen:
+                    if name not in seen and (dev, ino) not in self.hidden:
                         seen.add(name)
                         union.append((name, layer, ino, is_dir))
             return union
+        fd = self.checked_dir_fd(node)
+        dev = node.key[1] if node.key is not None else os.stat(fd).st_dev
         return [
             (name, node.layer, ino, is_dir)
-            for name, ino, is_dir in _scan(self.dir_fd(node))
-            if not self.is_hidden(node, name)
+            for name, ino, is_dir in _scan(fd)
+            if (dev, ino) not in self.hidden
         ]
 
     def open_path_fd(self, node: Node) -> int:
-        """A fresh O_PATH descriptor of node itself (for xattrs), never following a symlink."""
-        return os.open(
-            node.name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.parent_fd(node)
+        """A fresh O_PATH descriptor of node itself (for xattrs), never following a symlink or
+        crossing into a mount."""
+        return openat2(
+            self.parent_fd(node), node.name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, 0, _RESOLVE
         )
+
+    def open_file(self, node: Node, flags: int) -> int:
+        """Open node's backing file by name, checked to still be node's regular file.
+
+        The name may have been replaced outside the mount since the kernel cached it, by a
+        FIFO (whose open would block the whole daemon) or by another file. O_NONBLOCK keeps
+        the open from waiting; the fstat then compares the identity; a mismatch is ESTALE,
+        which makes the kernel look the path up again (and open a FIFO itself).
+        """
+        fd = openat2(
+            self.checked_parent_fd(node),
+            node.name,
+            flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+            0,
+            _RESOLVE,
+        )
+        try:
+            st = os.stat(fd)
+            if not stat.S_ISREG(st.st_mode) or (
+                node.key is not None and (st.st_dev, st.st_ino) != node.key[1:]
+            ):
+                raise SandboxError(errno.ESTALE, "the file moved or was replaced")
+            if not flags & os.O_NONBLOCK:
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def create_file(self, dir_fd: int, name: bytes, flags: int, mode: int) -> int:
+        """Create (or, without O_EXCL, open) a regular file, never through a mount point."""
+        fd = openat2(
+            dir_fd,
+            name,
+            flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+            mode,
+            _RESOLVE,
+        )
+        try:
+            if not stat.S_ISREG(os.stat(fd).st_mode):  # a FIFO or device raced in: look again
+                raise SandboxError(errno.ESTALE, "not a regular file")
+            if not flags & os.O_NONBLOCK:
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
 
 def _forget_link(node: Node, parent: Node, name: bytes) -> None:
@@ -336,21 +542,20 @@ def _scan(fd: int) -> list[tuple[bytes, int, bool]]:
     return found
 
 
-# ----- renameat2, which the os module does not offer -----------------------------------------
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_renameat2 = _libc.renameat2
-_renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-_renameat2.restype = ctypes.c_int
-
-
-def renameat2(src_fd: int, src: bytes, dst_fd: int, dst: bytes, flags: int) -> None:
-    if flags == 0:
-        os.rename(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
-        return
-    if _renameat2(src_fd, src, dst_fd, dst, flags) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
+def _refresh(st: Stat, fresh: os.stat_result) -> None:
+    """Copy what may have been stale into a DONT_SYNC statx result."""
+    for field in (
+        "st_mode",
+        "st_nlink",
+        "st_uid",
+        "st_gid",
+        "st_size",
+        "st_blocks",
+        "st_atime_ns",
+        "st_mtime_ns",
+        "st_ctime_ns",
+    ):
+        setattr(st, field, getattr(fresh, field))
 
 
 def ensure_dirs(base: Path, *parts: str, mode: int = 0o700) -> Path:

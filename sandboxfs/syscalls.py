@@ -1,0 +1,230 @@
+"""The Linux system calls the os module does not offer, through ctypes.
+
+`statx` and `openat2` are how the daemon touches backing storage without ever entering another
+mount: `statx(AT_STATX_DONT_SYNC)` reports `STATX_ATTR_MOUNT_ROOT` without sending a request into
+a FUSE mount, and `openat2(RESOLVE_NO_XDEV | RESOLVE_BENEATH)` refuses to cross a mount point or
+to leave the directory it starts from. The rest are small: `renameat2`, `setfsuid`/`setfsgid`,
+dropping one capability from the effective set, and `prctl(PR_SET_DUMPABLE)`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import struct
+from typing import Any
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+# Without argtypes ctypes converts int and bytes arguments itself, which is cheaper per call.
+_statx: Any = _libc.statx
+_syscall: Any = _libc.syscall
+_renameat2: Any = _libc.renameat2
+_setfsuid: Any = _libc.setfsuid
+_setfsgid: Any = _libc.setfsgid
+_prctl: Any = _libc.prctl
+
+AT_SYMLINK_NOFOLLOW = 0x100
+AT_NO_AUTOMOUNT = 0x800
+AT_EMPTY_PATH = 0x1000
+AT_STATX_DONT_SYNC = 0x4000
+_STATX_BASIC_STATS = 0x7FF
+_STATX_BTIME = 0x800
+_STATX_ATTR_MOUNT_ROOT = 0x2000
+_LSTAT_FLAGS = AT_SYMLINK_NOFOLLOW | AT_NO_AUTOMOUNT | AT_STATX_DONT_SYNC
+_LSTAT_MASK = _STATX_BASIC_STATS | _STATX_BTIME
+
+# struct statx up to stx_mnt_id (the rest of its 256 bytes is not needed here).
+_STATX = struct.Struct("=IIQIIIHxxQQQQqIxxxxqIxxxxqIxxxxqIxxxxIIIIQ")
+_statx_buf = ctypes.create_string_buffer(256)
+_devices: dict[tuple[int, int], int] = {}
+
+_SYS_OPENAT2 = 437  # the same number on every architecture (the unified syscall table)
+RESOLVE_NO_XDEV = 0x01
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
+
+
+class Stat:
+    """The lstat fields sandboxfs uses, from statx: os.stat_result's names, plus birth time and
+    whether the entry is the root of a mount (which the daemon never enters)."""
+
+    __slots__ = (
+        "mount_root",
+        "st_atime_ns",
+        "st_birthtime_ns",
+        "st_blksize",
+        "st_blocks",
+        "st_ctime_ns",
+        "st_dev",
+        "st_gid",
+        "st_ino",
+        "st_mode",
+        "st_mtime_ns",
+        "st_nlink",
+        "st_rdev",
+        "st_size",
+        "st_uid",
+    )
+
+    def __init__(self, raw: tuple[int, ...], dev: int) -> None:
+        (
+            _mask,
+            self.st_blksize,
+            attributes,
+            self.st_nlink,
+            self.st_uid,
+            self.st_gid,
+            self.st_mode,
+            self.st_ino,
+            self.st_size,
+            self.st_blocks,
+            _attributes_mask,
+            a_sec,
+            a_nsec,
+            b_sec,
+            b_nsec,
+            c_sec,
+            c_nsec,
+            m_sec,
+            m_nsec,
+            r_major,
+            r_minor,
+            _d_major,
+            _d_minor,
+            _mnt_id,
+        ) = raw
+        self.st_dev = dev
+        self.st_atime_ns = a_sec * 1_000_000_000 + a_nsec
+        self.st_mtime_ns = m_sec * 1_000_000_000 + m_nsec
+        self.st_ctime_ns = c_sec * 1_000_000_000 + c_nsec
+        self.st_birthtime_ns = b_sec * 1_000_000_000 + b_nsec
+        self.st_rdev = os.makedev(r_major, r_minor) if r_major or r_minor else 0
+        self.mount_root = bool(attributes & _STATX_ATTR_MOUNT_ROOT)
+
+
+def lstat_at(dir_fd: int, name: bytes, flags: int = _LSTAT_FLAGS) -> Stat:
+    """lstat of `name` in `dir_fd`, never waiting on another filesystem.
+
+    AT_STATX_DONT_SYNC makes FUSE (and network filesystems) answer from what the kernel already
+    holds instead of asking their server: a mount root inside a zone is recognised without a
+    request into that mount, which could be another daemon waiting on this one.
+    """
+    if _statx(dir_fd, name, flags, _LSTAT_MASK, _statx_buf):
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), name)
+    raw = _STATX.unpack_from(_statx_buf)
+    major_minor = (raw[21], raw[22])
+    dev = _devices.get(major_minor)
+    if dev is None:
+        dev = _devices[major_minor] = os.makedev(*major_minor)
+    return Stat(raw, dev)
+
+
+def fstat(fd: int) -> Stat:
+    """fstat with the birth time, which os.fstat does not give."""
+    return lstat_at(fd, b"", AT_EMPTY_PATH | AT_STATX_DONT_SYNC)
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
+
+
+def openat2(dir_fd: int, path: bytes, flags: int, mode: int = 0, resolve: int = 0) -> int:
+    """openat2(2): open `path` relative to `dir_fd` under the RESOLVE_* restrictions."""
+    how = _OpenHow(flags, mode, resolve)
+    fd: int = _syscall(_SYS_OPENAT2, dir_fd, path, ctypes.byref(how), ctypes.sizeof(how))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return fd
+
+
+def renameat2(src_fd: int, src: bytes, dst_fd: int, dst: bytes, flags: int) -> None:
+    if flags == 0:
+        os.rename(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+        return
+    if _renameat2(src_fd, src, dst_fd, dst, flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def set_fs_ids(uid: int, gid: int) -> None:
+    """setfsgid + setfsuid of the calling thread: the identity the kernel checks and charges
+    (disk quotas, ext4's reserved blocks) for filesystem calls."""
+    _setfsgid(gid)
+    _setfsuid(uid)
+
+
+_PR_SET_DUMPABLE = 4
+
+
+def make_undumpable() -> None:
+    """Keep same-uid processes out of /proc/<pid>/fd, /proc/<pid>/mem and ptrace."""
+    if _prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = (("version", ctypes.c_uint32), ("pid", ctypes.c_int))
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = (
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    )
+
+
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+_SYS_CAPGET = 125 if os.uname().machine == "x86_64" else 90
+_SYS_CAPSET = 126 if os.uname().machine == "x86_64" else 91
+CAP_SYS_RESOURCE = 24
+
+
+def drop_effective_capability(cap: int) -> bool:
+    """Remove `cap` from this thread's effective set (it stays permitted); True if it was set.
+
+    A root daemon keeps CAP_SYS_RESOURCE otherwise, and with it every write it makes for a
+    caller may use the blocks ext4 reserves for root and ignore disk quotas.
+    """
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    if _syscall(_SYS_CAPGET, ctypes.byref(header), data) != 0:
+        return False
+    word, bit = divmod(cap, 32)
+    if not data[word].effective & (1 << bit):
+        return False
+    data[word].effective &= ~(1 << bit)
+    if _syscall(_SYS_CAPSET, ctypes.byref(header), data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return True
+
+
+_FSTATFS_BUF = ctypes.create_string_buffer(128)
+_FUSE_SUPER_MAGIC = 0x65735546
+# Filesystems that answer AT_STATX_DONT_SYNC from a cache that may be stale.
+_CACHING_MAGICS = frozenset(
+    {
+        _FUSE_SUPER_MAGIC,
+        0x6969,  # NFS
+        0xFF534D42,  # CIFS
+        0xFE534D42,  # SMB2
+        0x01021997,  # 9P (v9fs)
+        0x00C36400,  # Ceph
+        0x786F4256,  # vboxsf
+    }
+)
+
+
+def caches_attributes(fd: int) -> bool:
+    """Whether the filesystem holding `fd` may answer a DONT_SYNC statx with stale attributes."""
+    if _libc.fstatfs(fd, _FSTATFS_BUF) != 0:
+        return True
+    (f_type,) = struct.unpack_from("l", _FSTATFS_BUF)
+    return (f_type & 0xFFFFFFFF) in _CACHING_MAGICS
