@@ -446,7 +446,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         try:
             return self.store.find(parent, name)
         except HiddenEntry as exc:
-            decision = Decision(False, errno.ENOENT, exc.reason)
+            err = errno.ENOENT if op is Op.READ else errno.EACCES
+            reason = f"{parent.vpath(name)}: {exc.reason}"
+            decision = Decision(False, err, reason)
             raise self.refuse(ctx, op.value, parent.vpath(name), parent.zone, decision) from None
 
     def _negative_entry(self) -> pyfuse3.EntryAttributes:
@@ -942,6 +944,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         zone = parent.zone
         self._reject_denied_name(ctx, parent, name, True, Op.WRITE)
         self._reject_protected(ctx, Op.WRITE, parent, name, True)
+        self._find(ctx, Op.WRITE, parent, name)  # never over sandboxfs's state or a mount
         decision = self.policy.decide_create(zone)
         if not decision.allowed:
             raise self.refuse(ctx, Op.WRITE.value, parent.vpath(name), zone, decision)

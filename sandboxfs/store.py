@@ -292,6 +292,8 @@ class Store:
             return node.fd
         if node.zone is Zone.WORKERS and node.parent is self.root:
             raise SandboxError(errno.EINVAL, "the workers root is a union of directories")
+        if not node.is_dir:
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
         return self._cache_fd(node, self._open_checked(self.parent_fd(node), node.name, node))
 
     def checked_dir_fd(self, node: Node) -> int:
@@ -305,12 +307,10 @@ class Store:
         """
         if node.parent is None or node.parent.zone is None:
             return self.dir_fd(node)  # a zone root (the workers root raises in dir_fd)
-        root_fd = self._zone_root_fd(node)
-        fd = self._open_checked(root_fd, node.relpath(), node)
-        if node.fd >= 0:
-            os.close(node.fd)
-            self._fd_cache.pop(node.ino, None)
-            node.fd = -1
+        fd = self._open_checked(self._zone_root_fd(node), node.relpath(), node)
+        if node.fd >= 0:  # the same directory (checked): keep the descriptor callers hold
+            os.close(fd)
+            return self.dir_fd(node)
         return self._cache_fd(node, fd)
 
     def checked_parent_fd(self, node: Node) -> int:
@@ -416,7 +416,11 @@ class Store:
 
     def stat_child(self, parent: Node, name: bytes, layer: int = 0) -> Stat | None:
         """lstat of parent/name, or None when absent (see lstat)."""
-        return self.lstat(self.child_dir_fd(parent, layer), name)
+        try:
+            dir_fd = self.child_dir_fd(parent, layer)
+        except NotADirectoryError:
+            return None
+        return self.lstat(dir_fd, name)
 
     def find(self, parent: Node, name: bytes) -> tuple[Stat, int] | None:
         """lstat of a name in a directory node and its layer; for the workers root, the first

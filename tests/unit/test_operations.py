@@ -120,11 +120,7 @@ class Harness:
             Zone.REPO: self.project,
             Zone.STAGED: staged,
         }
-        pst = os.stat(self.project)
-        hidden = {
-            (pst.st_dev, pst.st_ino, b".sandbox"),
-            (pst.st_dev, pst.st_ino, os.fsencode(self.mountpoint.name)),
-        }
+        hidden = {(st.st_dev, st.st_ino) for st in map(os.stat, (state, self.mountpoint))}
         self.store = Store(self.dirs, [self.project / ".workers", self.layer2], hidden)
         config = defaults()
         self.policy = Policy(config.matrix(), config.deny, trust)
@@ -305,23 +301,29 @@ async def test_repo_without_access_refuses_lookup_and_opendir(
     repo = await h.ino("/repo")  # zone roots always resolve
     assert repo == ZONE_INO[Zone.REPO]
     assert stat.S_ISDIR((await h.ops.getattr(repo, CTX)).st_mode)
-    await fails(h.ops.lookup(repo, b"README.md", CTX), errno.EACCES)
+    # A zone the level cannot access looks like an empty directory: every name is absent,
+    # existing or not; reaching for an existing one is audited as a read.
+    await fails(h.ops.lookup(repo, b"README.md", CTX), errno.ENOENT)
     h.denial(
         "read",
         "/repo/README.md",
         "repo",
-        "EACCES",
+        "ENOENT",
         f"repo is not readable at trust level {trust}; readable zones: session, ",
     )
-    await fails(h.ops.lookup(repo, b"no-such-file", CTX), errno.EACCES)
+    assert (await h.ops.lookup(repo, b"no-such-file", CTX)).st_ino == 0
+    assert not h.entries(path="/repo/no-such-file")
+    # Creating there is refused as the write it is.
+    await fails(h.ops.create(repo, b"x", 0o644, os.O_WRONLY, CTX), errno.EACCES)
+    h.denial("write", "/repo/x", "repo", "EACCES", f"repo is not writable at trust level {trust}")
     await fails(h.ops.opendir(repo, CTX), errno.EACCES)
     h.denial("list", "/repo", "repo", "EACCES", f"repo is not listable at trust level {trust}")
 
 
 async def test_untrusted_workspace_zone_refuses_lookup(make: Callable[[str], Harness]) -> None:
     h = make("untrusted")
-    await fails(h.ops.lookup(ZONE_INO[Zone.WORKSPACE], b"data", CTX), errno.EACCES)
-    h.denial("read", "/workspace/data", "workspace", "EACCES", "readable zones: session, workers")
+    await fails(h.ops.lookup(ZONE_INO[Zone.WORKSPACE], b"data", CTX), errno.ENOENT)
+    h.denial("read", "/workspace/data", "workspace", "ENOENT", "readable zones: session, workers")
 
 
 # ===== setattr ===================================================================================
@@ -939,7 +941,10 @@ async def test_link_across_zones_is_exdev(make: Callable[[str], Harness]) -> Non
     notes = await h.ino("/session/working/notes.txt")
     data = await h.ino("/workspace/data")
     await fails(h.ops.link(notes, data, b"notes.txt", CTX), errno.EXDEV)
-    entry = h.denial("link", "/session/working/notes.txt", "session", "EXDEV", "cannot cross zones")
+    # Recorded, but not as a policy denial (callers fall back to copying).
+    [entry] = h.entries(op="link", path="/session/working/notes.txt")
+    assert entry["allowed"] is None and entry["errno"] == "EXDEV", entry
+    assert "cannot cross zones" in entry["reason"]
     assert entry["dest"] == "/workspace/data/notes.txt"
     assert not (h.dirs[Zone.WORKSPACE] / "data" / "notes.txt").exists()
 
@@ -1040,9 +1045,10 @@ async def test_rename_across_zones_is_exdev(make: Callable[[str], Harness]) -> N
     working = await h.ino("/session/working")
     data = await h.ino("/workspace/data")
     await fails(h.ops.rename(working, b"notes.txt", data, b"notes.txt", 0, CTX), errno.EXDEV)
-    entry = h.denial(
-        "rename", "/session/working/notes.txt", "session", "EXDEV", "session -> workspace"
-    )
+    [entry] = h.entries(op="rename", path="/session/working/notes.txt")
+    assert entry["allowed"] is None and entry["errno"] == "EXDEV", entry
+    assert "session -> workspace" in entry["reason"]
+    assert not h.entries(allowed=False)
     assert entry["dest"] == "/workspace/data/notes.txt"
     assert (h.dirs[Zone.SESSION] / "working" / "notes.txt").exists()
 
@@ -1229,8 +1235,11 @@ async def test_staged_create_only_at_untrusted(make: Callable[[str], Harness]) -
     backing = h.dirs[Zone.STAGED]
 
     c0 = await h.ino("/staged/c0")  # existing directories resolve
-    await fails(h.ops.lookup(c0, b"old.txt", CTX), errno.EACCES)
-    h.denial("read", "/staged/c0/old.txt", "staged", "EACCES", "staged is create-only")
+    await fails(h.ops.lookup(c0, b"old.txt", CTX), errno.ENOENT)
+    h.denial("read", "/staged/c0/old.txt", "staged", "ENOENT", "staged is create-only")
+    # A create over it (after lookup said absent) is refused as a write, not EEXIST.
+    await fails(h.ops.create(c0, b"old.txt", 0o644, os.O_WRONLY, CTX), errno.EACCES)
+    h.denial("write", "/staged/c0/old.txt", "staged", "EACCES", "existing entries cannot be")
     assert (await h.ops.lookup(c0, b"absent.txt", CTX)).st_ino == 0
     await fails(h.ops.opendir(staged, CTX), errno.EACCES)
     h.denial("list", "/staged", "staged", "EACCES", "create-only")
@@ -1262,7 +1271,7 @@ async def test_staged_create_only_at_untrusted(make: Callable[[str], Harness]) -
     await fails(h.ops.getxattr(attrs.st_ino, b"user.x", CTX), errno.EACCES)
     await fails(h.ops.listxattr(attrs.st_ino, CTX), errno.EACCES)
     await fails(h.ops.unlink(c1, b"f.txt", CTX), errno.EACCES)
-    await fails(h.ops.create(c1, b"f.txt", 0o644, os.O_WRONLY, CTX), errno.EEXIST)
+    await fails(h.ops.create(c1, b"f.txt", 0o644, os.O_WRONLY, CTX), errno.EACCES)
     assert (backing / "c1" / "f.txt").read_bytes() == b"proposed"
     await fails(h.ops.link(attrs.st_ino, c1, b"g.txt", CTX), errno.EACCES)
 
@@ -1309,13 +1318,15 @@ async def test_staged_create_only_no_truncate_after_release(
 async def test_deny_list_at_full(make: Callable[[str], Harness]) -> None:
     h = make("full")
     repo = ZONE_INO[Zone.REPO]
-    await fails(h.ops.lookup(repo, b".env", CTX), errno.EACCES)
-    h.denial("read", "/repo/.env", "repo", "EACCES", "matches the deny pattern '.env'; deny-listed")
-    await fails(h.ops.lookup(repo, b"server.pem", CTX), errno.EACCES)
-    h.denial("read", "/repo/server.pem", "repo", "EACCES", "'*.pem'")
-    await fails(h.ops.lookup(repo, b".ssh", CTX), errno.EACCES)
-    h.denial("read", "/repo/.ssh", "repo", "EACCES", "'.ssh/'")
-    await fails(h.ops.lookup(repo, b".env.local", CTX), errno.EACCES)  # absent, still refused
+    # Deny-listed names look absent; reaching for an existing one is audited as a read.
+    await fails(h.ops.lookup(repo, b".env", CTX), errno.ENOENT)
+    h.denial("read", "/repo/.env", "repo", "ENOENT", "matches the deny pattern '.env'; deny-listed")
+    await fails(h.ops.lookup(repo, b"server.pem", CTX), errno.ENOENT)
+    h.denial("read", "/repo/server.pem", "repo", "ENOENT", "'*.pem'")
+    await fails(h.ops.lookup(repo, b".ssh", CTX), errno.ENOENT)
+    h.denial("read", "/repo/.ssh", "repo", "ENOENT", "'.ssh/'")
+    assert (await h.ops.lookup(repo, b".env.local", CTX)).st_ino == 0  # absent: same answer
+    assert not h.entries(path="/repo/.env.local")
 
     await fails(h.ops.create(repo, b".env", 0o600, os.O_WRONLY | os.O_TRUNC, CTX), errno.EACCES)
     h.denial("write", "/repo/.env", "repo", "EACCES", "'.env'")
@@ -1389,7 +1400,7 @@ async def test_denials_are_on_disk_before_the_error_returns(
     make: Callable[[str], Harness],
 ) -> None:
     h = make("untrusted")
-    await fails(h.ops.lookup(ZONE_INO[Zone.REPO], b"README.md", CTX), errno.EACCES)
+    await fails(h.ops.lookup(ZONE_INO[Zone.REPO], b"README.md", CTX), errno.ENOENT)
     on_disk = list(read_entries(h.log_path))  # no flush
     assert [(e["op"], e["path"], e["allowed"]) for e in on_disk] == [
         ("read", "/repo/README.md", False)
