@@ -514,15 +514,14 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         changes: list[str] = []
         target, how = self._meta_target(node)
         if fields.update_size:
-            with self._as_caller(ctx.uid, ctx.gid):
-                if fd is not None and handle is not None and handle.writable:  # type: ignore[union-attr]
-                    os.truncate(fd, attr.st_size)
-                else:
-                    wfd = self._reopen(node, os.O_WRONLY)
-                    try:
-                        os.truncate(wfd, attr.st_size)
-                    finally:
-                        os.close(wfd)
+            writable = handle is not None and handle.writable  # type: ignore[union-attr]
+            wfd = fd if fd is not None and writable else self._reopen(node, os.O_WRONLY)
+            try:
+                with self._as_caller(ctx.uid, ctx.gid):  # growing a file allocates blocks
+                    os.truncate(wfd, attr.st_size)
+            finally:
+                if wfd != fd:
+                    os.close(wfd)
             changes.append(f"size={attr.st_size}")
         if fields.update_mode:
             mode = stat.S_IMODE(attr.st_mode) & ~_SUID_SGID
@@ -799,8 +798,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             self._check_layer(ctx, node, Op.WRITE)
         if flags & os.O_TRUNC:
             self._changing(node)
-        with self._as_caller(ctx.uid, ctx.gid):
-            fd = self.store.open_file(node, flags & ~_OPEN_STRIP)
+        fd = self.store.open_file(node, flags & ~_OPEN_STRIP)
         st = os.stat(fd)
         stamp = (st.st_mtime_ns, st.st_size)
         keep_cache = node.cache_stamp == stamp and not flags & os.O_TRUNC

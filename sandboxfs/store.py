@@ -49,6 +49,20 @@ _DIR_OPEN = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # Every open of a backing name: no symlink, no magic link, no mount point, nothing outside.
 _RESOLVE = RESOLVE_NO_XDEV | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH
 _FD_CACHE_SIZE = 1024
+_SHORT_PATH = 3072  # relpaths walked in one openat2 (PATH_MAX is 4096)
+# The open flags passed on to a backing file. The kernel's FUSE OPEN carries internal bits
+# too (__FMODE_EXEC for execve), which openat2 refuses with EINVAL where open(2) ignored them.
+_OPEN_PASSED = (
+    os.O_ACCMODE
+    | os.O_APPEND
+    | os.O_TRUNC
+    | os.O_NONBLOCK
+    | os.O_DSYNC
+    | os.O_SYNC
+    | os.O_NOATIME
+    | os.O_EXCL
+    | getattr(os, "O_LARGEFILE", 0)
+)
 
 Key = tuple[Zone, int, int]
 # (st_dev, st_ino) of backing directories that are never part of a zone (the state dir).
@@ -307,7 +321,11 @@ class Store:
         """
         if node.parent is None or node.parent.zone is None:
             return self.dir_fd(node)  # a zone root (the workers root raises in dir_fd)
-        fd = self._open_checked(self._zone_root_fd(node), node.relpath(), node)
+        relpath = node.relpath()
+        if len(relpath) < _SHORT_PATH:
+            fd = self._open_checked(self._zone_root_fd(node), relpath, node)
+        else:  # beyond PATH_MAX: check the parent the same way, then this one step
+            fd = self._open_checked(self.checked_parent_fd(node), node.name, node)
         if node.fd >= 0:  # the same directory (checked): keep the descriptor callers hold
             os.close(fd)
             return self.dir_fd(node)
@@ -481,18 +499,24 @@ class Store:
         the open from waiting; the fstat then compares the identity; a mismatch is ESTALE,
         which makes the kernel look the path up again (and open a FIFO itself).
         """
+        parent_fd = self.checked_parent_fd(node)
+        # Never open anything but node's regular file: not even with O_NONBLOCK, since
+        # opening a device can act on it. The fstat below catches a swap after this check.
+        found = self.lstat(parent_fd, node.name)
+        if found is not None and _is(node, found) and stat.S_ISLNK(found.st_mode):
+            raise SandboxError(errno.ELOOP, "a symlink is never followed")
+        if found is None or not stat.S_ISREG(found.st_mode) or not _is(node, found):
+            raise SandboxError(errno.ESTALE, "the file moved or was replaced")
         fd = openat2(
-            self.checked_parent_fd(node),
+            parent_fd,
             node.name,
-            flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+            (flags & _OPEN_PASSED) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
             0,
             _RESOLVE,
         )
         try:
             st = os.stat(fd)
-            if not stat.S_ISREG(st.st_mode) or (
-                node.key is not None and (st.st_dev, st.st_ino) != node.key[1:]
-            ):
+            if not stat.S_ISREG(st.st_mode) or not _is(node, st):
                 raise SandboxError(errno.ESTALE, "the file moved or was replaced")
             if not flags & os.O_NONBLOCK:
                 fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
@@ -506,7 +530,7 @@ class Store:
         fd = openat2(
             dir_fd,
             name,
-            flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+            (flags & _OPEN_PASSED) | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
             mode,
             _RESOLVE,
         )
@@ -519,6 +543,15 @@ class Store:
             os.close(fd)
             raise
         return fd
+
+
+def _is(node: Node, st: StatLike) -> bool:
+    """Whether a stat is of node's backing inode (the same number, and where both are known,
+    the same birth time: ext4 hands a freed inode number to the next file at once)."""
+    if node.key is not None and (st.st_dev, st.st_ino) != node.key[1:]:
+        return False
+    birth = getattr(st, "st_birthtime_ns", 0)
+    return not (birth and node.birth_ns and birth != node.birth_ns)
 
 
 def _forget_link(node: Node, parent: Node, name: bytes) -> None:

@@ -123,7 +123,7 @@ class Harness:
         hidden = {(st.st_dev, st.st_ino) for st in map(os.stat, (state, self.mountpoint))}
         self.store = Store(self.dirs, [self.project / ".workers", self.layer2], hidden)
         config = defaults()
-        self.policy = Policy(config.matrix(), config.deny, trust)
+        self.policy = Policy(config.matrix(), config.deny, trust, config.protect)
         self.log_path = state / "audit.jsonl"
         self.audit = AuditLog(self.log_path)
         info = MountInfo(SESSION_ID, WORKSPACE_ID, str(self.project), str(self.mountpoint))
