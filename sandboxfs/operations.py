@@ -1195,8 +1195,11 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 ctx, "rename", src, zone, Decision(False, errno.EROFS, reason), dest=dst
             )
         self._check_layer(ctx, new_parent, Op.WRITE, name_new)
-        found_new = self._find(ctx, Op.WRITE, new_parent, name_new)
-        dst_st = found_new[0] if found_new is not None and found_new[1] == 0 else None
+        try:
+            dst_st = self.store.stat_child(new_parent, name_new, 0)
+        except HiddenEntry as exc:  # never onto sandboxfs's state or another mount
+            decision = Decision(False, errno.EACCES, f"{dst}: {exc.reason}")
+            raise self.refuse(ctx, "rename", src, zone, decision, dest=dst) from None
         moving = [(old_parent, name_old, src_st, new_parent, name_new)]
         if exchange and dst_st is not None:
             moving.append((new_parent, name_new, dst_st, old_parent, name_old))
