@@ -84,6 +84,12 @@ def test_an_ordinary_caller_cannot_use_roots_reserve(small_ext4: Path, base: Pat
         assert written <= available, (written, available, reserve)
         left = os.statvfs(small_ext4)
         assert (left.f_bfree - left.f_bavail) * left.f_frsize >= reserve - (1 << 20)
+        # The daemon cannot override the reserve or quotas: CAP_SYS_RESOURCE is not effective.
+        status = Path(f"/proc/{m.daemon_pid()}/status").read_text()
+        cap_eff = int(
+            next(ln for ln in status.splitlines() if ln.startswith("CapEff:")).split()[1], 16
+        )
+        assert not cap_eff & (1 << 24), hex(cap_eff)
         # The reserve is still there for root, and so for the audit log.
         denied = subprocess.run(
             ["sh", "-c", f"cat {m.mnt}/repo/.env"], capture_output=True, text=True, timeout=30

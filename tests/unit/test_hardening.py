@@ -17,7 +17,7 @@ from sandboxfs.config import ALWAYS_PROTECTED, ProjectConfig, _merge, defaults
 from sandboxfs.policy import Patterns, Policy, Trust, Zone, fold
 from sandboxfs.store import ZONE_INO
 
-from .test_operations import CTX, Harness, fails, make, no_mounts_left_behind
+from .test_operations import CTX, Ctx, Harness, fails, make, no_mounts_left_behind
 
 __all__ = ["make", "no_mounts_left_behind"]
 
@@ -257,3 +257,29 @@ async def test_context_json_reads_are_not_audited(make: Callable[[str], Harness]
     assert not h.entries(path="/.sandboxfs/context.json")
     await fails(h.ops.open(context, os.O_WRONLY, CTX), errno.EACCES)
     assert h.entries(path="/.sandboxfs/context.json", allowed=False)
+
+
+# ===== writes are charged to the caller =========================================================
+
+
+async def test_allocating_calls_run_with_the_callers_filesystem_identity(
+    make: Callable[[str], Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = make("full")
+    h.ops.running_as_root = True
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr("sandboxfs.operations.set_fs_ids", lambda u, g: calls.append((u, g)))
+    caller = Ctx(uid=4242, gid=4343, pid=os.getpid())
+    working = await h.ino("/session/working")
+    monkeypatch.setattr(os, "fchown", lambda *a: None)
+    monkeypatch.setattr(os, "chown", lambda *a, **k: None)
+    fi, _ = await h.ops.create(working, b"new.txt", 0o644, os.O_WRONLY, caller)
+    assert calls == [(4242, 4343), (0, 0)]
+    await h.ops.write(fi.fh, 0, b"data")
+    assert calls[2:] == [(4242, 4343), (0, 0)]
+    await h.ops.release(fi.fh)
+    await h.ops.mkdir(working, b"d", 0o755, caller)
+    assert calls[4:] == [(4242, 4343), (0, 0)]
+    calls.clear()
+    await h.ops.mkdir(working, b"e", 0o755, CTX if CTX.uid == 0 else Ctx(uid=0, gid=0, pid=1))
+    assert calls == []  # root callers need no switch
