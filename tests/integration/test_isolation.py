@@ -1,0 +1,751 @@
+"""Isolation: a mount never reaches into another mount, secrets stay hidden on storage that folds
+case, and nothing can read around the daemon.
+
+Every access to a mount runs in a child process with a timeout (a hang fails the test instead of
+blocking the suite; the child's process group is killed), and every mount made here — sandboxfs,
+bindfs, tmpfs, bind, loop — is undone in `finally`, lazily when a plain unmount does not work. Two
+daemons deadlocked on each other's requests do not even die of SIGKILL, so a sandboxfs mount whose
+daemon no longer answers has its FUSE connection aborted (fusectl) before it is unmounted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import SANDBOXFS, make_project
+
+ACCESS = 10.0  # seconds one access to a mount may take; answering takes milliseconds
+NOBODY_UID = 65534
+NOBODY = ["setpriv", f"--reuid={NOBODY_UID}", f"--regid={NOBODY_UID}", "--clear-groups", "--"]
+ENOENT_TEXT = "No such file or directory"
+EACCES_TEXT = "Permission denied"
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mount, losetup, setpriv)")
+
+
+class Hang(AssertionError):
+    """A command did not finish within its timeout: something blocked inside a mount."""
+
+
+# ----- running things ----------------------------------------------------------------------------
+
+
+def run(
+    cmd: str | Sequence[str | Path],
+    timeout: float = ACCESS,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run a command (a string goes to sh -c) in its own process group; never raises on failure,
+    raises Hang when it is still running after `timeout` (its whole group is killed first)."""
+    argv = ["sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=env,
+        cwd=cwd,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            proc.communicate(timeout=2)
+        except subprocess.TimeoutExpired:
+            # Killed, but its request was already taken by a daemon: it waits (uninterruptibly)
+            # for the answer, until that mount's connection is aborted (see sandbox_mount).
+            STUCK.append(proc)
+        raise Hang(f"timed out after {timeout:g} s (hung): {' '.join(argv)}") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+STUCK: list[subprocess.Popen[str]] = []
+
+
+def reap_stuck() -> None:
+    for proc in list(STUCK):
+        with suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=5)
+            STUCK.remove(proc)
+
+
+def fuse_connection(mountpoint: Path) -> int | None:
+    """The FUSE connection number of a mount (the minor of its device), from mountinfo."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == str(mountpoint):
+            return int(fields[2].split(":")[1])
+    return None
+
+
+def abort_connection(conn: int) -> None:
+    """Abort a FUSE connection (its daemon and callers get ENOTCONN/ENODEV): the only way out
+    of a deadlock between daemons, where even SIGKILL waits. Mounts fusectl privately if it is
+    not mounted at /sys/fs/fuse/connections."""
+    control = Path("/sys/fs/fuse/connections")
+    private = None
+    if not control.joinpath(str(conn)).exists():
+        private = Path(tempfile.mkdtemp(prefix="sandboxfs-fusectl-"))
+        if run(["mount", "-t", "fusectl", "fusectl", private]).returncode != 0:
+            private.rmdir()
+            return
+        control = private
+    try:
+        with suppress(OSError):
+            control.joinpath(str(conn), "abort").write_text("1")
+    finally:
+        if private is not None:
+            run(["umount", "-l", private])
+            private.rmdir()
+
+
+Runner = Callable[..., subprocess.CompletedProcess[str]]  # (argv, timeout=ACCESS)
+
+
+def prefixed(prefix: Sequence[str], home: Path | None = None) -> Runner:
+    """`run`, with every command started through `prefix` (setpriv ...), HOME=`home`."""
+    env = {"HOME": str(home), "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"}
+
+    def runner(argv: Sequence[str | Path], timeout: float = ACCESS) -> Any:
+        return run([*prefix, *argv], timeout, env if home else None, home)
+
+    return runner
+
+
+def is_mountpoint(path: Path) -> bool:
+    """From the mount table, without touching the path (which could hang)."""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        if line.split()[1].replace("\\040", " ") == str(path):
+            return True
+    return False
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
+    except (OSError, IndexError):
+        return False
+    return state not in "ZX"
+
+
+def threads_of(pid: int) -> set[int]:
+    try:
+        return {int(t) for t in os.listdir(f"/proc/{pid}/task")} | {pid}
+    except OSError:
+        return {pid}
+
+
+def absent(result: subprocess.CompletedProcess[str], what: str = "") -> str | None:
+    """None when the command failed with ENOENT, else a description of what happened."""
+    if result.returncode != 0 and ENOENT_TEXT in result.stderr:
+        return None
+    return (
+        f"{what or result.args}: expected '{ENOENT_TEXT}', got rc={result.returncode} "
+        f"stdout={result.stdout[:200]!r} stderr={result.stderr.strip()[:300]!r}"
+    )
+
+
+def check(problems: list[str], outcome: str | None) -> None:
+    if outcome is not None:
+        problems.append(outcome)
+
+
+def attempt(problems: list[str], fn: Any, *args: Any) -> Any:
+    """fn(*args); when it fails (a Hang: then later probes would only hang too), the test ends
+    naming every problem found so far."""
+    try:
+        return fn(*args)
+    except AssertionError as exc:
+        raise AssertionError("\n".join([*problems, f"{type(exc).__name__}: {exc}"])) from None
+
+
+def listing(path: Path, problems: list[str], *flags: str) -> list[str]:
+    result = attempt(problems, run, ["ls", *flags, path])
+    if result.returncode != 0:
+        problems.append(f"ls {' '.join(flags)} {path}: rc={result.returncode} {result.stderr!r}")
+    return str(result.stdout).split()
+
+
+# ----- sandboxfs mounts --------------------------------------------------------------------------
+
+
+@dataclass
+class Live:
+    """A sandboxfs mount made here, with its daemon's pid."""
+
+    mnt: Path
+    project: Path
+    session: str
+    pid: int = 0
+    tids: set[int] = field(default_factory=set)
+    debug_log: Path | None = None
+    runner: Runner = run  # how the mount's owner runs commands
+    conn: int | None = None  # FUSE connection number
+
+    def context(self) -> dict[str, Any]:
+        """context.json, read through the mount by a child process within ACCESS seconds."""
+        path = self.mnt / ".sandboxfs" / "context.json"
+        result = self.runner(["cat", path])
+        assert result.returncode == 0, f"{path}: {result.stderr}"
+        return dict(json.loads(result.stdout))
+
+    def note_threads(self) -> None:
+        self.tids |= threads_of(self.pid)
+
+    def umount(self) -> None:
+        """`sandboxfs umount`, which must succeed."""
+        argv = [*SANDBOXFS, "umount", self.mnt]
+        result = self.runner(argv, 30)
+        assert result.returncode == 0, result.stderr
+        assert "unmounted" in result.stdout, result.stdout
+        assert not is_mountpoint(self.mnt)
+
+    def audit(self) -> list[dict[str, Any]]:
+        """This mount's session's audit entries (every mount of the project shares one log)."""
+        result = run(
+            [*SANDBOXFS, "audit", "--project", self.project, "--session", self.session, "--json"],
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+        return [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+
+    def requesters(self) -> set[int]:
+        """Pids in the FUSE requests this mount received (from its --debug output)."""
+        assert self.debug_log is not None
+        text = self.debug_log.read_text(errors="replace")
+        found = re.findall(r"^unique: \d+, opcode: .*, pid: (\d+)$", text, re.M)
+        return {int(pid) for pid in found}
+
+
+@contextmanager
+def sandbox_mount(
+    mnt: Path,
+    project: Path,
+    trust: str,
+    *extra: str,
+    debug_log: Path | None = None,
+    runner: Runner = run,
+) -> Iterator[Live]:
+    """`sandboxfs mount` (with `debug_log`: `--foreground --debug`, its stderr, which names the
+    caller of every request, kept there); unmounted in `finally` whatever happened: `sandboxfs
+    umount`, then a lazy unmount, then the daemon ended by its pid if it is still running."""
+    mnt.mkdir(parents=True, exist_ok=True)
+    argv: list[str | Path] = [*SANDBOXFS, "mount", mnt, "--project", project, "--trust", trust]
+    argv += extra
+    live = Live(mnt, project, "", debug_log=debug_log, runner=runner)
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        if debug_log is None:
+            result = runner(argv, 30)
+            assert result.returncode == 0, f"sandboxfs mount failed: {result.stderr}"
+            out = result.stdout
+        else:
+            out_file = debug_log.with_suffix(".out")
+            with open(out_file, "wb") as out_fd, open(debug_log, "wb") as err_fd:
+                proc = subprocess.Popen(
+                    [str(a) for a in [*argv, "--foreground", "--debug"]],
+                    stdout=out_fd,
+                    stderr=err_fd,
+                    start_new_session=True,
+                )
+            live.pid = proc.pid  # --foreground: the daemon itself
+            deadline = time.monotonic() + 30
+            while "session: " not in (out := out_file.read_text()):
+                assert proc.poll() is None, f"sandboxfs mount failed: {debug_log.read_text()}"
+                assert time.monotonic() < deadline, "sandboxfs mount --foreground: no mount"
+                time.sleep(0.05)
+        live.session = out.split("session: ", 1)[1].split()[0]
+        live.conn = fuse_connection(mnt)
+        live.pid = int(live.context()["pid"])
+        live.note_threads()
+        yield live
+    finally:
+        if live.conn is None:
+            live.conn = fuse_connection(mnt)
+        if live.conn is not None and is_mountpoint(mnt):
+            try:
+                runner(["cat", mnt / ".sandboxfs" / "context.json"], 3)
+            except Hang:  # the daemon is stuck (in a request to another mount): cut it loose
+                abort_connection(live.conn)
+        if is_mountpoint(mnt):
+            with suppress(Hang):
+                runner([*SANDBOXFS, "umount", mnt], 15)
+        if is_mountpoint(mnt):
+            with suppress(Hang):
+                run(["fusermount3", "-u", "-z", mnt])
+        deadline = time.monotonic() + 3
+        while live.pid and process_alive(live.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if live.conn is not None and live.pid and process_alive(live.pid):
+            abort_connection(live.conn)  # the daemon is stuck: cut it loose
+            deadline = time.monotonic() + 5
+            while live.pid and process_alive(live.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if live.pid and process_alive(live.pid):
+            with suppress(ProcessLookupError):
+                os.kill(live.pid, signal.SIGKILL)
+        if proc is not None:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                with suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10)
+        reap_stuck()
+
+
+@contextmanager
+def foreign_mounts() -> Iterator[list[Path]]:
+    """A list to append mountpoints of non-sandboxfs mounts to; each is lazily unmounted in
+    `finally`, the last first."""
+    mounts: list[Path] = []
+    try:
+        yield mounts
+    finally:
+        for mp in reversed(mounts):
+            if is_mountpoint(mp):
+                with suppress(Hang):
+                    run(["umount", "-l", mp], 10)
+
+
+def mount_foreign(mounts: list[Path], argv: Sequence[str | Path], mountpoint: Path) -> None:
+    result = run(argv, 20)
+    if is_mountpoint(mountpoint):
+        mounts.append(mountpoint)
+    assert result.returncode == 0, f"{argv}: {result.stderr}"
+    assert is_mountpoint(mountpoint), argv
+
+
+def assert_answers(m: Live) -> None:
+    """The daemon lives and its mount answers within a few seconds."""
+    assert process_alive(m.pid), f"daemon {m.pid} of {m.mnt} died"
+    assert m.context()["session"] == m.session
+
+
+def assert_no_crossing(mounts: Sequence[Live]) -> None:
+    """No mount's audit log, nor (for --debug mounts) its request log, names another mount's
+    daemon as a caller. Call once all are unmounted (audit entries are then flushed)."""
+    problems = []
+    for m in mounts:
+        others = {tid for o in mounts if o is not m for tid in o.tids}
+        entries = m.audit()
+        assert entries, f"no audit entries for session {m.session} (at least its mount)"
+        for e in entries:
+            if e.get("pid") in others:
+                problems.append(f"audit of {m.mnt.name} has a daemon as caller: {e}")
+        if m.debug_log is not None:
+            seen = m.requesters() & others
+            if seen:
+                problems.append(f"{m.mnt.name} received FUSE requests from daemons {seen}")
+    assert not problems, "\n".join(problems)
+
+
+# ----- 1. a mount never reaches into another mount -----------------------------------------------
+
+
+def test_sandboxfs_mounts_inside_the_project_never_reach_each_other(tmp_path: Path) -> None:
+    """The reproduction: mounts b (full) and a (workspace) inside their own project. Through
+    /repo each one's mountpoint is absent; the paths that used to hang both daemons fail fast."""
+    p = make_project(tmp_path)
+    problems: list[str] = []
+    with ExitStack() as stack:
+        b = stack.enter_context(
+            sandbox_mount(
+                p / "mnt-b", p, "full", "--workspace", "wsb", debug_log=tmp_path / "b.log"
+            )
+        )
+        made = run(f"echo private > {b.mnt}/session/working/b.txt")
+        assert made.returncode == 0, made.stderr
+        a = stack.enter_context(
+            sandbox_mount(p / "mnt-a", p, "workspace", debug_log=tmp_path / "a.log")
+        )
+        probes = [
+            ["cat", a.mnt / "repo/mnt-b/session/working/b.txt"],
+            ["cat", a.mnt / "repo/mnt-b/repo/mnt-a/.sandboxfs/context.json"],
+            ["cat", b.mnt / "repo/mnt-a/.sandboxfs/context.json"],
+            ["cat", b.mnt / "repo/mnt-a/repo/mnt-b/session/working/b.txt"],
+            ["stat", a.mnt / "repo/mnt-b"],
+            ["ls", a.mnt / "repo/mnt-b"],
+            ["stat", b.mnt / "repo/mnt-a"],
+            ["stat", a.mnt / "repo/mnt-a"],  # its own mountpoint, hidden by identity
+        ]
+        for probe in probes:
+            result = attempt(problems, run, probe)
+            check(problems, absent(result))
+        for m in (a, b):
+            names = listing(m.mnt / "repo", problems, "-a")
+            if not {"README.md", "src"} <= set(names) or {"mnt-a", "mnt-b"} & set(names):
+                problems.append(f"ls -a {m.mnt}/repo: {names}")
+            listing(m.mnt / "repo", problems, "-la")  # stats every entry: must not hang
+        for m in (a, b):
+            attempt(problems, assert_answers, m)
+            m.note_threads()
+        assert not problems, "\n".join(problems)
+        a.umount()
+        b.umount()
+    assert b.session != a.session
+    assert_no_crossing([a, b])
+
+
+def test_three_mounts_in_a_cycle_never_hang_nor_cross(tmp_path: Path) -> None:
+    """Three mounts with ordinary names inside one project, each probing the others (and the
+    cycles through them) through /repo, all probes at once: all absent, nothing hangs."""
+    p = make_project(tmp_path)
+    levels = {
+        "build": ("workspace",),
+        "dist": ("full", "--workspace", "w2"),
+        "out": ("full", "--workspace", "w3"),
+    }
+    problems: list[str] = []
+    with ExitStack() as stack:
+        mounts = {n: stack.enter_context(sandbox_mount(p / n, p, *lv)) for n, lv in levels.items()}
+        for name, m in mounts.items():
+            made = run(f"echo {name} > {m.mnt}/session/working/f.txt")
+            assert made.returncode == 0, made.stderr
+        probes = []
+        for x in mounts:
+            for y in mounts:
+                if x == y:
+                    continue
+                (z,) = set(mounts) - {x, y}
+                via = p / x / "repo" / y
+                probes += [
+                    ["cat", via / "session/working/f.txt"],
+                    ["cat", via / ".sandboxfs/context.json"],
+                    ["cat", via / "repo" / z / "repo" / x / ".sandboxfs/context.json"],
+                    ["ls", via / "repo"],
+                ]
+        with ThreadPoolExecutor(max_workers=len(probes)) as pool:
+            futures = [pool.submit(run, probe) for probe in probes]
+            for future in futures:
+                try:
+                    check(problems, absent(future.result()))
+                except Hang as exc:
+                    problems.append(str(exc))
+        assert not any("hung" in problem for problem in problems), "\n".join(problems)
+        for m in mounts.values():
+            names = set(listing(m.mnt / "repo", problems, "-a"))
+            if "README.md" not in names or names & set(mounts):
+                problems.append(f"ls -a {m.mnt}/repo: {sorted(names)}")
+        for m in mounts.values():
+            attempt(problems, assert_answers, m)
+            m.note_threads()
+        assert not problems, "\n".join(problems)
+        for m in mounts.values():
+            m.umount()
+    assert_no_crossing(list(mounts.values()))
+
+
+@needs_root
+def test_other_kinds_of_mounts_in_backing_storage_are_absent(tmp_path: Path) -> None:
+    """bindfs, tmpfs, a bind mount of a directory and of a file, in the project (before and
+    after sandboxfs mounted it) and in a session's directory: absent through the mount, left
+    out of listings, nothing created in them."""
+    if shutil.which("bindfs") is None:
+        pytest.skip("bindfs is not installed (apt-get install bindfs)")
+    p = make_project(tmp_path)
+    src = tmp_path / "outside-src"
+    src.mkdir()
+    (src / "secret.txt").write_text("outside\n")
+    src_file = tmp_path / "outside-file.txt"
+    src_file.write_text("outside file\n")
+    for name in ("vendor", "tmp", "build", "late"):
+        (p / name).mkdir()
+    (p / "notes.txt").write_text("underneath\n")
+    problems: list[str] = []
+    with foreign_mounts() as mounts:
+        mount_foreign(mounts, ["mount", "--bind", src, p / "vendor"], p / "vendor")
+        mount_foreign(mounts, ["mount", "-t", "tmpfs", "-o", "size=1m", "t", p / "tmp"], p / "tmp")
+        (p / "tmp" / "secret.txt").write_text("in tmpfs\n")
+        mount_foreign(mounts, ["mount", "--bind", src_file, p / "notes.txt"], p / "notes.txt")
+        with sandbox_mount(tmp_path / "mnt", p, "full") as m:
+            repo = m.mnt / "repo"
+            # `late` is known to the kernel and the daemon before something is mounted on it.
+            assert run(["ls", repo / "late"]).returncode == 0
+            mount_foreign(mounts, ["bindfs", src, p / "build"], p / "build")
+            mount_foreign(mounts, ["mount", "-t", "tmpfs", "t", p / "late"], p / "late")
+            (p / "late" / "secret.txt").write_text("late tmpfs\n")
+            scratch = p / ".sandbox/workspaces/default/sessions" / m.session / "working/scratch"
+            scratch.mkdir()
+            mount_foreign(mounts, ["mount", "-t", "tmpfs", "t", scratch], scratch)
+            (scratch / "secret.txt").write_text("session tmpfs\n")
+
+            for name in ("vendor", "tmp", "build"):
+                for probe in (["cat", repo / name / "secret.txt"], ["stat", repo / name]):
+                    result = attempt(problems, run, probe)
+                    check(problems, absent(result))
+                result = attempt(problems, run, ["touch", repo / name / "new.txt"])
+                check(problems, absent(result))
+            for probe in (
+                ["cat", repo / "notes.txt"],
+                ["cat", m.mnt / "session/working/scratch/secret.txt"],
+                ["stat", m.mnt / "session/working/scratch"],
+            ):
+                result = attempt(problems, run, probe)
+                check(problems, absent(result))
+            late = attempt(problems, run, ["cat", repo / "late" / "secret.txt"])
+            if late.returncode == 0:
+                problems.append(f"read a file in a tmpfs mounted on a known directory: {late}")
+            # The kernel still knows /repo/late, so this may fail (ENOENT, ESTALE) or show
+            # the empty directory underneath; it must not show the tmpfs.
+            late = attempt(problems, run, ["ls", "-a", repo / "late"])
+            if "secret.txt" in late.stdout:
+                problems.append(f"ls /repo/late lists the tmpfs mounted on it: {late.stdout!r}")
+            names = set(listing(repo, problems, "-a"))
+            hidden = {"vendor", "tmp", "build", "notes.txt"}
+            if "README.md" not in names or names & hidden:
+                problems.append(f"ls -a /repo: {sorted(names)}")
+            long = attempt(problems, run, ["ls", "-la", repo])
+            if long.returncode != 0 or long.stderr:
+                problems.append(f"ls -la /repo: rc={long.returncode} {long.stderr!r}")
+            if "scratch" in listing(m.mnt / "session/working", problems, "-a"):
+                problems.append("ls /session/working lists the tmpfs in the session's directory")
+            created = [str(f) for f in (src / "new.txt", p / "tmp" / "new.txt") if f.exists()]
+            if created:
+                problems.append(f"created inside another mount: {created}")
+            attempt(problems, assert_answers, m)
+            assert not problems, "\n".join(problems)
+
+
+# ----- 2. secrets stay hidden whatever the case ------------------------------------------------
+
+
+def check_secrets_hidden(m: Live, spellings: Sequence[str], problems: list[str]) -> None:
+    repo = m.mnt / "repo"
+    for rel in spellings:
+        result = attempt(problems, run, ["cat", repo / rel])
+        check(problems, absent(result, f"cat /repo/{rel}"))
+    for new in ("SERVER.PEM", ".eNV", "Id_Rsa.new"):
+        result = attempt(problems, run, f"echo x > {repo / new}")
+        if result.returncode == 0 or EACCES_TEXT not in result.stderr:
+            problems.append(f"create /repo/{new}: rc={result.returncode} {result.stderr!r}")
+
+
+CASE_FOLDED_SECRETS = (".env", ".env.local", "id_rsa", "server.pem", "deploy.key", ".ssh/config")
+
+
+def make_secrets(project: Path) -> None:
+    (project / ".ssh").mkdir()
+    (project / "config").mkdir()
+    for rel in CASE_FOLDED_SECRETS:
+        (project / rel).write_text("secret\n")
+    (project / "config" / "production.yaml").write_text("password: hunter2\n")
+    (project / "config" / "staging.yaml").write_text("fine: yes\n")
+    (project / "README.md").write_text("# p\n")
+    (project / "sandboxfs.yaml").write_text("deny:\n  - config/production.yaml\n")
+
+
+@contextmanager
+def casefold_ext4(tmp_path: Path) -> Iterator[Path]:
+    """An empty casefolded directory on a loop-mounted ext4 made with -O casefold; skips when
+    this machine cannot make one. Unmounted and its loop device detached in `finally`."""
+    img, top = tmp_path / "casefold.img", tmp_path / "casefold"
+    top.mkdir()
+    with open(img, "wb") as f:
+        f.truncate(64 << 20)
+    made = run(["mkfs.ext4", "-q", "-O", "casefold", img], 60)
+    if made.returncode != 0:
+        pytest.skip(f"mkfs.ext4 cannot make a casefold filesystem: {made.stderr.strip()}")
+    attached = run(["losetup", "--find", "--show", img], 30)
+    if attached.returncode != 0:
+        pytest.skip(f"no loop device: {attached.stderr.strip()}")
+    device = attached.stdout.strip()
+    try:
+        mounted = run(["mount", device, top], 30)
+        if mounted.returncode != 0:
+            dmesg = run("dmesg 2>/dev/null | grep -i -e casefold -e unicode | tail -1")
+            pytest.skip(
+                "cannot mount a casefold ext4 here (kernel without CONFIG_UNICODE?): "
+                f"{mounted.stderr.strip()} {dmesg.stdout.strip()}"
+            )
+        try:
+            project = top / "p"
+            project.mkdir()
+            folded = run(["chattr", "+F", project])
+            if folded.returncode != 0:
+                pytest.skip(f"chattr +F (casefold) refused: {folded.stderr.strip()}")
+            yield project
+        finally:
+            if is_mountpoint(top):
+                with suppress(Hang):
+                    run(["umount", top], 30)
+            if is_mountpoint(top):
+                run(["umount", "-l", top], 30)
+    finally:
+        run(["losetup", "-d", device], 30)
+
+
+@needs_root
+def test_secrets_stay_hidden_on_case_folding_storage(tmp_path: Path) -> None:
+    with casefold_ext4(tmp_path) as p:
+        make_secrets(p)
+        assert (p / ".ENV").read_text() == "secret\n", "the directory does not fold case"
+        problems: list[str] = []
+        with sandbox_mount(tmp_path / "mnt", p, "full") as m:
+            spellings = [
+                ".ENV",
+                ".Env",
+                ".env",
+                ".ENV.Local",
+                "ID_RSA",
+                "Server.Pem",
+                "DEPLOY.KEY",
+                ".SSH/config",
+                ".Ssh/CONFIG",
+                ".SANDBOX/audit.jsonl",
+                ".Sandbox",
+                ".sandbox",
+                "CONFIG/Production.YAML",
+                "config/production.yaml",
+            ]
+            check_secrets_hidden(m, spellings, problems)
+            names = {n.casefold() for n in listing(m.mnt / "repo", problems, "-a")}
+            for secret in (".env", ".env.local", "id_rsa", "server.pem", ".ssh", ".sandbox"):
+                if secret in names:
+                    problems.append(f"ls -a /repo shows {secret} (some case): {sorted(names)}")
+            config = {n.casefold() for n in listing(m.mnt / "repo" / "CONFIG", problems, "-a")}
+            if "production.yaml" in config or "staging.yaml" not in config:
+                problems.append(f"ls -a /repo/CONFIG: {sorted(config)}")
+            if (p / "server.pem").read_text() != "secret\n":
+                problems.append("creating SERVER.PEM through the mount changed server.pem")
+            attempt(problems, assert_answers, m)
+        assert not problems, "\n".join(problems)
+
+
+def test_deny_patterns_ignore_case_and_canonical_equivalence(tmp_path: Path) -> None:
+    """On case-sensitive storage too: names that differ from a deny pattern only in case, or by
+    a canonically equivalent character (KELVIN SIGN is K), are denied."""
+    p = tmp_path / "p"
+    p.mkdir()
+    make_secrets(p)
+    odd = [".ENV", ".Env.Local", "ID_RSA", "Id_Ed25519.pub", "Server.PEM", "deploy.\u212aEY"]
+    for rel in [*odd, ".SSH/config", ".Aws/credentials", "CONFIG/Production.YAML"]:
+        (p / rel).parent.mkdir(exist_ok=True)
+        (p / rel).write_text("secret\n")
+    problems: list[str] = []
+    with sandbox_mount(tmp_path / "mnt", p, "full") as m:
+        spellings = [*odd, ".SSH/config", ".Aws/credentials", "CONFIG/Production.YAML"]
+        check_secrets_hidden(m, spellings, problems)
+        names = set(listing(m.mnt / "repo", problems, "-a"))
+        shown = names & {*odd, ".SSH", ".Aws", ".env", "id_rsa", "server.pem", ".ssh"}
+        if shown or "README.md" not in names:
+            problems.append(f"ls -a /repo shows {sorted(shown)}: {sorted(names)}")
+        if "Production.YAML" in listing(m.mnt / "repo" / "CONFIG", problems, "-a"):
+            problems.append("ls /repo/CONFIG shows Production.YAML")
+        created = [n for n in ("SERVER.PEM", ".eNV", "Id_Rsa.new") if (p / n).exists()]
+        if created:
+            problems.append(f"created in the project: {created}")
+        attempt(problems, assert_answers, m)
+    assert not problems, "\n".join(problems)
+
+
+# ----- 3. nothing can read around the daemon -----------------------------------------------------
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A directory below /tmp that every user can traverse (pytest's are 0700), removed after."""
+    root = Path(tempfile.mkdtemp(prefix="sandboxfs-isolation-", dir="/tmp"))
+    try:
+        root.chmod(0o755)
+        yield root
+    finally:
+        if is_mountpoint(root / "mnt"):
+            run(["fusermount3", "-u", "-z", root / "mnt"], 10)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+_PTRACE = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = (ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p)
+pid = int(sys.argv[1])
+if libc.ptrace(16, pid, None, None) != 0:  # PTRACE_ATTACH
+    print("ERR", os.strerror(ctypes.get_errno()))
+else:
+    os.waitpid(pid, 0)
+    libc.ptrace(17, pid, None, None)  # PTRACE_DETACH
+    print("OK")
+"""
+# uid 0 without CAP_SYS_PTRACE (a container's root): the daemon and the prober both run so,
+# with equal capabilities, and only the daemon's dumpable flag stands in the way.
+NO_PTRACE = ["setpriv", "--bounding-set=-sys_ptrace", "--inh-caps=-sys_ptrace", "--"]
+
+
+@needs_root
+@pytest.mark.parametrize("who", ["nobody", "root-without-cap-sys-ptrace"])
+def test_same_uid_cannot_reach_into_the_daemon(who: str, open_tmp: Path) -> None:
+    """A daemon run by an ordinary user: another process of that user can neither list nor
+    open the daemon's descriptors under /proc, nor ptrace it; a plain process of the same user,
+    for comparison, can be. The same for root without CAP_SYS_PTRACE (listing /proc/PID/fd is
+    then allowed: a non-dumpable process's /proc files belong to root)."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv is not installed")
+    nobody = who == "nobody"
+    as_user = prefixed(NOBODY, open_tmp) if nobody else prefixed(NO_PTRACE)
+    if nobody:
+        os.chown(open_tmp, NOBODY_UID, NOBODY_UID)
+        usable = as_user([sys.executable, "-c", "import sandboxfs.cli, pyfuse3"], 30)
+        if usable.returncode != 0:
+            pytest.skip(f"nobody cannot run {sys.executable} with sandboxfs: {usable.stderr}")
+        fuse = as_user(["test", "-r", "/dev/fuse", "-a", "-w", "/dev/fuse"])
+        if fuse.returncode != 0:
+            mode = oct(os.stat("/dev/fuse").st_mode & 0o777)
+            pytest.skip(f"/dev/fuse is {mode} here: sandboxfs refuses to mount for nobody")
+    project = make_project(open_tmp)
+    (open_tmp / "mnt").mkdir()
+    if nobody:
+        run(["chown", "-R", f"{NOBODY_UID}:{NOBODY_UID}", project, open_tmp / "mnt"])
+    problems: list[str] = []
+    with sandbox_mount(open_tmp / "mnt", project, "full", runner=as_user) as m:
+        owner = Path(f"/proc/{m.pid}/status").read_text()
+        uid = NOBODY_UID if nobody else 0
+        assert re.search(rf"^Uid:\s+{uid}\s", owner, re.M), f"the daemon is not uid {uid}'s"
+        fd_dir = f"/proc/{m.pid}/fd"
+        listed = as_user(["ls", fd_dir])
+        if nobody and (listed.returncode == 0 or EACCES_TEXT not in listed.stderr):
+            problems.append(f"ls {fd_dir}: rc={listed.returncode} {listed.stdout!r}")
+        for n in (3, 4, 5, 6):
+            opened = as_user([sys.executable, "-c", f"open('{fd_dir}/{n}', 'rb')"])
+            if opened.returncode == 0:
+                problems.append(f"opened {fd_dir}/{n} (ls: {listed.stdout.split()})")
+        traced = as_user([sys.executable, "-c", _PTRACE, str(m.pid)])
+        if traced.stdout.strip() != "ERR Operation not permitted":
+            problems.append(f"ptrace attach of the daemon: {traced.stdout} {traced.stderr}")
+        # The control: the same probes succeed against an ordinary process of the same user.
+        prefix = NOBODY if nobody else NO_PTRACE
+        sleeper = subprocess.Popen(
+            [*prefix, "sleep", "30"], stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        try:
+            time.sleep(0.2)
+            control = as_user([sys.executable, "-c", f"open('/proc/{sleeper.pid}/fd/0', 'rb')"])
+            assert control.returncode == 0, f"control: {control.stderr}"
+            control = as_user([sys.executable, "-c", _PTRACE, str(sleeper.pid)])
+            assert control.stdout.strip() == "OK", f"control: {control.stdout} {control.stderr}"
+        finally:
+            sleeper.kill()
+            sleeper.wait(timeout=10)
+        attempt(problems, assert_answers, m)
+        m.umount()
+    assert not problems, "\n".join(problems)
