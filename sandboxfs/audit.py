@@ -1,10 +1,22 @@
-"""The audit log: append-only JSON lines, chained by SHA-256, shared by concurrent mounts.
+"""The audit log: append-only JSON lines, chained by SHA-256, keyed, shared by concurrent mounts.
 
 Every entry carries `id` (consecutive), `prev` (the previous entry's hash) and `hash` (SHA-256 of
-the entry's canonical JSON without `hash`), so `verify` finds an edited, inserted, removed or
-reordered line. Writers take a `flock` on a lock file beside the log and append with one `write`,
-so several mounts (processes) can share one log and the chain stays linear. The chain has no
-secret key: it detects tampering by anyone who did not also rewrite every later line.
+the entry's canonical JSON without `hash` and `mac`), so `verify` finds an edited, inserted,
+removed or reordered line. Writers take a `flock` on a lock file beside the log and append with
+one `write`, so several mounts (processes) can share one log and the chain stays linear.
+
+The chain alone has no secret: whoever can write the file can cut its end or rebuild all of it.
+So each log also has an *anchor* in the user's own state directory, outside every project (see
+`anchor_path`): a random key, the id from which entries are keyed, and the chain's head (the last
+id and hash written), updated on every flush under the same lock. Each entry carries `mac`, an
+HMAC-SHA256 of its hash under that key. The hash stays unkeyed on purpose: anyone (another
+user, an auditor without the key, a log whose anchor is lost) can still check the chain, and
+logs written before keys existed keep verifying. `verify` then also finds a cut end (the log ends
+before the anchor's head) and a rebuilt chain (a mac that does not match).
+
+A denial must be on disk before its errno returns, even when the disk is full: a few MiB are
+kept preallocated in `audit.reserve` beside the log and given back, a slice at a time, when an
+append fails with ENOSPC or EDQUOT; `AuditLog.failing` says when even that was not enough.
 """
 
 from __future__ import annotations
@@ -13,9 +25,12 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import hmac
 import json
 import logging
 import os
+import re
+import secrets
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,6 +46,12 @@ _MAX_QUEUED = 100_000
 GENESIS: str = "0" * 64
 
 _CHUNK = 1 << 16
+_SEALS = ("hash", "mac")  # what an entry's hash does not cover
+TAMPER_OP = "audit-tamper"  # written by a writer that finds the log cut or forged
+RESERVE_BYTES = 4 << 20  # room kept for the log on its file system; ~14k denials
+_RELEASE_STEP = 1 << 16  # the reserve is given back in slices of at least this
+_REFILL_EVERY = 1.0  # seconds between attempts to fill a short reserve again
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _EXACT_FIELDS = ("pid", "session", "workspace", "zone", "op", "trust", "allowed")
 _DENIED = b'"allowed":false'
 
@@ -70,24 +91,40 @@ def _canonical(entry: dict[str, Any]) -> bytes:
 
 
 def _digest(entry: dict[str, Any]) -> str:
-    return hashlib.sha256(_canonical({k: v for k, v in entry.items() if k != "hash"})).hexdigest()
+    return hashlib.sha256(
+        _canonical({k: v for k, v in entry.items() if k not in _SEALS})
+    ).hexdigest()
 
 
-def _seal(entry: dict[str, Any], entry_id: int, prev: str) -> dict[str, Any]:
-    """A copy of `entry` placed in the chain: with `id`, `prev` and its own `hash`."""
-    sealed = {k: v for k, v in entry.items() if k != "hash"} | {"id": entry_id, "prev": prev}
-    sealed["hash"] = _digest(sealed)
-    return sealed
+class _Key:
+    """The anchor's secret key, ready to MAC entry hashes (the HMAC state is set up once)."""
+
+    def __init__(self, key: bytes) -> None:
+        self._base = hmac.new(key, digestmod=hashlib.sha256)
+
+    def mac(self, digest: str) -> str:
+        keyed = self._base.copy()
+        keyed.update(digest.encode("ascii"))
+        return keyed.hexdigest()
+
+    def valid(self, digest: str, mac: object) -> bool:
+        return isinstance(mac, str) and hmac.compare_digest(self.mac(digest), mac)
 
 
-def _sealed_line(entry: dict[str, Any], entry_id: int, prev: str) -> tuple[bytes, str]:
+def _sealed_line(
+    entry: dict[str, Any], entry_id: int, prev: str, key: _Key | None = None
+) -> tuple[bytes, str]:
     """The line for `entry` placed in the chain, and its hash, serialising only once: the hash
-    covers the canonical JSON without "hash", which is then appended as the last key."""
+    covers the canonical JSON without "hash" and "mac", which are then appended as the last
+    keys (`mac` only with a key)."""
     body = _canonical(
-        {k: v for k, v in entry.items() if k != "hash"} | {"id": entry_id, "prev": prev}
+        {k: v for k, v in entry.items() if k not in _SEALS} | {"id": entry_id, "prev": prev}
     )
     digest = hashlib.sha256(body).hexdigest()
-    return body[:-1] + b',"hash":"' + digest.encode("ascii") + b'"}\n', digest
+    seals = b',"hash":"' + digest.encode("ascii")
+    if key is not None:
+        seals += b'","mac":"' + key.mac(digest).encode("ascii")
+    return body[:-1] + seals + b'"}\n', digest
 
 
 def _parse_entry(line: bytes) -> dict[str, Any] | None:
@@ -168,18 +205,22 @@ class _Tail:
     """Where the chain stands at the end of a file of `size` bytes.
 
     `valid_end` is the offset just past the last complete entry; anything after it is torn.
+    `last_hash` is what the next entry's prev must be; `entry_hash` and `mac` are the last
+    entry's own (they differ from `last_hash` only for a prune header alone in the file).
     """
 
     size: int
     last_id: int
     last_hash: str
     valid_end: int
+    entry_hash: str = GENESIS
+    mac: object = None
 
     @classmethod
     def after(cls, entry: dict[str, Any], size: int, valid_end: int) -> _Tail:
         # A prune header alone in the file: the chain continues from its anchor.
         link = entry["anchor"] if _is_header(entry) else entry["hash"]
-        return cls(size, entry["id"], link, valid_end)
+        return cls(size, entry["id"], link, valid_end, entry["hash"], entry.get("mac"))
 
 
 def _scan_tail(fd: int, size: int) -> _Tail:
@@ -219,23 +260,225 @@ def _count_lines(fd: int, end: int) -> int:
     return count
 
 
+# ----- the anchor: key and chain head, outside the project ----------------------------------------
+
+_ANCHOR_RE = re.compile(
+    rb"sandboxfs audit anchor 1\n"
+    rb"key ([0-9a-f]{64})\n"
+    rb"keyed-from ([0-9]{20})\n"
+    rb"head ([0-9]{20}) ([0-9a-f]{64})\n"
+)
+# The head line has a fixed offset and width, so a flush rewrites it with one pwrite.
+_HEAD_OFFSET = len(b"sandboxfs audit anchor 1\nkey \nkeyed-from \n") + 64 + 20
+_HEAD_RE = re.compile(rb"head ([0-9]{20}) ([0-9a-f]{64})\n")
+_HEAD_SIZE = len(b"head  \n") + 20 + 64
+
+
+def state_root() -> Path:
+    """The user's own sandboxfs state directory: $SANDBOXFS_STATE_DIR, else
+    $XDG_STATE_HOME/sandboxfs, else ~/.local/state/sandboxfs. Never inside a project, so a
+    program that sees only the project (through a mount) cannot reach what is kept here."""
+    explicit = os.environ.get("SANDBOXFS_STATE_DIR")
+    if explicit:
+        return Path(explicit).absolute()
+    xdg = os.environ.get("XDG_STATE_HOME")
+    if xdg and os.path.isabs(xdg):  # the XDG spec says to ignore a relative one
+        return Path(xdg) / "sandboxfs"
+    return Path.home() / ".local" / "state" / "sandboxfs"
+
+
+def anchor_path(log_path: Path) -> Path:
+    """Where the anchor of the log at `log_path` is kept: named by the SHA-256 of the log's
+    resolved absolute path, so every mount of a project finds the same one."""
+    name = hashlib.sha256(os.fsencode(log_path.resolve())).hexdigest()
+    return state_root() / "anchors" / name
+
+
+def _locate_anchor(log_path: Path) -> tuple[Path | None, str]:
+    """`anchor_path`, or None and why there is none (no home directory to find it in)."""
+    try:
+        return anchor_path(log_path), ""
+    except (RuntimeError, KeyError, OSError) as exc:
+        return None, f"no state directory for anchors: {exc}"
+
+
+def _head_line(head_id: int, head_hash: str) -> bytes:
+    return b"head %020d %s\n" % (head_id, head_hash.encode("ascii"))
+
+
+@dataclass(frozen=True, slots=True)
+class Anchor:
+    """What a log's anchor holds.
+
+    `key` MACs entry hashes; `keyed_from` is the first id sealed with it (entries before it were
+    written before the anchor existed); `head_id` and `head_hash` are the last entry written
+    (for a log pruned to its header: the header's id and anchor).
+    """
+
+    key: bytes
+    keyed_from: int
+    head_id: int
+    head_hash: str
+
+    @classmethod
+    def parse(cls, data: bytes) -> Anchor:
+        found = _ANCHOR_RE.match(data)
+        if found is None:
+            raise ValueError("malformed anchor")
+        key, keyed_from, head_id, head_hash = found.groups()
+        return cls(bytes.fromhex(key.decode()), int(keyed_from), int(head_id), head_hash.decode())
+
+    def record(self, log_path: Path) -> bytes:
+        """The anchor file's content; the log's path at the end is only for people to read."""
+        return (
+            b"sandboxfs audit anchor 1\n"
+            + b"key %s\n" % self.key.hex().encode("ascii")
+            + b"keyed-from %020d\n" % self.keyed_from
+            + _head_line(self.head_id, self.head_hash)
+            + b"log %s\n" % json.dumps(str(log_path)).encode("ascii")
+        )
+
+
+def _read_anchor(path: Path | None, why_none: str) -> tuple[Anchor | None, str]:
+    """The anchor at `path`, or None and why not, in words fit for verify's message."""
+    if path is None:
+        return None, why_none
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None, f"no anchor at {path}"
+    except OSError as exc:
+        return None, f"cannot read the anchor {path}: {exc.strerror}"
+    try:
+        return Anchor.parse(data), ""
+    except ValueError:
+        return None, f"the anchor {path} is malformed"
+
+
+def _fsync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _create_anchor(path: Path, log_path: Path, tail: _Tail) -> None:
+    """Make a new anchor with a new key, keyed from the id after `tail`, appearing whole
+    (written aside, then linked in; a concurrent creator's anchor wins)."""
+    _make_private_dirs(path.parent)
+    anchor = Anchor(secrets.token_bytes(32), tail.last_id + 1, tail.last_id, tail.last_hash)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".new-", suffix=".tmp")  # mode 0600
+    try:
+        try:
+            _write_all(fd, anchor.record(log_path))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+    finally:
+        os.unlink(tmp)
+    _fsync_dir(path.parent)
+
+
+class _AnchorFile:
+    """A writer's open anchor: the key kept in memory, the head rewritten in place."""
+
+    def __init__(self, path: Path, fd: int, anchor: Anchor) -> None:
+        self.path = path
+        self.fd = fd
+        st = os.fstat(fd)
+        self.ident = (st.st_dev, st.st_ino)
+        self.key = _Key(anchor.key)
+        self.keyed_from = anchor.keyed_from
+
+    @classmethod
+    def open(cls, path: Path, log_path: Path, fd: int, size: int) -> _AnchorFile:
+        """Open the anchor, creating it first if there is none. Only under the log's lock:
+        that is what keeps two writers of one log from making two keys."""
+        for _ in range(2):
+            try:
+                anchor_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                _create_anchor(path, log_path, _scan_tail(fd, size))
+                continue
+            try:
+                return cls(path, anchor_fd, Anchor.parse(os.pread(anchor_fd, 4096, 0)))
+            except BaseException:
+                os.close(anchor_fd)
+                raise
+        raise FileNotFoundError(errno.ENOENT, "the anchor vanished as it was made", str(path))
+
+    def is_current(self) -> bool:
+        """False once the anchor's path names another file (or none): it was replaced."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.ident
+
+    def head(self) -> tuple[int, str]:
+        found = _HEAD_RE.fullmatch(os.pread(self.fd, _HEAD_SIZE, _HEAD_OFFSET))
+        if found is None:
+            raise ValueError(f"malformed anchor {self.path}")
+        return int(found[1]), found[2].decode()
+
+    def set_head(self, head_id: int, head_hash: str) -> None:
+        os.pwrite(self.fd, _head_line(head_id, head_hash), _HEAD_OFFSET)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class AuditLog:
-    """Append-only, SHA-256 hash-chained JSON-lines log shared safely by several processes.
+    """Append-only, SHA-256 hash-chained, keyed JSON-lines log shared safely by several processes.
 
     Entries are queued and written in batches, except denials (which must be on disk before the
     caller sees its errno) and everything in sync mode. One instance is used from one thread.
+    `reserve` bytes are kept preallocated beside the log for when its file system fills up.
     """
 
-    def __init__(self, path: Path, *, sync: bool = False, batch_size: int = 512) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        sync: bool = False,
+        batch_size: int = 512,
+        reserve: int = RESERVE_BYTES,
+    ) -> None:
         self._path = path
         self._sync = sync
         self._batch_size = batch_size
         self._queue: list[dict[str, Any]] = []
         self._dropped = 0
         self._tail: _Tail | None = None  # valid while the file still has tail.size bytes
+        self._failing = False
+        self._reserve_path = path.with_suffix(".reserve")
+        self._reserve_size = reserve
+        self._reserve_short = False
+        self._reserve_tried = 0.0  # time.monotonic() of the last fill or release
+        self._anchor: _AnchorFile | None = None
+        self._anchor_path, why = _locate_anchor(path)
+        if self._anchor_path is None:
+            log.error("audit log %s: %s; its entries are written without a mac", path, why)
         _make_private_dirs(path.parent)
         self._lock_fd = _open_lock(path)
         self._fd = _open_log(path)
+        with _exclusive(self._lock_fd):
+            self._fill_reserve()
+            self._follow_anchor(os.fstat(self._fd).st_size)
+
+    @property
+    def failing(self) -> bool:
+        """True while entries cannot be written, even with the reserve given back.
+
+        Entries (denials too) then wait in memory and would be lost if the daemon died, so the
+        FUSE adapter refuses operations while this is True: it fails closed. Entries recorded
+        meanwhile stay queued; the next flush that succeeds (`run` retries every interval)
+        writes them and clears this.
+        """
+        return self._failing
 
     def record(self, entry: dict[str, Any]) -> None:
         """Queue a copy of `entry` (stamped with `ts` if it has none); flush when it can't wait."""
@@ -252,19 +495,14 @@ class AuditLog:
         """Flush, but keep the entries queued (and the mount up) if the disk refuses them.
 
         A full or failing disk must not turn a policy refusal into a different error, or take
-        the daemon down; the entries are retried on the next flush. Past _MAX_QUEUED the
-        oldest are dropped and their number is recorded once writing works again.
+        the daemon down; the entries are retried on the next flush (and `failing` tells the
+        adapter to refuse operations meanwhile). Past _MAX_QUEUED the oldest are dropped and
+        their number is recorded once writing works again.
         """
         try:
             self.flush()
             return True
-        except OSError as exc:
-            log.error(
-                "cannot write audit log %s: %s; %d entries kept queued",
-                self._path,
-                exc.strerror,
-                len(self._queue),
-            )
+        except OSError:
             if len(self._queue) > _MAX_QUEUED:
                 excess = len(self._queue) - _MAX_QUEUED
                 self._dropped += excess
@@ -272,48 +510,178 @@ class AuditLog:
             return False
 
     def flush(self) -> None:
-        """Chain and append every queued entry in one write, under the lock all writers share."""
+        """Chain and append every queued entry in one write, under the lock all writers share,
+        then record the new head in the anchor."""
         if not self._queue:
             return
-        with _exclusive(self._lock_fd):
-            size = self._follow_replacement()
-            tail = self._tail
-            if tail is None or tail.size != size:  # another process wrote since we did
-                tail = _scan_tail(self._fd, size)
-            pending = self._queue
-            if self._dropped:
-                lost = {
-                    "op": "audit-dropped",
-                    "dropped": self._dropped,
-                    "allowed": True,
-                    "ts": _now(),
-                    "reason": "entries dropped while the log could not be written",
-                }
-                pending = [lost, *pending]
-            out = bytearray()
-            if tail.valid_end < size:  # a writer died mid-line: close that line, say so
-                if os.pread(self._fd, 1, size - 1) != b"\n":
-                    out += b"\n"
-                torn_line = _count_lines(self._fd, tail.valid_end) + 1
-                recover = {"op": "recover", "torn_line": torn_line, "allowed": True, "ts": _now()}
-                pending = [recover, *pending]
-            last_id, last_hash = tail.last_id, tail.last_hash
-            for entry in pending:
-                last_id += 1
-                line, last_hash = _sealed_line(entry, last_id, last_hash)
-                out += line
-            self._tail = None  # unknown if the write fails part way
+        try:
+            with _exclusive(self._lock_fd):
+                self._flush_locked()
+        except OSError as exc:
+            if not self._failing:
+                log.error(
+                    "cannot write audit log %s: %s; %d entries kept queued until it works again",
+                    self._path,
+                    exc.strerror,
+                    len(self._queue),
+                )
+            self._failing = True
+            raise
+        if self._failing:
+            log.warning("audit log %s is writable again", self._path)
+        self._failing = False
+
+    def _flush_locked(self) -> None:
+        size = self._follow_replacement()
+        anchor_changed = self._follow_anchor(size)
+        tail = self._tail
+        pending = self._queue
+        if tail is None or tail.size != size or anchor_changed:  # another process wrote
+            tail = _scan_tail(self._fd, size)
+            problem = self._tail_problem(tail)
+            if problem is not None:
+                log.error("audit log %s: %s", self._path, problem["reason"])
+                pending = [problem, *pending]
+        if self._dropped:
+            lost = {
+                "op": "audit-dropped",
+                "dropped": self._dropped,
+                "allowed": True,
+                "ts": _now(),
+                "reason": "entries dropped while the log could not be written",
+            }
+            pending = [lost, *pending]
+        out = bytearray()
+        if tail.valid_end < size:  # a writer died mid-line: close that line, say so
+            if os.pread(self._fd, 1, size - 1) != b"\n":
+                out += b"\n"
+            torn_line = _count_lines(self._fd, tail.valid_end) + 1
+            recover = {"op": "recover", "torn_line": torn_line, "allowed": True, "ts": _now()}
+            pending = [recover, *pending]
+        key = self._anchor.key if self._anchor is not None else None
+        last_id, last_hash = tail.last_id, tail.last_hash
+        for entry in pending:
+            last_id += 1
+            line, last_hash = _sealed_line(entry, last_id, last_hash, key)
+            out += line
+        self._tail = None  # unknown if the write fails part way
+        self._append(out, size)
+        end = size + len(out)
+        self._tail = _Tail(end, last_id, last_hash, end, last_hash)
+        self._queue = []
+        self._dropped = 0
+        if self._anchor is not None:
             try:
-                _write_all(self._fd, out)
+                self._anchor.set_head(last_id, last_hash)
+            except OSError as exc:  # the log itself is fine; the next flush tries again
+                log.error("audit log %s: cannot update its anchor: %s", self._path, exc.strerror)
+        if self._reserve_short and time.monotonic() - self._reserve_tried >= _REFILL_EVERY:
+            self._fill_reserve()
+
+    def _tail_problem(self, tail: _Tail) -> dict[str, Any] | None:
+        """An entry saying how the log was cut or forged, if its end disagrees with the anchor.
+
+        Appending after a cut end would move the anchor's head there and hide the cut, so the
+        writer records it instead: the entry is keyed, and `verify` reports it.
+        """
+        if self._anchor is None:
+            return None
+        try:
+            head_id, head_hash = self._anchor.head()
+        except (OSError, ValueError) as exc:
+            log.error("audit log %s: cannot read its anchor's head: %s", self._path, exc)
+            return None
+        if tail.last_id < head_id:
+            reason = (
+                f"the log ended at id {tail.last_id} but its anchor says id {head_id} was"
+                " written: entries were removed from the end"
+            )
+        elif tail.last_id == head_id and tail.last_hash != head_hash:
+            reason = f"id {head_id} is not the entry its anchor records: the chain was rebuilt"
+        elif tail.last_id >= self._anchor.keyed_from and not self._anchor.key.valid(
+            tail.entry_hash, tail.mac
+        ):
+            reason = (
+                f"the last entry (id {tail.last_id}) has no valid mac:"
+                " the chain was rebuilt without the key"
+            )
+        else:
+            return None
+        return {
+            "op": TAMPER_OP,
+            "allowed": True,
+            "ts": _now(),
+            "reason": reason,
+            "found_id": tail.last_id,
+            "anchor_id": head_id,
+        }
+
+    def _append(self, data: bytes | bytearray, size: int) -> None:
+        """Append `data` to the log that ends at `size`; when the disk is full, give back
+        reserve and try again, until the write fits or there is no reserve left."""
+        while True:
+            try:
+                _write_all(self._fd, data)
                 if self._sync:
                     os.fsync(self._fd)
-            except OSError:
+                return
+            except OSError as exc:
                 os.ftruncate(self._fd, size)  # leave no torn line behind
-                raise
-            end = size + len(out)
-            self._tail = _Tail(end, last_id, last_hash, end)
-            self._queue = []
-            self._dropped = 0
+                if exc.errno not in _NO_SPACE or not self._release_reserve(len(data)):
+                    raise
+
+    def _release_reserve(self, needed: int) -> bool:
+        """Shrink the reserve by enough for `needed` bytes (and block rounding); False if there
+        was none left to give. A slice at a time, so the reserve lasts for many denials."""
+        step = (needed // _RELEASE_STEP + 2) * _RELEASE_STEP
+        try:
+            have = os.stat(self._reserve_path).st_size
+            if have == 0:
+                return False
+            os.truncate(self._reserve_path, max(0, have - step))
+        except OSError:
+            return False
+        self._reserve_short = True
+        self._reserve_tried = time.monotonic()  # no use filling it again right away
+        log.warning(
+            "audit log %s: file system full, %d bytes of its reserve given back",
+            self._path,
+            min(have, step),
+        )
+        return True
+
+    def _fill_reserve(self) -> None:
+        """Preallocate the reserve, or top it up; if the file system has no room for it (with
+        as much again to spare, so this never takes the last free space), try later."""
+        self._reserve_tried = time.monotonic()
+        if self._reserve_size <= 0:
+            return
+        try:
+            fd = os.open(
+                self._reserve_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
+            )
+        except OSError as exc:
+            log.warning("audit log %s: no reserve: %s", self._path, exc.strerror)
+            return
+        try:
+            st = os.fstat(fd)
+            missing = self._reserve_size - min(st.st_size, st.st_blocks * 512)
+            if missing <= 0:
+                self._reserve_short = False
+                return
+            self._reserve_short = True
+            fs = os.fstatvfs(fd)
+            if fs.f_bavail * fs.f_frsize < missing + self._reserve_size:
+                return
+            try:
+                os.posix_fallocate(fd, 0, self._reserve_size)
+                self._reserve_short = False
+            except OSError:
+                os.ftruncate(fd, st.st_size)  # give back what a partial allocation took
+        except OSError as exc:
+            log.warning("audit log %s: cannot fill its reserve: %s", self._path, exc.strerror)
+        finally:
+            os.close(fd)
 
     def _follow_replacement(self) -> int:
         """Reopen the log if prune replaced it since we opened it; return its size."""
@@ -323,6 +691,28 @@ class AuditLog:
             self._fd = fd
             self._tail = None
         return os.fstat(self._fd).st_size
+
+    def _follow_anchor(self, size: int) -> bool:
+        """Use the anchor now at the anchor's path, opening or creating it if ours was deleted
+        or replaced (or we have none yet); True if the anchor changed."""
+        if self._anchor_path is None:
+            return False
+        if self._anchor is not None:
+            if self._anchor.is_current():
+                return False
+            self._anchor.close()
+            self._anchor = None
+        try:
+            self._anchor = _AnchorFile.open(self._anchor_path, self._path, self._fd, size)
+        except (OSError, ValueError) as exc:
+            log.error(
+                "audit log %s: cannot use its anchor %s (%s); entries are written without a mac",
+                self._path,
+                self._anchor_path,
+                exc,
+            )
+            self._anchor_path = None  # once: not on every flush
+        return True
 
     async def run(self, interval: float = 0.05) -> None:
         """Flush every `interval` seconds until cancelled, then flush what is left."""
@@ -351,6 +741,9 @@ class AuditLog:
         finally:
             os.close(self._fd)
             os.close(self._lock_fd)
+            if self._anchor is not None:
+                self._anchor.close()
+                self._anchor = None
             self._fd = -1
 
 
@@ -559,40 +952,91 @@ def _open_or_none(path: Path) -> BinaryIO | None:
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """The outcome of `verify`; `message` is one line fit to show the user."""
+    """The outcome of `verify`; `message` is one line fit to show the user.
+
+    `keyed` says whether the log's anchor was found and checked; without it only the unkeyed
+    chain was, and a cut end or a rebuilt chain would pass. `unkeyed_entries` counts entries
+    written before the anchor existed, which the key does not cover.
+    """
 
     ok: bool
     entries: int
     first_bad_line: int | None
     message: str
     torn_lines: tuple[int, ...] = ()
+    keyed: bool = False
+    unkeyed_entries: int = 0
+
+
+def _snapshot(path: Path) -> tuple[BinaryIO | None, int, Anchor | None, str]:
+    """The log (open, or None if there is none, and its size) and its anchor (or None and why
+    not), taken under the writers' lock so that they agree with each other."""
+    where, why = _locate_anchor(path)
+    try:
+        lock_fd = os.open(_lock_path(path), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        lock_fd = -1  # no writer has run yet, or the lock is not ours to take: go without
+    try:
+        if lock_fd >= 0:
+            fcntl.flock(lock_fd, fcntl.LOCK_SH)
+        anchor, why = _read_anchor(where, why)
+        try:
+            stream = path.open("rb")
+        except FileNotFoundError:
+            return None, 0, anchor, why
+        return stream, os.fstat(stream.fileno()).st_size, anchor, why
+    finally:
+        if lock_fd >= 0:
+            os.close(lock_fd)  # and with it the lock
+
+
+def _lines_upto(stream: BinaryIO, size: int) -> Iterator[bytes]:
+    """The lines of the first `size` bytes of `stream`: what was there at the snapshot."""
+    offset = 0
+    for line in stream:
+        if offset >= size:
+            return
+        if offset + len(line) > size:
+            line = line[: size - offset]
+        offset += len(line)
+        yield line
 
 
 def verify(path: Path) -> VerifyResult:
-    """Check every hash and link of the chain; line numbers are 1-based lines of the file.
+    """Check every hash, link and mac of the chain, and that its end is where the anchor says;
+    line numbers are 1-based lines of the file.
 
     An unparsable line is accepted as torn (a writer died mid-write) only if it is the last line,
     or if the entry right after it (and any torn lines that follow it) is the "recover" entry
-    that names it.
+    that names it. Entries from the anchor's `keyed_from` on must carry a valid mac. Without an
+    anchor (another user, a moved project, a deleted anchor) only the unkeyed chain is checked,
+    and the message says so.
     """
-    try:
-        stream = path.open("rb")
-    except FileNotFoundError:
+    stream, size, anchor, no_anchor = _snapshot(path)
+    keyed = anchor is not None
+    if stream is None:
+        if anchor is not None and anchor.head_id > 0:
+            message = f"no audit log at {path}, but its anchor says id {anchor.head_id} was written"
+            return VerifyResult(False, 0, None, message, keyed=True)
         return VerifyResult(False, 0, None, f"no audit log at {path}")
+    key = _Key(anchor.key) if anchor is not None else None
     torn: list[int] = []
     unexplained: list[int] = []  # unparsable lines not yet named by a recover entry
     entries = 0
+    unkeyed = 0  # entries before the anchor's keyed_from
+    with_mac = 0
     header: dict[str, Any] | None = None
     link: str | None = None  # what the next entry's prev must be
     link_source = ""
     last_id = 0
     line_no = 0
 
-    def bad(line: int, problem: str) -> VerifyResult:
-        return VerifyResult(False, entries, line, f"line {line}: {problem}", tuple(torn))
+    def bad(line: int | None, problem: str) -> VerifyResult:
+        message = problem if line is None else f"line {line}: {problem}"
+        return VerifyResult(False, entries, line, message, tuple(torn), keyed, unkeyed)
 
     with stream:
-        for line_no, line in enumerate(stream, 1):
+        for line_no, line in enumerate(_lines_upto(stream, size), 1):
             entry = _parse_entry(line)
             if entry is None:
                 unexplained.append(line_no)
@@ -604,12 +1048,26 @@ def verify(path: Path) -> VerifyResult:
                 unexplained = []
             if _digest(entry) != entry["hash"]:
                 return bad(line_no, "hash mismatch (entry edited)")
-            if link is None:
-                if line_no == 1 and _is_header(entry):
-                    header = entry
-                    link, link_source = entry["anchor"], "the prune header's anchor"
-                    last_id = entry["id"]
-                    continue
+            is_header = link is None and line_no == 1 and _is_header(entry)
+            with_mac += "mac" in entry
+            if (
+                anchor is not None
+                and key is not None
+                and entry["id"] >= anchor.keyed_from
+                and not key.valid(entry["hash"], entry.get("mac"))
+            ):
+                problem = "mac missing" if "mac" not in entry else "mac mismatch"
+                if is_header:
+                    return bad(
+                        line_no,
+                        f"{problem} on the prune header"
+                        " (entries were removed from the start without the key)",
+                    )
+                return bad(line_no, f"{problem} (the chain was rebuilt without the key)")
+            if is_header:
+                header = entry
+                link, link_source = entry["anchor"], "the prune header's anchor"
+            elif link is None:
                 if entry["id"] != 1 or entry["prev"] != GENESIS:
                     return bad(
                         line_no,
@@ -623,18 +1081,48 @@ def verify(path: Path) -> VerifyResult:
             elif entry["id"] != last_id + 1:
                 problem = f"id {entry['id']} does not follow id {last_id}"
                 return bad(line_no, problem + " (a line was inserted or removed)")
-            link, link_source, last_id = entry["hash"], f"line {line_no}'s hash", entry["id"]
-            entries += 1
+            if not is_header:
+                link, link_source = entry["hash"], f"line {line_no}'s hash"
+                entries += 1
+                unkeyed += anchor is not None and entry["id"] < anchor.keyed_from
+            last_id = entry["id"]
+            if anchor is not None and last_id == anchor.head_id and link != anchor.head_hash:
+                return bad(
+                    line_no,
+                    f"id {last_id} is not the entry its anchor records (the chain was rebuilt)",
+                )
+            if entry.get("op") == TAMPER_OP:
+                return bad(
+                    line_no, f"a writer found the log tampered with: {_text(entry.get('reason'))}"
+                )
     if unexplained:
         if unexplained != [line_no]:
             return bad(unexplained[0], "unparsable line that no recover entry names")
         torn += unexplained
+    if anchor is not None and last_id < anchor.head_id:
+        return bad(
+            None,
+            f"the log ends at id {last_id} but its anchor says id {anchor.head_id} was written:"
+            " entries were removed from the end",
+        )
     message = f"ok: {entries} entries, chain intact"
     if header is not None:
         message += f" from the prune header (entries up to id {header['id']} pruned)"
+    if anchor is not None:
+        message += f"; keyed, and complete up to its anchor's head (id {anchor.head_id})"
+        if unkeyed:
+            message += (
+                f"; the first {unkeyed} entries predate keyed entries"
+                " (written before this anchor existed)"
+            )
+    else:
+        message += f"; unkeyed check only ({no_anchor}"
+        if with_mac:
+            message += f", though {with_mac} entries carry a mac: moved project? deleted anchor?"
+        message += "): a cut end or a rebuilt chain would not show"
     if torn:
         message += "; torn lines tolerated: " + ", ".join(map(str, torn))
-    return VerifyResult(True, entries, None, message, tuple(torn))
+    return VerifyResult(True, entries, None, message, tuple(torn), keyed, unkeyed)
 
 
 def _replace(path: Path, data: bytes) -> None:
@@ -650,11 +1138,7 @@ def _replace(path: Path, data: bytes) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _fsync_dir(path.parent)
 
 
 def prune(path: Path, before: datetime) -> int:
@@ -662,7 +1146,11 @@ def prune(path: Path, before: datetime) -> int:
 
     Only a leading run can go, or the chain would break: an older entry that follows a newer one
     (mounts flush batches at different times) stays. The kept entries are unchanged; torn lines
-    are not carried over (their recover entries are). Returns how many entries were dropped.
+    are not carried over (their recover entries are). The header that replaces the dropped
+    entries is keyed with the anchor's key if this user has it: without a mac, a header could
+    be made up by anyone to hide entries removed from the start. The anchor's head stays
+    right, since the last entry is always kept (or, when all go, the header takes its id).
+    Returns how many entries were dropped.
     """
     cutoff = _format_ts(before)
     try:
@@ -685,7 +1173,8 @@ def prune(path: Path, before: datetime) -> int:
             if dropped == 0:
                 return 0
             last = chain[dropped - 1][1]
-            header = _seal(
+            anchor, _ = _read_anchor(*_locate_anchor(path))
+            header, _ = _sealed_line(
                 {
                     "op": "prune",
                     "before": cutoff,
@@ -696,9 +1185,9 @@ def prune(path: Path, before: datetime) -> int:
                 },
                 last["id"],
                 GENESIS,
+                _Key(anchor.key) if anchor is not None else None,
             )
-            kept = [_canonical(header), *(line for line, _ in chain[dropped:])]
-            _replace(path, b"\n".join(kept) + b"\n")
+            _replace(path, header + b"".join(line + b"\n" for line, _ in chain[dropped:]))
             return dropped
     finally:
         os.close(lock_fd)

@@ -1,7 +1,9 @@
-"""`sandboxfs audit` on real mounts: the table, JSON, every filter, verify, prune, follow."""
+"""`sandboxfs audit` on real mounts: the table, JSON, every filter, verify (with the anchor that
+finds a cut end or a rebuilt chain), prune, follow."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -18,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from sandboxfs.audit import anchor_path
 from tests.conftest import SANDBOXFS, assert_one_line_error, make_project, mounted, sandboxfs, sh
 
 SPEC_FIELDS = (
@@ -56,6 +59,16 @@ def audit_many(project: Path, queries: list[tuple[str, ...]]) -> list[list[Entry
         return list(pool.map(lambda q: audit_json(project, *q), queries))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Anchors go to a directory of this module's own, never to the real ~/.local/state: the
+    mount daemons and CLI runs started here inherit the environment."""
+    directory = tmp_path_factory.mktemp("state")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SANDBOXFS_STATE_DIR", str(directory))
+        yield directory
+
+
 # ----- a project with a varied log ----------------------------------------------------------------
 
 
@@ -89,7 +102,8 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> History:
         )
         assert ok.returncode == 0, ok.stderr
         refused = sh(f"cat {m1.mnt}/repo/README.md")
-        assert refused.returncode == 1 and "Permission denied" in refused.stderr
+        # The repo looks empty at trust session: absent, audited as the read it was.
+        assert refused.returncode == 1 and "No such file or directory" in refused.stderr
         assert sh(f"ls {m2.mnt}/workspace").returncode != 0
         assert sh(f"cat {m2.mnt}/repo/src/main.py").returncode != 0
         assert sh(f"echo x > {m1.mnt}/repo/new.txt").returncode != 0
@@ -104,6 +118,8 @@ def history(recorded: History, tmp_path: Path) -> History:
     """A private copy of the recorded project, free to be tampered with."""
     copy = tmp_path / "recorded-project"
     shutil.copytree(recorded.project, copy, symlinks=True)
+    # The anchor is kept per log path: the copy gets one of its own, as a mount would have made.
+    shutil.copy2(anchor_path(_log(recorded.project)), anchor_path(_log(copy)))
     return History(copy, recorded.s1, recorded.s2, recorded.cat_pid, recorded.entries)
 
 
@@ -122,7 +138,7 @@ def test_table_shows_denials_with_path_and_process(history: History) -> None:
     row = next(line for line in lines if "/repo/README.md" in line)
     assert "DENIED" in row
     assert f"cat[{history.cat_pid}]" in row
-    assert "EACCES" in row
+    assert "ENOENT" in row
     assert "not readable at trust level session" in row
     assert any(" ok " in line and "/session/working/a.txt" in line for line in lines)
     assert len(lines) == len(history.entries) + 1
@@ -149,7 +165,7 @@ def test_json_entries_carry_every_spec_field(history: History) -> None:
         "workspace": "default",
         "trust": "session",
         "allowed": False,
-        "errno": "EACCES",
+        "errno": "ENOENT",
         "pid": history.cat_pid,
         "uid": os.getuid(),
         "comm": "cat",
@@ -326,6 +342,79 @@ def test_verify_detects_a_removed_first_line(history: History) -> None:
     assert "line 1:" in result.stdout
 
 
+@pytest.fixture
+def small_log(project: Path, mount_at: Callable[..., Any]) -> Path:
+    """A project whose log a mount wrote: allowed writes and a listing, then unmounted."""
+    with mount_at("session") as m:
+        made = sh(
+            f"for i in 1 2 3 4 5 6; do echo $i > {m.mnt}/session/working/f$i; done"
+            f" && ls {m.mnt}/session/working >/dev/null"
+        )
+        assert made.returncode == 0, made.stderr
+    return project
+
+
+def test_verify_finds_a_cut_end(small_log: Path, mount_at: Callable[..., Any]) -> None:
+    intact = _verify(small_log)
+    assert intact.returncode == 0, intact.stdout + intact.stderr
+    last = max(ids(audit_json(small_log)))
+    assert intact.stdout.startswith("ok: ")
+    assert f"chain intact; keyed, and complete up to its anchor's head (id {last})" in intact.stdout
+
+    cut = sh("head -n -3 audit.jsonl > x && mv x audit.jsonl", cwd=_log(small_log).parent)
+    assert cut.returncode == 0, cut.stderr
+    result = _verify(small_log)
+    assert result.returncode == 1, result.stdout
+    assert result.stdout == (
+        f"the log ends at id {last - 3} but its anchor says id {last} was written:"
+        " entries were removed from the end\n"
+    )
+    assert "Traceback" not in result.stderr
+
+    # The next mount appends after the cut, but does not paper over it.
+    with mount_at("session", proj=small_log):
+        pass
+    again = _verify(small_log)
+    assert again.returncode == 1, again.stdout
+    assert f"a writer found the log tampered with: the log ended at id {last - 3}" in again.stdout
+
+
+def test_verify_finds_a_rebuilt_chain(small_log: Path) -> None:
+    log = _log(small_log)
+    rebuilt, prev = [], "0" * 64
+    for line in log.read_bytes().splitlines():
+        entry = json.loads(line)
+        for seal in ("hash", "mac"):
+            entry.pop(seal, None)
+        if entry["op"] == "list":
+            entry["path"] = "/session/elsewhere"
+        entry["prev"] = prev
+        body = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()
+        entry["hash"] = prev = hashlib.sha256(body).hexdigest()
+        rebuilt.append(json.dumps(entry, sort_keys=True, separators=(",", ":")) + "\n")
+    log.write_text("".join(rebuilt))
+    result = _verify(small_log)
+    assert result.returncode == 1, result.stdout
+    assert result.stdout == "line 1: mac missing (the chain was rebuilt without the key)\n"
+
+
+def test_verify_without_the_anchor_says_what_it_did_not_check(
+    small_log: Path, tmp_path: Path
+) -> None:
+    elsewhere = tmp_path / "another-users-state"
+    result = subprocess.run(
+        [*SANDBOXFS, "audit", "verify", "--project", str(small_log)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "SANDBOXFS_STATE_DIR": str(elsewhere)},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "chain intact; unkeyed check only (no anchor at " + str(elsewhere) in result.stdout
+    assert result.stdout.rstrip().endswith("a cut end or a rebuilt chain would not show")
+    assert not elsewhere.exists()  # verify only reads
+
+
 def test_prune_keeps_the_chain_verifiable(history: History, mount_at: Callable[..., Any]) -> None:
     every = history.entries
     cut = every[len(every) // 2]["ts"]
@@ -406,19 +495,19 @@ def test_follow_prints_new_denials(
     mount_at: Callable[..., Any], follower: Callable[..., subprocess.Popen[str]]
 ) -> None:
     with mount_at("untrusted") as m:
-        assert sh(f"cat {m.mnt}/repo/before.txt").returncode != 0
+        assert sh(f"echo x > {m.mnt}/repo/before.txt").returncode != 0
         proc = follower("--json", "--denied")
         lines = _reader(proc.stdout)
         first = json.loads(_next_line(lines, lambda line: bool(line.strip()), 20))
         assert first["path"] == "/repo/before.txt"
         time.sleep(0.5)  # let it reach the tail of the log (see the report on a startup gap)
-        assert sh(f"cat {m.mnt}/repo/after-start.txt").returncode != 0
+        assert sh(f"echo x > {m.mnt}/repo/after-start.txt").returncode != 0
         line = _next_line(lines, lambda text: "after-start.txt" in text, 20)
         entry = json.loads(line)
-        assert entry["allowed"] is False and entry["comm"] == "cat"
+        assert entry["allowed"] is False and entry["comm"] == "sh" and entry["op"] == "write"
         # An allowed operation does not pass the --denied filter.
         assert sh(f"echo ok > {m.mnt}/session/working/fine.txt").returncode == 0
-        assert sh(f"cat {m.mnt}/repo/third.txt").returncode != 0
+        assert sh(f"echo x > {m.mnt}/repo/third.txt").returncode != 0
         third = _next_line(lines, lambda text: bool(text.strip()), 20)
         assert "third.txt" in third
         proc.send_signal(signal.SIGINT)

@@ -1,14 +1,21 @@
 """The audit log against real files: chaining, tamper detection, concurrent writers, torn
-writes, prune, queries, the table, follow and the trio flush task."""
+writes, prune, queries, the table, follow and the trio flush task; the anchor (key and chain
+head) that finds a cut end or a rebuilt chain; the reserve that keeps denials writable on a full
+disk."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
+import hmac
 import io
 import json
 import multiprocessing
+import os
 import re
 import stat
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -22,15 +29,20 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import sandboxfs.audit as audit_mod
 from sandboxfs.audit import (
     GENESIS,
+    TAMPER_OP,
+    Anchor,
     AuditLog,
     AuditQuery,
+    anchor_path,
     follow,
     format_table,
     prune,
     query,
     read_entries,
+    state_root,
     verify,
 )
 
@@ -80,6 +92,22 @@ def _canonical(entry: dict[str, Any]) -> bytes:
     return json.dumps(entry, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
+def _anchor(path: Path) -> Anchor:
+    return Anchor.parse(anchor_path(path).read_bytes())
+
+
+def _mac(key: bytes, digest: str) -> str:
+    return hmac.new(key, digest.encode(), hashlib.sha256).hexdigest()
+
+
+@pytest.fixture(autouse=True)
+def state_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Anchors go to a directory of this test's own, never to the real ~/.local/state."""
+    directory = tmp_path_factory.mktemp("state")
+    monkeypatch.setenv("SANDBOXFS_STATE_DIR", str(directory))
+    return directory
+
+
 def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -99,15 +127,20 @@ def test_chain_of_several_flushes_verifies(tmp_path: Path) -> None:
     assert entries[0]["prev"] == GENESIS
     for before, after in pairwise(entries):
         assert after["prev"] == before["hash"]
+    key = _anchor(path).key
     for line, entry in zip(_lines(path), entries, strict=True):
-        without_hash = {k: v for k, v in entry.items() if k != "hash"}
-        assert entry["hash"] == hashlib.sha256(_canonical(without_hash)).hexdigest()
-        # written once: the hashed canonical form, with "hash" appended as the last key
-        assert line == _canonical(without_hash)[:-1] + f',"hash":"{entry["hash"]}"}}\n'.encode()
+        unsealed = {k: v for k, v in entry.items() if k not in ("hash", "mac")}
+        assert entry["hash"] == hashlib.sha256(_canonical(unsealed)).hexdigest()
+        assert entry["mac"] == _mac(key, entry["hash"])
+        # written once: the hashed canonical form, with "hash" and "mac" appended as last keys
+        seals = f',"hash":"{entry["hash"]}","mac":"{entry["mac"]}"}}\n'
+        assert line == _canonical(unsealed)[:-1] + seals.encode()
     result = verify(path)
-    assert result.ok
+    assert result.ok and result.keyed
     assert (result.entries, result.first_bad_line, result.torn_lines) == (9, None, ())
-    assert result.message == "ok: 9 entries, chain intact"
+    assert result.message == (
+        "ok: 9 entries, chain intact; keyed, and complete up to its anchor's head (id 9)"
+    )
 
 
 def test_record_stamps_utc_time_and_keeps_the_callers_dict(tmp_path: Path) -> None:
@@ -237,10 +270,11 @@ def _edit_field(lines: list[bytes]) -> list[bytes]:
 
 
 def _forge_id(lines: list[bytes]) -> list[bytes]:
-    """Change line 4's id and recompute its hash, as someone hiding a gap would."""
+    """Change line 4's id and recompute its hash, as someone hiding a gap would (without the
+    key, so without a mac)."""
     entry = json.loads(lines[3])
     entry["id"] = 40
-    del entry["hash"]
+    del entry["hash"], entry["mac"]
     entry["hash"] = hashlib.sha256(_canonical(entry)).hexdigest()
     lines[3] = _canonical(entry) + b"\n"
     return lines
@@ -274,7 +308,7 @@ TAMPERING: dict[str, tuple[Callable[[list[bytes]], list[bytes]], int, str]] = {
         4,
         "line 4: unparsable line that no recover entry names",
     ),
-    "forged id": (_forge_id, 4, "line 4: id 40 does not follow id 3"),
+    "forged id": (_forge_id, 4, "line 4: mac missing (the chain was rebuilt without the key)"),
 }
 
 
@@ -308,6 +342,16 @@ def test_any_removed_or_swapped_line_is_found(
         lines[index], lines[index + 1] = lines[index + 1], lines[index]
     path.write_bytes(b"".join(lines))
     assert verify(path).first_bad_line == index + 1
+
+
+def test_forged_id_without_the_anchor_is_still_found_by_the_unkeyed_chain(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 6)
+    path.write_bytes(b"".join(_forge_id(_lines(path))))
+    anchor_path(path).unlink()
+    result = verify(path)
+    assert not result.ok and not result.keyed
+    assert result.message == "line 4: id 40 does not follow id 3 (a line was inserted or removed)"
 
 
 def test_verify_of_a_missing_or_empty_log(tmp_path: Path) -> None:
@@ -744,3 +788,523 @@ async def test_run_flushes_periodically_and_when_cancelled(tmp_path: Path) -> No
     assert [e["path"] for e in read_entries(path)] == ["/periodic", "/at-cancel"]
     log.close()
     assert verify(path).ok
+
+
+# ----- the anchor: key and chain head --------------------------------------------------------
+
+
+def _cut(path: Path, count: int) -> None:
+    """What `head -n -count log > x && mv x log` does."""
+    path.write_bytes(b"".join(_lines(path)[:-count]))
+
+
+def _rebuild(lines: list[bytes], edit: Callable[[dict[str, Any]], None]) -> list[bytes]:
+    """The whole chain recomputed after `edit`ing every entry, by someone without the key: every
+    hash and prev consistent again, macs dropped (they cannot be made)."""
+    rebuilt, prev = [], GENESIS
+    for line in lines:
+        entry = json.loads(line)
+        del entry["hash"]
+        entry.pop("mac", None)
+        edit(entry)
+        entry["prev"] = prev
+        entry["hash"] = prev = hashlib.sha256(_canonical(entry)).hexdigest()
+        rebuilt.append(_canonical(entry) + b"\n")
+    return rebuilt
+
+
+def _legacy_log(path: Path, count: int) -> None:
+    """A log as written before entries were keyed: the chain, no mac, no anchor."""
+    prev, out = GENESIS, b""
+    for i in range(1, count + 1):
+        entry = _entry(path=f"/old{i}", ts=_ts(i)) | {"id": i, "prev": prev}
+        entry["hash"] = prev = hashlib.sha256(_canonical(entry)).hexdigest()
+        out += _canonical(entry) + b"\n"
+    path.write_bytes(out)
+
+
+def test_anchor_lives_in_the_private_state_dir_and_holds_key_and_head(
+    tmp_path: Path, state_dir: Path
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 5)
+    name = hashlib.sha256(str(path.resolve()).encode()).hexdigest()
+    assert anchor_path(path) == state_dir / "anchors" / name
+    assert [p.name for p in (state_dir / "anchors").iterdir()] == [name]  # no leftovers
+    assert stat.S_IMODE((state_dir / "anchors").stat().st_mode) == 0o700
+    assert stat.S_IMODE(anchor_path(path).stat().st_mode) == 0o600
+    anchor = _anchor(path)
+    last = list(read_entries(path))[-1]
+    assert len(anchor.key) == 32 and anchor.keyed_from == 1
+    assert (anchor.head_id, anchor.head_hash) == (5, last["hash"])
+    assert str(path) in anchor_path(path).read_text()  # for people wondering whose it is
+
+
+def test_state_root_follows_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SANDBOXFS_STATE_DIR", str(tmp_path / "explicit"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert state_root() == tmp_path / "explicit"
+    monkeypatch.delenv("SANDBOXFS_STATE_DIR")
+    assert state_root() == tmp_path / "xdg" / "sandboxfs"
+    monkeypatch.setenv("XDG_STATE_HOME", "relative/state")  # ignored, as the XDG spec says
+    assert state_root() == tmp_path / "home" / ".local" / "state" / "sandboxfs"
+    monkeypatch.delenv("XDG_STATE_HOME")
+    AuditLog(tmp_path / "log" / "audit.jsonl").close()
+    made = tmp_path / "home" / ".local" / "state" / "sandboxfs" / "anchors"
+    for directory in (made, *list(made.parents)[:3]):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+
+
+def test_every_flush_moves_the_head(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    assert (_anchor(path).head_id, _anchor(path).head_hash) == (0, GENESIS)
+    for i in range(3):
+        log.record(_entry(path=f"/{i}"))
+        log.flush()
+        assert _anchor(path).head_id == i + 1
+        assert _anchor(path).head_hash == list(read_entries(path))[-1]["hash"]
+    log.close()
+
+
+@pytest.mark.parametrize("count", [1, 3, 10])
+def test_cut_end_is_detected(tmp_path: Path, count: int) -> None:
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 10)
+    _cut(path, count)
+    result = verify(path)
+    assert not result.ok and result.keyed and result.first_bad_line is None
+    assert result.message == (
+        f"the log ends at id {10 - count} but its anchor says id 10 was written:"
+        " entries were removed from the end"
+    )
+
+
+def test_deleted_log_is_detected(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 4)
+    path.unlink()
+    result = verify(path)
+    assert not result.ok
+    assert result.message == f"no audit log at {path}, but its anchor says id 4 was written"
+
+
+def test_a_writer_does_not_hide_a_cut_end_it_finds(tmp_path: Path) -> None:
+    """Appending after a cut would move the head there; the writer records the cut instead."""
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 10)
+    _cut(path, 3)
+    log = AuditLog(path)  # the next mount
+    log.record(_entry(path="/after-the-cut"))
+    log.close()
+    entries = list(read_entries(path))
+    tamper = entries[7]
+    assert tamper["op"] == TAMPER_OP and tamper["id"] == 8
+    assert (tamper["found_id"], tamper["anchor_id"]) == (7, 10)
+    assert entries[8]["path"] == "/after-the-cut"
+    result = verify(path)
+    assert not result.ok and result.first_bad_line == 8
+    assert result.message == (
+        "line 8: a writer found the log tampered with: the log ended at id 7 but its anchor"
+        " says id 10 was written: entries were removed from the end"
+    )
+    # A made-up tamper entry (no mac) is a forgery in itself.
+    lines = _lines(path)
+    forged = json.loads(lines[7])
+    forged["mac"] = "0" * 64
+    lines[7] = _canonical(forged) + b"\n"
+    path.write_bytes(b"".join(lines))
+    assert verify(path).message == "line 8: mac mismatch (the chain was rebuilt without the key)"
+
+
+def test_rebuilt_chain_is_detected(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    for i in range(6):
+        log.record(_entry(path=f"/f{i}", allowed=i != 3, ts=_ts(i)))
+    log.close()
+    lines = _lines(path)
+
+    def hide_the_denial(entry: dict[str, Any]) -> None:
+        entry["allowed"] = True
+
+    path.write_bytes(b"".join(_rebuild(lines, hide_the_denial)))
+    result = verify(path)
+    assert not result.ok and result.first_bad_line == 1
+    assert result.message == "line 1: mac missing (the chain was rebuilt without the key)"
+
+    # Keeping the old macs does not help: they are of the old hashes.
+    rebuilt = _rebuild(lines, hide_the_denial)
+    for i, (old, new) in enumerate(zip(lines, rebuilt, strict=True)):
+        entry = json.loads(new)
+        entry["mac"] = json.loads(old)["mac"]
+        rebuilt[i] = _canonical(entry) + b"\n"
+    path.write_bytes(b"".join(rebuilt))
+    # The first three entries are unchanged, so their old macs still fit: line 4 is found.
+    assert verify(path).message == "line 4: mac mismatch (the chain was rebuilt without the key)"
+
+    # A forged entry appended after the head has no valid mac either.
+    extra = json.loads(lines[-1]) | {"id": 7, "prev": json.loads(lines[-1])["hash"]}
+    del extra["hash"], extra["mac"]
+    extra["hash"] = hashlib.sha256(_canonical(extra)).hexdigest()
+    extra["mac"] = "f" * 64
+    path.write_bytes(b"".join([*lines, _canonical(extra) + b"\n"]))
+    assert verify(path).message == "line 7: mac mismatch (the chain was rebuilt without the key)"
+
+
+def test_rebuilt_chain_before_the_key_is_found_by_the_head(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    _legacy_log(path, 5)
+    AuditLog(path).close()  # the anchor is made: keyed from 6, head at 5
+    path.write_bytes(b"".join(_rebuild(_lines(path), lambda e: e.update(comm="innocent"))))
+    result = verify(path)
+    assert not result.ok and result.first_bad_line == 5
+    assert (
+        result.message == "line 5: id 5 is not the entry its anchor records (the chain was rebuilt)"
+    )
+
+
+def test_two_writers_share_one_key_and_one_head(tmp_path: Path, state_dir: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    first, second = AuditLog(path), AuditLog(path)  # both open before either wrote
+    for round_ in range(4):
+        first.record(_entry(session="a", path=f"/a{round_}"))
+        second.record(_entry(session="b", path=f"/b{round_}"))
+        (first if round_ % 2 else second).flush()
+        (second if round_ % 2 else first).flush()
+        entries = list(read_entries(path))
+        assert _anchor(path).head_id == entries[-1]["id"] == 2 * round_ + 2
+    first.close()
+    second.close()
+    assert len(list((state_dir / "anchors").iterdir())) == 1
+    key = _anchor(path).key
+    assert all(e["mac"] == _mac(key, e["hash"]) for e in read_entries(path))
+    result = verify(path)
+    assert result.ok and result.keyed and result.entries == 8, result.message
+
+
+def test_four_processes_share_one_anchor(tmp_path: Path, state_dir: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    ctx = multiprocessing.get_context("fork")
+    workers = [ctx.Process(target=_mount_writer, args=(str(path), f"m{n}", 300)) for n in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+        assert worker.exitcode == 0
+    assert len(list((state_dir / "anchors").iterdir())) == 1
+    result = verify(path)
+    assert result.ok and result.keyed and result.unkeyed_entries == 0, result.message
+    assert _anchor(path).head_id == 1200
+
+
+def test_writers_follow_an_anchor_made_anew(tmp_path: Path) -> None:
+    """The anchor deleted while a mount runs: the next writer makes a new key, keyed from the
+    next id, and the running one switches to it instead of writing macs nobody can check."""
+    path = tmp_path / "audit.jsonl"
+    running = AuditLog(path)
+    running.record(_entry(path="/1"))
+    running.flush()
+    anchor_path(path).unlink()
+    newcomer = AuditLog(path)
+    running.record(_entry(path="/2"))
+    running.flush()
+    newcomer.record(_entry(path="/3"))
+    newcomer.close()
+    running.close()
+    anchor = _anchor(path)
+    assert (anchor.keyed_from, anchor.head_id) == (2, 3)
+    result = verify(path)
+    assert result.ok and result.unkeyed_entries == 1, result.message
+    assert result.message == (
+        "ok: 3 entries, chain intact; keyed, and complete up to its anchor's head (id 3);"
+        " the first 1 entries predate keyed entries (written before this anchor existed)"
+    )
+
+
+def test_prune_keeps_the_keyed_chain_and_head(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 10)
+    writer = AuditLog(path)  # open across the prune
+    assert prune(path, T0 + timedelta(minutes=4)) == 4
+    header = json.loads(_lines(path)[0])
+    assert header["mac"] == _mac(_anchor(path).key, header["hash"])
+    result = verify(path)
+    assert result.ok and result.keyed and result.entries == 6, result.message
+    assert result.message == (
+        "ok: 6 entries, chain intact from the prune header (entries up to id 4 pruned);"
+        " keyed, and complete up to its anchor's head (id 10)"
+    )
+    writer.record(_entry(path="/after-prune"))
+    writer.close()
+    assert verify(path).ok and _anchor(path).head_id == 11
+
+    assert prune(path, T0 + timedelta(days=1)) == 7  # everything: the header takes id 11
+    assert [(e["op"], e["id"]) for e in read_entries(path)] == [("prune", 11)]
+    result = verify(path)
+    assert result.ok and result.entries == 0, result.message
+    _cut(path, 1)
+    assert verify(path).message == (
+        "the log ends at id 0 but its anchor says id 11 was written:"
+        " entries were removed from the end"
+    )
+
+
+def test_made_up_prune_header_is_detected(tmp_path: Path) -> None:
+    """Dropping the start and writing a header like prune's takes the key."""
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 6)
+    lines = _lines(path)
+    dropped = json.loads(lines[2])
+    header = {
+        "op": "prune",
+        "before": _ts(3),
+        "dropped": 3,
+        "anchor": dropped["hash"],
+        "ts": _ts(9),
+        "allowed": True,
+        "id": 3,
+        "prev": GENESIS,
+    }
+    header["hash"] = hashlib.sha256(_canonical(header)).hexdigest()
+    path.write_bytes(b"".join([_canonical(header) + b"\n", *lines[3:]]))
+    result = verify(path)
+    assert not result.ok and result.first_bad_line == 1
+    assert result.message == (
+        "line 1: mac missing on the prune header"
+        " (entries were removed from the start without the key)"
+    )
+
+
+def test_legacy_log_verifies_and_is_keyed_from_the_next_entry(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    _legacy_log(path, 5)
+    before = verify(path)
+    assert before.ok and not before.keyed
+    assert before.message == (
+        f"ok: 5 entries, chain intact; unkeyed check only (no anchor at {anchor_path(path)}):"
+        " a cut end or a rebuilt chain would not show"
+    )
+    log = AuditLog(path)
+    for i in range(3):
+        log.record(_entry(path=f"/new{i}"))
+    log.close()
+    entries = list(read_entries(path))
+    assert ["mac" in e for e in entries] == [False] * 5 + [True] * 3
+    after = verify(path)
+    assert after.ok and after.keyed and after.unkeyed_entries == 5
+    assert after.message == (
+        "ok: 8 entries, chain intact; keyed, and complete up to its anchor's head (id 8);"
+        " the first 5 entries predate keyed entries (written before this anchor existed)"
+    )
+    # The unkeyed entries are still covered by the chain up to the first keyed one...
+    lines = _lines(path)
+    lines[1] = lines[1].replace(b"/old2", b"/od2x")
+    path.write_bytes(b"".join(lines))
+    assert verify(path).message == "line 2: hash mismatch (entry edited)"
+    # ...and a keyed entry stripped of its mac is not taken for an old one.
+    lines = _lines(path)
+    lines[1] = lines[1].replace(b"/od2x", b"/old2")
+    entry = json.loads(lines[6])
+    del entry["mac"]
+    lines[6] = _canonical(entry) + b"\n"
+    path.write_bytes(b"".join(lines))
+    assert verify(path).message == "line 7: mac missing (the chain was rebuilt without the key)"
+
+
+def test_missing_anchor_is_said_plainly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 5)
+    keyed = anchor_path(path)
+    # Another user (or root via sudo) has another state directory.
+    monkeypatch.setenv("SANDBOXFS_STATE_DIR", str(tmp_path / "someone-else"))
+    other = verify(path)
+    assert other.ok and not other.keyed
+    assert other.message == (
+        f"ok: 5 entries, chain intact; unkeyed check only (no anchor at {anchor_path(path)},"
+        " though 5 entries carry a mac: moved project? deleted anchor?):"
+        " a cut end or a rebuilt chain would not show"
+    )
+    monkeypatch.undo()
+    monkeypatch.setenv("SANDBOXFS_STATE_DIR", str(keyed.parent.parent))
+    keyed.unlink()
+    _cut(path, 2)  # without the anchor, nothing can tell
+    result = verify(path)
+    assert result.ok and not result.keyed and "unkeyed check only" in result.message
+
+
+def test_malformed_anchor_is_said_plainly(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 2)
+    anchor_path(path).write_bytes(b"garbage\n")
+    result = verify(path)
+    assert result.ok and not result.keyed
+    assert f"unkeyed check only (the anchor {anchor_path(path)} is malformed" in result.message
+
+
+def test_without_a_usable_state_dir_entries_are_written_unkeyed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("SANDBOXFS_STATE_DIR", str(blocker / "state"))
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    log.record(_entry(allowed=False))
+    log.close()
+    assert "cannot use its anchor" in caplog.text
+    assert [("mac" in e) for e in read_entries(path)] == [False]
+    result = verify(path)
+    assert result.ok and not result.keyed
+    assert "Not a directory" in result.message
+
+
+# ----- the reserve: a denial reaches the disk even when it is full ----------------------------
+
+SMALL_RESERVE = 256 << 10
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size
+
+
+def test_reserve_is_preallocated_beside_the_log(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    AuditLog(path).close()
+    reserve = tmp_path / "audit.reserve"
+    st = reserve.stat()
+    assert st.st_size == audit_mod.RESERVE_BYTES
+    assert st.st_blocks * 512 >= audit_mod.RESERVE_BYTES  # allocated, not sparse
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    AuditLog(path, reserve=SMALL_RESERVE).close()  # never shrunk by a smaller setting
+    assert _size(reserve) == audit_mod.RESERVE_BYTES
+
+
+class _FullDisk:
+    """`_write_all` that fails with ENOSPC until the reserve shrinks below `until` (or for
+    ever): a file system that the reserve, given back, makes room on."""
+
+    def __init__(self, reserve: Path, until: int | None) -> None:
+        self.reserve = reserve
+        self.until = until
+        self.refused = 0
+        self.real = audit_mod._write_all
+
+    def __call__(self, fd: int, data: bytes | bytearray) -> None:
+        if self.until is None or _size(self.reserve) >= self.until:
+            self.refused += 1
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.real(fd, data)
+
+
+def test_full_disk_gives_back_reserve_for_a_denial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    reserve = tmp_path / "audit.reserve"
+    log = AuditLog(path, reserve=SMALL_RESERVE)
+    log.record(_entry(path="/before"))
+    full = _FullDisk(reserve, until=SMALL_RESERVE)
+    monkeypatch.setattr(audit_mod, "_write_all", full)
+    log.record(_entry(path="/repo/.env", allowed=False, errno="EACCES"))
+    assert [e["path"] for e in read_entries(path)] == ["/before", "/repo/.env"]
+    assert full.refused == 1 and _size(reserve) < SMALL_RESERVE
+    assert not log.failing
+    # Space returns: the next write fills the reserve up again.
+    monkeypatch.setattr(audit_mod, "_write_all", full.real)
+    monkeypatch.setattr(audit_mod, "_REFILL_EVERY", 0.0)
+    log.record(_entry(path="/later", allowed=False))
+    assert _size(reserve) == SMALL_RESERVE
+    log.close()
+    assert verify(path).ok
+
+
+def test_failing_when_even_the_reserve_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    reserve = tmp_path / "audit.reserve"
+    log = AuditLog(path, reserve=SMALL_RESERVE)
+    full = _FullDisk(reserve, until=None)
+    monkeypatch.setattr(audit_mod, "_write_all", full)
+    log.record(_entry(path="/denied-1", allowed=False))
+    assert log.failing
+    assert _size(reserve) == 0 and path.read_bytes() == b""  # no torn line left either
+    log.record(_entry(path="/denied-2", allowed=False))
+    assert log.failing and not log.try_flush()
+    monkeypatch.setattr(audit_mod, "_write_all", full.real)
+    assert log.try_flush() and not log.failing
+    assert [e["path"] for e in read_entries(path)] == ["/denied-1", "/denied-2"]
+    log.close()
+    assert verify(path).ok
+
+
+@contextlib.contextmanager
+def _small_tmpfs(where: Path, size: str) -> Any:
+    """A tmpfs of `size` mounted at `where` (root only), unmounted whatever happens."""
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        if subprocess.run(["umount", str(where)], check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def _fill(directory: Path) -> Path:
+    """A file that takes all the free space of `directory`'s file system."""
+    filler = directory / "filler"
+    chunk = b"\0" * (64 << 10)
+    with filler.open("wb", buffering=0) as f:
+        for step in (chunk, b"\0" * 4096, b"\0"):
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(step)
+    assert os.statvfs(directory).f_bavail == 0
+    return filler
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs takes root")
+def test_denial_lands_on_a_really_full_file_system(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(audit_mod, "_REFILL_EVERY", 0.0)
+    with _small_tmpfs(tmp_path / "small", "2m") as fs:
+        path = fs / ".sandbox" / "audit.jsonl"
+        log = AuditLog(path, reserve=SMALL_RESERVE)
+        try:
+            reserve = path.with_suffix(".reserve")
+            assert _size(reserve) == SMALL_RESERVE
+            filler = _fill(fs)  # an agent filling its zones: the log shares the file system
+            reason = "x" * 1000  # long entries, so that the log needs new pages
+            for i in range(50):
+                log.record(_entry(op="read", path=f"/repo/.env{i}", allowed=False, reason=reason))
+                assert not log.failing
+                assert list(read_entries(path))[-1]["path"] == f"/repo/.env{i}"  # on disk
+            assert _size(reserve) < SMALL_RESERVE
+            # Fail closed once even the reserve is used up; nothing written is lost.
+            for i in range(2000):
+                log.record(_entry(path=f"/repo/more{i}", allowed=False, reason=reason * 4))
+                if log.failing:
+                    break
+            assert log.failing and _size(reserve) == 0
+            queued = i + 1
+            filler.unlink()  # space returns
+            assert log.try_flush() and not log.failing
+            written = [e["path"] for e in read_entries(path)]
+            assert written[-queued:] == [f"/repo/more{n}" for n in range(queued)]
+            assert _size(reserve) == SMALL_RESERVE  # made again
+        finally:
+            log.close()
+        result = verify(path)
+        assert result.ok and result.keyed, result.message
