@@ -28,7 +28,7 @@ import pyfuse3
 import trio
 
 from . import request_wait
-from .audit import AuditLog
+from .audit import AuditLog, state_root
 from .config import Config
 from .errors import SandboxError, UserError
 from .operations import MountInfo, SandboxOperations, context_document
@@ -184,9 +184,13 @@ def prepare_store(req: MountRequest) -> Store:
     # Hidden by identity, not by name: on case-folding storage `.SANDBOX` is the same
     # directory. The mountpoint is the directory under the mount (what a listing's d_ino
     # names); once mounted, lookups see a mount root, which is never entered anyway.
+    # The user's own state dir (the audit log's key) too, should the project contain it.
     hidden: set[tuple[int, int]] = set()
-    for path in (state_dir(req.project), req.mountpoint):
-        st = os.stat(path)
+    for path in (state_dir(req.project), req.mountpoint, state_root()):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
         hidden.add((st.st_dev, st.st_ino))
     dirs = {
         Zone.SESSION: session,

@@ -65,6 +65,25 @@ _WRITABLE_XATTR_PREFIX = b"user."
 _ACL_XATTRS = (b"system.posix_acl_access", b"system.posix_acl_default")
 _SECURITY_XATTR_PREFIX = b"security."
 
+# Callbacks that write an audit entry when they succeed: refused while the log is failing.
+_AUDITED_CALLBACKS = frozenset(
+    {
+        "open",
+        "opendir",
+        "create",
+        "mkdir",
+        "symlink",
+        "mknod",
+        "link",
+        "unlink",
+        "rmdir",
+        "rename",
+        "setattr",
+        "setxattr",
+        "removexattr",
+    }
+)
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -113,7 +132,13 @@ def _guarded(
 ) -> Callable[Concatenate[SandboxOperations, P], Awaitable[R]]:
     """Run a synchronous handler as the async callback pyfuse3 expects, mapping every error."""
 
+    audited = fn.__name__ in _AUDITED_CALLBACKS
+
     async def wrapper(self: SandboxOperations, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        if audited and self.audit.failing:
+            # Fail closed: nothing that would be audited happens while the log cannot be
+            # written (its refusals wait in memory; see AuditLog.failing).
+            raise pyfuse3.FUSEError(errno.ENOSPC)
         try:
             return fn(self, *args, **kwargs)
         except SandboxError as exc:

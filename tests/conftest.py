@@ -174,6 +174,19 @@ def mount_at(tmp_path: Path, project: Path) -> Iterator[Callable[..., Any]]:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def private_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Audit anchors of the suite's projects go to a temporary state dir, not ~/.local/state
+    (mount daemons and the CLI inherit the variable)."""
+    saved = os.environ.get("SANDBOXFS_STATE_DIR")
+    os.environ["SANDBOXFS_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if saved is None:
+        os.environ.pop("SANDBOXFS_STATE_DIR", None)
+    else:
+        os.environ["SANDBOXFS_STATE_DIR"] = saved
+
+
+@pytest.fixture(scope="session", autouse=True)
 def no_mounts_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The suite must leave no sandboxfs mount behind (under this run's own temp dir)."""
     base = str(tmp_path_factory.getbasetemp())

@@ -283,3 +283,19 @@ async def test_allocating_calls_run_with_the_callers_filesystem_identity(
     calls.clear()
     await h.ops.mkdir(working, b"e", 0o755, CTX if CTX.uid == 0 else Ctx(uid=0, gid=0, pid=1))
     assert calls == []  # root callers need no switch
+
+
+# ===== the audit log fails closed ================================================================
+
+
+async def test_nothing_audited_happens_while_the_log_cannot_be_written(
+    make: Callable[[str], Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = make("full")
+    working = await h.ino("/session/working")
+    monkeypatch.setattr(type(h.audit), "failing", property(lambda self: True))
+    await fails(h.ops.mkdir(working, b"d", 0o755, CTX), errno.ENOSPC)
+    await fails(h.ops.create(working, b"f", 0o644, os.O_WRONLY, CTX), errno.ENOSPC)
+    await fails(h.ops.opendir(working, CTX), errno.ENOSPC)
+    assert not (h.dirs[Zone.SESSION] / "working" / "d").exists()
+    assert (await h.ops.lookup(working, b"notes.txt", CTX)).st_ino  # lookups still answer
