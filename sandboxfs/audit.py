@@ -6,13 +6,13 @@ removed or reordered line. Writers take a `flock` on a lock file beside the log 
 one `write`, so several mounts (processes) can share one log and the chain stays linear.
 
 The chain alone has no secret: whoever can write the file can cut its end or rebuild all of it.
-So each log also has an *anchor* in the user's own state directory, outside every project (see
-`anchor_path`): a random key, the id from which entries are keyed, and the chain's head (the last
-id and hash written), updated on every flush under the same lock. Each entry carries `mac`, an
-HMAC-SHA256 of its hash under that key. The hash stays unkeyed on purpose: anyone (another
-user, an auditor without the key, a log whose anchor is lost) can still check the chain, and
-logs written before keys existed keep verifying. `verify` then also finds a cut end (the log ends
-before the anchor's head) and a rebuilt chain (a mac that does not match).
+So each log also has an *anchor* in the user's own state directory, outside every project
+(sandboxfs.audit_anchor): a random key, the id from which entries are keyed, and the chain's
+head (the last id and hash written), updated on every flush under the same lock. Each entry
+carries `mac`, an HMAC-SHA256 of its hash under that key. The hash stays unkeyed on purpose:
+anyone (another user, an auditor without the key, a log whose anchor is lost) can still check
+the chain, and logs written before keys existed keep verifying. `verify` then also finds a cut
+end (the log ends before the anchor's head) and a rebuilt chain (a mac that does not match).
 
 A denial must be on disk before its errno returns, even when the disk is full: a few MiB are
 kept preallocated in `audit.reserve` beside the log and given back, a slice at a time, when an
@@ -25,12 +25,9 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import hmac
 import json
 import logging
 import os
-import re
-import secrets
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +37,17 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 import trio
+
+from .audit_anchor import (
+    Anchor,
+    AnchorFile,
+    Key,
+    fsync_dir,
+    locate_anchor,
+    make_private_dirs,
+    read_anchor,
+    write_all,
+)
 
 log = logging.getLogger(__name__)
 _MAX_QUEUED = 100_000
@@ -96,23 +104,8 @@ def _digest(entry: dict[str, Any]) -> str:
     ).hexdigest()
 
 
-class _Key:
-    """The anchor's secret key, ready to MAC entry hashes (the HMAC state is set up once)."""
-
-    def __init__(self, key: bytes) -> None:
-        self._base = hmac.new(key, digestmod=hashlib.sha256)
-
-    def mac(self, digest: str) -> str:
-        keyed = self._base.copy()
-        keyed.update(digest.encode("ascii"))
-        return keyed.hexdigest()
-
-    def valid(self, digest: str, mac: object) -> bool:
-        return isinstance(mac, str) and hmac.compare_digest(self.mac(digest), mac)
-
-
 def _sealed_line(
-    entry: dict[str, Any], entry_id: int, prev: str, key: _Key | None = None
+    entry: dict[str, Any], entry_id: int, prev: str, key: Key | None = None
 ) -> tuple[bytes, str]:
     """The line for `entry` placed in the chain, and its hash, serialising only once: the hash
     covers the canonical JSON without "hash" and "mac", which are then appended as the last
@@ -185,21 +178,6 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
 
 
-def _write_all(fd: int, data: bytes | bytearray) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _make_private_dirs(directory: Path) -> None:
-    """Like `mkdir -p`, but every directory it creates is 0o700, not just the last."""
-    if directory.is_dir():
-        return
-    _make_private_dirs(directory.parent)
-    with contextlib.suppress(FileExistsError):
-        directory.mkdir(mode=0o700)
-
-
 @dataclass(frozen=True, slots=True)
 class _Tail:
     """Where the chain stands at the end of a file of `size` bytes.
@@ -260,177 +238,6 @@ def _count_lines(fd: int, end: int) -> int:
     return count
 
 
-# ----- the anchor: key and chain head, outside the project ----------------------------------------
-
-_ANCHOR_RE = re.compile(
-    rb"sandboxfs audit anchor 1\n"
-    rb"key ([0-9a-f]{64})\n"
-    rb"keyed-from ([0-9]{20})\n"
-    rb"head ([0-9]{20}) ([0-9a-f]{64})\n"
-)
-# The head line has a fixed offset and width, so a flush rewrites it with one pwrite.
-_HEAD_OFFSET = len(b"sandboxfs audit anchor 1\nkey \nkeyed-from \n") + 64 + 20
-_HEAD_RE = re.compile(rb"head ([0-9]{20}) ([0-9a-f]{64})\n")
-_HEAD_SIZE = len(b"head  \n") + 20 + 64
-
-
-def state_root() -> Path:
-    """The user's own sandboxfs state directory: $SANDBOXFS_STATE_DIR, else
-    $XDG_STATE_HOME/sandboxfs, else ~/.local/state/sandboxfs. Never inside a project, so a
-    program that sees only the project (through a mount) cannot reach what is kept here."""
-    explicit = os.environ.get("SANDBOXFS_STATE_DIR")
-    if explicit:
-        return Path(explicit).absolute()
-    xdg = os.environ.get("XDG_STATE_HOME")
-    if xdg and os.path.isabs(xdg):  # the XDG spec says to ignore a relative one
-        return Path(xdg) / "sandboxfs"
-    return Path.home() / ".local" / "state" / "sandboxfs"
-
-
-def anchor_path(log_path: Path) -> Path:
-    """Where the anchor of the log at `log_path` is kept: named by the SHA-256 of the log's
-    resolved absolute path, so every mount of a project finds the same one."""
-    name = hashlib.sha256(os.fsencode(log_path.resolve())).hexdigest()
-    return state_root() / "anchors" / name
-
-
-def _locate_anchor(log_path: Path) -> tuple[Path | None, str]:
-    """`anchor_path`, or None and why there is none (no home directory to find it in)."""
-    try:
-        return anchor_path(log_path), ""
-    except (RuntimeError, KeyError, OSError) as exc:
-        return None, f"no state directory for anchors: {exc}"
-
-
-def _head_line(head_id: int, head_hash: str) -> bytes:
-    return b"head %020d %s\n" % (head_id, head_hash.encode("ascii"))
-
-
-@dataclass(frozen=True, slots=True)
-class Anchor:
-    """What a log's anchor holds.
-
-    `key` MACs entry hashes; `keyed_from` is the first id sealed with it (entries before it were
-    written before the anchor existed); `head_id` and `head_hash` are the last entry written
-    (for a log pruned to its header: the header's id and anchor).
-    """
-
-    key: bytes
-    keyed_from: int
-    head_id: int
-    head_hash: str
-
-    @classmethod
-    def parse(cls, data: bytes) -> Anchor:
-        found = _ANCHOR_RE.match(data)
-        if found is None:
-            raise ValueError("malformed anchor")
-        key, keyed_from, head_id, head_hash = found.groups()
-        return cls(bytes.fromhex(key.decode()), int(keyed_from), int(head_id), head_hash.decode())
-
-    def record(self, log_path: Path) -> bytes:
-        """The anchor file's content; the log's path at the end is only for people to read."""
-        return (
-            b"sandboxfs audit anchor 1\n"
-            + b"key %s\n" % self.key.hex().encode("ascii")
-            + b"keyed-from %020d\n" % self.keyed_from
-            + _head_line(self.head_id, self.head_hash)
-            + b"log %s\n" % json.dumps(str(log_path)).encode("ascii")
-        )
-
-
-def _read_anchor(path: Path | None, why_none: str) -> tuple[Anchor | None, str]:
-    """The anchor at `path`, or None and why not, in words fit for verify's message."""
-    if path is None:
-        return None, why_none
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None, f"no anchor at {path}"
-    except OSError as exc:
-        return None, f"cannot read the anchor {path}: {exc.strerror}"
-    try:
-        return Anchor.parse(data), ""
-    except ValueError:
-        return None, f"the anchor {path} is malformed"
-
-
-def _fsync_dir(directory: Path) -> None:
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _create_anchor(path: Path, log_path: Path, tail: _Tail) -> None:
-    """Make a new anchor with a new key, keyed from the id after `tail`, appearing whole
-    (written aside, then linked in; a concurrent creator's anchor wins)."""
-    _make_private_dirs(path.parent)
-    anchor = Anchor(secrets.token_bytes(32), tail.last_id + 1, tail.last_id, tail.last_hash)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".new-", suffix=".tmp")  # mode 0600
-    try:
-        try:
-            _write_all(fd, anchor.record(log_path))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        with contextlib.suppress(FileExistsError):
-            os.link(tmp, path)
-    finally:
-        os.unlink(tmp)
-    _fsync_dir(path.parent)
-
-
-class _AnchorFile:
-    """A writer's open anchor: the key kept in memory, the head rewritten in place."""
-
-    def __init__(self, path: Path, fd: int, anchor: Anchor) -> None:
-        self.path = path
-        self.fd = fd
-        st = os.fstat(fd)
-        self.ident = (st.st_dev, st.st_ino)
-        self.key = _Key(anchor.key)
-        self.keyed_from = anchor.keyed_from
-
-    @classmethod
-    def open(cls, path: Path, log_path: Path, fd: int, size: int) -> _AnchorFile:
-        """Open the anchor, creating it first if there is none. Only under the log's lock:
-        that is what keeps two writers of one log from making two keys."""
-        for _ in range(2):
-            try:
-                anchor_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-            except FileNotFoundError:
-                _create_anchor(path, log_path, _scan_tail(fd, size))
-                continue
-            try:
-                return cls(path, anchor_fd, Anchor.parse(os.pread(anchor_fd, 4096, 0)))
-            except BaseException:
-                os.close(anchor_fd)
-                raise
-        raise FileNotFoundError(errno.ENOENT, "the anchor vanished as it was made", str(path))
-
-    def is_current(self) -> bool:
-        """False once the anchor's path names another file (or none): it was replaced."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return False
-        return (st.st_dev, st.st_ino) == self.ident
-
-    def head(self) -> tuple[int, str]:
-        found = _HEAD_RE.fullmatch(os.pread(self.fd, _HEAD_SIZE, _HEAD_OFFSET))
-        if found is None:
-            raise ValueError(f"malformed anchor {self.path}")
-        return int(found[1]), found[2].decode()
-
-    def set_head(self, head_id: int, head_hash: str) -> None:
-        os.pwrite(self.fd, _head_line(head_id, head_hash), _HEAD_OFFSET)
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
 class AuditLog:
     """Append-only, SHA-256 hash-chained, keyed JSON-lines log shared safely by several processes.
 
@@ -458,11 +265,11 @@ class AuditLog:
         self._reserve_size = reserve
         self._reserve_short = False
         self._reserve_tried = 0.0  # time.monotonic() of the last fill or release
-        self._anchor: _AnchorFile | None = None
-        self._anchor_path, why = _locate_anchor(path)
+        self._anchor: AnchorFile | None = None
+        self._anchor_path, why = locate_anchor(path)
         if self._anchor_path is None:
             log.error("audit log %s: %s; its entries are written without a mac", path, why)
-        _make_private_dirs(path.parent)
+        make_private_dirs(path.parent)
         self._lock_fd = _open_lock(path)
         self._fd = _open_log(path)
         with _exclusive(self._lock_fd):
@@ -621,7 +428,7 @@ class AuditLog:
         reserve and try again, until the write fits or there is no reserve left."""
         while True:
             try:
-                _write_all(self._fd, data)
+                write_all(self._fd, data)
                 if self._sync:
                     os.fsync(self._fd)
                 return
@@ -703,7 +510,13 @@ class AuditLog:
             self._anchor.close()
             self._anchor = None
         try:
-            self._anchor = _AnchorFile.open(self._anchor_path, self._path, self._fd, size)
+            fd = self._fd
+
+            def tail() -> tuple[int, str]:
+                found = _scan_tail(fd, size)
+                return found.last_id, found.last_hash
+
+            self._anchor = AnchorFile.open(self._anchor_path, self._path, tail)
         except (OSError, ValueError) as exc:
             log.error(
                 "audit log %s: cannot use its anchor %s (%s); entries are written without a mac",
@@ -971,7 +784,7 @@ class VerifyResult:
 def _snapshot(path: Path) -> tuple[BinaryIO | None, int, Anchor | None, str]:
     """The log (open, or None if there is none, and its size) and its anchor (or None and why
     not), taken under the writers' lock so that they agree with each other."""
-    where, why = _locate_anchor(path)
+    where, why = locate_anchor(path)
     try:
         lock_fd = os.open(_lock_path(path), os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -979,7 +792,7 @@ def _snapshot(path: Path) -> tuple[BinaryIO | None, int, Anchor | None, str]:
     try:
         if lock_fd >= 0:
             fcntl.flock(lock_fd, fcntl.LOCK_SH)
-        anchor, why = _read_anchor(where, why)
+        anchor, why = read_anchor(where, why)
         try:
             stream = path.open("rb")
         except FileNotFoundError:
@@ -1019,7 +832,7 @@ def verify(path: Path) -> VerifyResult:
             message = f"no audit log at {path}, but its anchor says id {anchor.head_id} was written"
             return VerifyResult(False, 0, None, message, keyed=True)
         return VerifyResult(False, 0, None, f"no audit log at {path}")
-    key = _Key(anchor.key) if anchor is not None else None
+    key = Key(anchor.key) if anchor is not None else None
     torn: list[int] = []
     unexplained: list[int] = []  # unparsable lines not yet named by a recover entry
     entries = 0
@@ -1130,7 +943,7 @@ def _replace(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         try:
-            _write_all(fd, data)
+            write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -1138,7 +951,7 @@ def _replace(path: Path, data: bytes) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def prune(path: Path, before: datetime) -> int:
@@ -1173,7 +986,7 @@ def prune(path: Path, before: datetime) -> int:
             if dropped == 0:
                 return 0
             last = chain[dropped - 1][1]
-            anchor, _ = _read_anchor(*_locate_anchor(path))
+            anchor, _ = read_anchor(*locate_anchor(path))
             header, _ = _sealed_line(
                 {
                     "op": "prune",
@@ -1185,7 +998,7 @@ def prune(path: Path, before: datetime) -> int:
                 },
                 last["id"],
                 GENESIS,
-                _Key(anchor.key) if anchor is not None else None,
+                Key(anchor.key) if anchor is not None else None,
             )
             _replace(path, header + b"".join(line + b"\n" for line, _ in chain[dropped:]))
             return dropped

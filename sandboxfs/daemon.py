@@ -28,7 +28,8 @@ import pyfuse3
 import trio
 
 from . import request_wait
-from .audit import AuditLog, state_root
+from .audit import AuditLog
+from .audit_anchor import state_root
 from .config import Config
 from .errors import SandboxError, UserError
 from .operations import MountInfo, SandboxOperations, context_document

@@ -33,18 +33,16 @@ import sandboxfs.audit as audit_mod
 from sandboxfs.audit import (
     GENESIS,
     TAMPER_OP,
-    Anchor,
     AuditLog,
     AuditQuery,
-    anchor_path,
     follow,
     format_table,
     prune,
     query,
     read_entries,
-    state_root,
     verify,
 )
+from sandboxfs.audit_anchor import Anchor, anchor_path, state_root
 
 T0 = datetime(2026, 11, 22, 8, 0, tzinfo=UTC)
 
@@ -1191,7 +1189,7 @@ class _FullDisk:
         self.reserve = reserve
         self.until = until
         self.refused = 0
-        self.real = audit_mod._write_all
+        self.real = audit_mod.write_all
 
     def __call__(self, fd: int, data: bytes | bytearray) -> None:
         if self.until is None or _size(self.reserve) >= self.until:
@@ -1208,13 +1206,13 @@ def test_full_disk_gives_back_reserve_for_a_denial(
     log = AuditLog(path, reserve=SMALL_RESERVE)
     log.record(_entry(path="/before"))
     full = _FullDisk(reserve, until=SMALL_RESERVE)
-    monkeypatch.setattr(audit_mod, "_write_all", full)
+    monkeypatch.setattr(audit_mod, "write_all", full)
     log.record(_entry(path="/repo/.env", allowed=False, errno="EACCES"))
     assert [e["path"] for e in read_entries(path)] == ["/before", "/repo/.env"]
     assert full.refused == 1 and _size(reserve) < SMALL_RESERVE
     assert not log.failing
     # Space returns: the next write fills the reserve up again.
-    monkeypatch.setattr(audit_mod, "_write_all", full.real)
+    monkeypatch.setattr(audit_mod, "write_all", full.real)
     monkeypatch.setattr(audit_mod, "_REFILL_EVERY", 0.0)
     log.record(_entry(path="/later", allowed=False))
     assert _size(reserve) == SMALL_RESERVE
@@ -1229,13 +1227,13 @@ def test_failing_when_even_the_reserve_is_gone(
     reserve = tmp_path / "audit.reserve"
     log = AuditLog(path, reserve=SMALL_RESERVE)
     full = _FullDisk(reserve, until=None)
-    monkeypatch.setattr(audit_mod, "_write_all", full)
+    monkeypatch.setattr(audit_mod, "write_all", full)
     log.record(_entry(path="/denied-1", allowed=False))
     assert log.failing
     assert _size(reserve) == 0 and path.read_bytes() == b""  # no torn line left either
     log.record(_entry(path="/denied-2", allowed=False))
     assert log.failing and not log.try_flush()
-    monkeypatch.setattr(audit_mod, "_write_all", full.real)
+    monkeypatch.setattr(audit_mod, "write_all", full.real)
     assert log.try_flush() and not log.failing
     assert [e["path"] for e in read_entries(path)] == ["/denied-1", "/denied-2"]
     log.close()
