@@ -995,14 +995,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             with self._as_caller(ctx.uid, ctx.gid):
                 fd = self.store.create_file(dfd, name, open_flags, stat.S_IMODE(mode) & ~_SUID_SGID)
         except OSError as exc:
-            if exc.errno == errno.EEXIST and create_only:
-                # An existing file that lookup showed as absent: refused as the write it is.
-                reason = (
-                    f"{parent.vpath(name)} exists, and {zone.value} is create-only at trust "
-                    f"level {self.policy.trust.value}: existing entries cannot be replaced"
-                )
-                decision = Decision(False, errno.EACCES, reason)
-                raise self.refuse(ctx, Op.WRITE.value, parent.vpath(name), zone, decision) from None
+            if exc.errno == errno.EEXIST:
+                self._refuse_existing(ctx, parent, name, zone)
             if exc.errno == errno.EXDEV:  # the name is the root of another mount
                 reason = f"{parent.vpath(name)} is the root of another mount"
                 decision = Decision(False, errno.EACCES, reason)
@@ -1024,6 +1018,34 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         info = self._new_handle(handle, keep_cache=True, direct_io=bool(flags & os.O_DIRECT))
         return info, self.attrs(node, st)
 
+    def _make_entry(
+        self, ctx: Any, parent: Node, name: bytes, detail: str, make: Callable[[int], None]
+    ) -> pyfuse3.EntryAttributes:
+        """mkdir, symlink and mknod: checks, the backing call as the caller, the new node."""
+        zone = self._creatable_parent(ctx, parent, name)
+        self._changing(parent)
+        dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
+        try:
+            with self._as_caller(ctx.uid, ctx.gid):
+                make(dfd)
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.EADDRINUSE):
+                self._refuse_existing(ctx, parent, name, zone)
+            raise
+        return self._finish_new(ctx, parent, name, detail)
+
+    def _refuse_existing(self, ctx: Any, parent: Node, name: bytes, zone: Zone) -> None:
+        """A name that exists where lookup answered "absent" (create-only zones): refused as
+        the write it is, like every other refused creation, rather than EEXIST."""
+        if not self.policy.access(zone).create_only:
+            return
+        vpath = parent.vpath(name)
+        reason = (
+            f"{vpath} exists, and {zone.value} is create-only at trust level "
+            f"{self.policy.trust.value}: existing entries cannot be replaced"
+        )
+        raise self.refuse(ctx, Op.WRITE.value, vpath, zone, Decision(False, errno.EACCES, reason))
+
     def _finish_new(
         self, ctx: Any, parent: Node, name: bytes, detail: str
     ) -> pyfuse3.EntryAttributes:
@@ -1042,24 +1064,22 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     @_guarded
     def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> pyfuse3.EntryAttributes:
         parent = self.store.get(parent_inode)
-        self._creatable_parent(ctx, parent, name)
-        self._changing(parent)
-        dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
-        with self._as_caller(ctx.uid, ctx.gid):
+
+        def make(dfd: int) -> None:
             os.mkdir(name, stat.S_IMODE(mode) & ~_SUID_SGID, dir_fd=dfd)
-        return self._finish_new(ctx, parent, name, "mkdir")
+
+        return self._make_entry(ctx, parent, name, "mkdir", make)
 
     @_guarded
     def symlink(
         self, parent_inode: int, name: bytes, target: bytes, ctx: Any
     ) -> pyfuse3.EntryAttributes:
         parent = self.store.get(parent_inode)
-        self._creatable_parent(ctx, parent, name)
-        self._changing(parent)
-        dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
-        with self._as_caller(ctx.uid, ctx.gid):
+
+        def make(dfd: int) -> None:
             os.symlink(target, name, dir_fd=dfd)
-        return self._finish_new(ctx, parent, name, "symlink")
+
+        return self._make_entry(ctx, parent, name, "symlink", make)
 
     @_guarded
     def mknod(
@@ -1077,12 +1097,11 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 parent.zone,
                 Decision(False, errno.EPERM, reason),
             )
-        self._creatable_parent(ctx, parent, name)
-        self._changing(parent)
-        dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
-        with self._as_caller(ctx.uid, ctx.gid):
+
+        def make(dfd: int) -> None:
             os.mknod(name, stat.S_IFMT(mode) | (stat.S_IMODE(mode) & ~_SUID_SGID), dir_fd=dfd)
-        return self._finish_new(ctx, parent, name, "mknod")
+
+        return self._make_entry(ctx, parent, name, "mknod", make)
 
     @_guarded
     def link(

@@ -299,3 +299,23 @@ async def test_nothing_audited_happens_while_the_log_cannot_be_written(
     await fails(h.ops.opendir(working, CTX), errno.ENOSPC)
     assert not (h.dirs[Zone.SESSION] / "working" / "d").exists()
     assert (await h.ops.lookup(working, b"notes.txt", CTX)).st_ino  # lookups still answer
+
+
+async def test_every_creation_over_a_hidden_existing_name_is_a_write_refusal(
+    make: Callable[[str], Harness],
+) -> None:
+    """Create-only: an existing file this mount did not make looks absent, and every way of
+    creating that name is refused the same way, as an audited write (not EEXIST)."""
+    h = make("untrusted")
+    c0 = await h.ino("/staged/c0")
+    await fails(h.ops.create(c0, b"old.txt", 0o644, os.O_WRONLY, CTX), errno.EACCES)
+    await fails(h.ops.mkdir(c0, b"old.txt", 0o755, CTX), errno.EACCES)
+    await fails(h.ops.symlink(c0, b"old.txt", b"x", CTX), errno.EACCES)
+    for kind in (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFREG):
+        await fails(h.ops.mknod(c0, b"old.txt", kind | 0o644, 0, CTX), errno.EACCES)
+    refused = h.entries(op="write", path="/staged/c0/old.txt", allowed=False)
+    assert len(refused) == 6 and all("cannot be replaced" in e["reason"] for e in refused)
+    # Where the zone is writable, EEXIST is the ordinary answer.
+    full = make("full")
+    working = await full.ino("/session/working")
+    await fails(full.ops.mkdir(working, b"notes.txt", 0o755, CTX), errno.EEXIST)
