@@ -136,6 +136,16 @@ class Patterns:
         self._paths = [t for t in parsed if "/" in t[0] or t[2].startswith("/")]
         self._name_re = _compile(t[0] for t in self._names)
         self._path_re = _compile(t[0] for t in self._paths)
+        # One regex each for "something above relpath matches" and "relpath itself matches"
+        # (files; directories), so match_within costs one search, not one per component.
+        name_part, path_part = r"(?:.*/)?", ""
+        above = [
+            f"{name_part if t in self._names else path_part}{_glob_re(t[0])}/.+" for t in parsed
+        ]
+        itself = [f"{name_part if t in self._names else path_part}{_glob_re(t[0])}" for t in parsed]
+        self._above_re = _union(above)
+        self._file_re = _union(x for x, t in zip(itself, parsed, strict=True) if not t[1])
+        self._dir_re = _union(itself)
 
     @property
     def has_paths(self) -> bool:
@@ -158,6 +168,14 @@ class Patterns:
 
     def match_within(self, relpath: str, is_dir: bool) -> str | None:
         """The pattern that `relpath` or one of the directories above it matches."""
+        folded = fold(relpath)
+        itself = self._dir_re if is_dir else self._file_re
+        above = self._above_re
+        if not (
+            (above is not None and above.fullmatch(folded))
+            or (itself is not None and itself.fullmatch(folded))
+        ):
+            return None
         parts = relpath.split("/")
         for depth in range(1, len(parts) + 1):
             last = depth == len(parts)
@@ -288,6 +306,18 @@ class Policy:
 def _compile(patterns: Iterable[str]) -> re.Pattern[str] | None:
     parts = [fnmatch.translate(p) for p in patterns]
     return re.compile("|".join(f"(?:{p})" for p in parts)) if parts else None
+
+
+def _glob_re(glob: str) -> str:
+    """fnmatch's regex for `glob`, without its end anchor, to embed in a larger one."""
+    translated = fnmatch.translate(glob)
+    assert translated.endswith(r"\Z"), translated
+    return f"(?:{translated[:-2]})"
+
+
+def _union(parts: Iterable[str]) -> re.Pattern[str] | None:
+    alternatives = list(parts)
+    return re.compile("|".join(f"(?:{p})" for p in alternatives)) if alternatives else None
 
 
 def _glob_tokens(glob: str) -> list[str]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import stat
 from collections import OrderedDict
@@ -497,7 +496,9 @@ class Store:
         The name may have been replaced outside the mount since the kernel cached it, by a
         FIFO (whose open would block the whole daemon) or by another file. O_NONBLOCK keeps
         the open from waiting; the fstat then compares the identity; a mismatch is ESTALE,
-        which makes the kernel look the path up again (and open a FIFO itself).
+        which makes the kernel look the path up again (and open a FIFO itself). O_NONBLOCK
+        stays set: a regular file ignores it for reads and writes, and where a lease would
+        make the open wait, failing is what the daemon wants.
         """
         parent_fd = self.checked_parent_fd(node)
         # Never open anything but node's regular file: not even with O_NONBLOCK, since
@@ -518,8 +519,6 @@ class Store:
             st = os.stat(fd)
             if not stat.S_ISREG(st.st_mode) or not _is(node, st):
                 raise SandboxError(errno.ESTALE, "the file moved or was replaced")
-            if not flags & os.O_NONBLOCK:
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         except BaseException:
             os.close(fd)
             raise
@@ -537,8 +536,6 @@ class Store:
         try:
             if not stat.S_ISREG(os.stat(fd).st_mode):  # a FIFO or device raced in: look again
                 raise SandboxError(errno.ESTALE, "not a regular file")
-            if not flags & os.O_NONBLOCK:
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         except BaseException:
             os.close(fd)
             raise

@@ -132,10 +132,19 @@ class _OpenHow(ctypes.Structure):
     _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
 
 
+# One open_how reused for every call (the daemon serves one request at a time): building a
+# ctypes structure per call cost more than the system call itself.
+_how = _OpenHow()
+_how_ref = ctypes.byref(_how)
+_HOW_SIZE = ctypes.sizeof(_how)
+
+
 def openat2(dir_fd: int, path: bytes, flags: int, mode: int = 0, resolve: int = 0) -> int:
     """openat2(2): open `path` relative to `dir_fd` under the RESOLVE_* restrictions."""
-    how = _OpenHow(flags, mode, resolve)
-    fd: int = _syscall(_SYS_OPENAT2, dir_fd, path, ctypes.byref(how), ctypes.sizeof(how))
+    _how.flags = flags
+    _how.mode = mode
+    _how.resolve = resolve
+    fd: int = _syscall(_SYS_OPENAT2, dir_fd, path, _how_ref, _HOW_SIZE)
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), path)
