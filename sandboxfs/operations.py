@@ -135,7 +135,7 @@ def _guarded(
     audited = fn.__name__ in _AUDITED_CALLBACKS
 
     async def wrapper(self: SandboxOperations, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        if audited and self.audit.failing:
+        if audited and self.audit.failing and not self.audit.try_flush():
             # Fail closed: nothing that would be audited happens while the log cannot be
             # written (its refusals wait in memory; see AuditLog.failing).
             raise pyfuse3.FUSEError(errno.ENOSPC)
@@ -624,7 +624,13 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self.check(ctx, Op.WRITE, node)
         self._check_layer(ctx, node, Op.WRITE)
 
-    def _check_layer(self, ctx: Any, node: Node, op: Op, child: bytes | None = None) -> None:
+    def _link_decision(self, node: Node) -> Decision:
+        """A second name for an existing file changes it (its link count, and every later
+        write through either name): write access, which create-only does not give."""
+        assert node.zone is not None
+        return self.policy.decide(node.zone, Op.WRITE)
+
+    def _check_layer(self, ctx: Any, node: Node, op: Op | str, child: bytes | None = None) -> None:
         """Only the first workers directory (<project>/.workers) can be changed."""
         if node.zone is Zone.WORKERS and node.layer > 0:
             reason = (
@@ -632,7 +638,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 f"only <project>/.workers can be changed"
             )
             raise self.refuse(
-                ctx, op.value, node.vpath(child), node.zone, Decision(False, errno.EROFS, reason)
+                ctx, str(op), node.vpath(child), node.zone, Decision(False, errno.EROFS, reason)
             )
 
     @_guarded
@@ -1131,9 +1137,17 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self._reject_protected(ctx, "link", node.parent, node.name, node.is_dir, dest=dest)
         self._reject_denied_name(ctx, parent, new_name, False, "link")
         self._reject_protected(ctx, "link", parent, new_name, False, dest=dest)
-        self.check(ctx, Op.WRITE, parent, new_name)
-        self._check_layer(ctx, parent, Op.WRITE, new_name)
-        self._check_layer(ctx, node, Op.WRITE)
+        assert parent.zone is not None
+        for decision in (self.policy.decide_create(parent.zone), self._link_decision(node)):
+            if not decision.allowed:
+                raise self.refuse(ctx, "link", src, parent.zone, decision, dest=dest)
+        try:
+            self.store.stat_child(parent, new_name, 0)
+        except HiddenEntry as exc:  # never onto sandboxfs's state or another mount
+            decision = Decision(False, errno.EACCES, f"{dest}: {exc.reason}")
+            raise self.refuse(ctx, "link", src, parent.zone, decision, dest=dest) from None
+        self._check_layer(ctx, parent, "link", new_name)
+        self._check_layer(ctx, node, "link")
         self._changing(node, parent)
         dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
         src_fd = self.store.checked_parent_fd(node)

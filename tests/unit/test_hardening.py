@@ -294,6 +294,7 @@ async def test_nothing_audited_happens_while_the_log_cannot_be_written(
     h = make("full")
     working = await h.ino("/session/working")
     monkeypatch.setattr(type(h.audit), "failing", property(lambda self: True))
+    monkeypatch.setattr(h.audit, "try_flush", lambda: False)  # and still cannot write
     await fails(h.ops.mkdir(working, b"d", 0o755, CTX), errno.ENOSPC)
     await fails(h.ops.create(working, b"f", 0o644, os.O_WRONLY, CTX), errno.ENOSPC)
     await fails(h.ops.opendir(working, CTX), errno.ENOSPC)
@@ -319,3 +320,19 @@ async def test_every_creation_over_a_hidden_existing_name_is_a_write_refusal(
     full = make("full")
     working = await full.ino("/session/working")
     await fails(full.ops.mkdir(working, b"notes.txt", 0o755, CTX), errno.EEXIST)
+
+
+async def test_links_are_refused_and_audited_as_links(make: Callable[[str], Harness]) -> None:
+    h = make("full")
+    repo = ZONE_INO[Zone.REPO]
+    readme = await h.ino("/repo/README.md")
+    for hidden in (b".sandbox", b"mnt"):  # onto sandboxfs's state, onto a mount: not EEXIST
+        await fails(h.ops.link(readme, repo, hidden, CTX), errno.EACCES)
+        entry = h.one(op="link", dest=f"/repo/{hidden.decode()}", allowed=False)
+        assert entry["errno"] == "EACCES"
+    staged = make("untrusted")
+    c1 = (await staged.ops.mkdir(ZONE_INO[Zone.STAGED], b"c1", 0o755, CTX)).st_ino
+    fi, attrs = await staged.ops.create(c1, b"f", 0o644, os.O_WRONLY, CTX)
+    await staged.ops.release(fi.fh)
+    await fails(staged.ops.link(attrs.st_ino, c1, b"g", CTX), errno.EACCES)
+    assert staged.one(op="link", path="/staged/c1/f", allowed=False)["dest"] == "/staged/c1/g"
