@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -98,6 +99,30 @@ def denial(
     entry = entries[-1]
     assert entry["allowed"] is False
     assert entry["reason"], entry
+    assert entry["session"] == m.session
+    return entry
+
+
+def crossing(
+    m: Mount,
+    path: str,
+    op: str,
+    dest: str,
+    entries: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The entry of a rename or link refused with EXDEV for crossing zones. It is no policy
+    denial (`mv` then copies and deletes, each checked on its own): recorded with
+    `allowed: null`, so it is looked for among all entries, not `audit --denied`."""
+    matches = [
+        e
+        for e in (entries if entries is not None else m.audit())
+        if e["op"] == op and e["path"] == path and e.get("dest") == dest
+    ]
+    assert matches, f"no {op} of {path} to {dest} audited"
+    entry = matches[-1]
+    assert "allowed" in entry and entry["allowed"] is None, entry
+    assert entry["errno"] == "EXDEV", entry
+    assert "cannot cross zones" in entry["reason"], entry
     assert entry["session"] == m.session
     return entry
 
@@ -323,16 +348,11 @@ def test_links_and_renames_across_zones_are_exdev(mount_at: Callable[..., Any]) 
                 assert renamed == "EXDEV", (src, dst, renamed)
                 expected.append(("link", src, f"/{dst}/link-from-{src}"))
                 expected.append(("rename", src, f"/{dst}/moved-from-{src}"))
-        denials = m.audit("--denied")
+        entries = m.audit()
         for op, src, dest in expected:
-            matches = [
-                e
-                for e in denials
-                if e["op"] == op and e["path"] == f"/{src}/attack-{src}.txt" and e["dest"] == dest
-            ]
-            assert matches, (op, src, dest)
-            assert matches[-1]["errno"] == "EXDEV"
-            assert "cannot cross zones" in matches[-1]["reason"]
+            crossing(m, f"/{src}/attack-{src}.txt", op, dest, entries)
+        # Crossing zones is no policy denial: none of them shows among the denials.
+        assert not [e for e in m.audit("--denied") if e["errno"] == "EXDEV"]
         for zone in ZONES:
             names = {p.name for p in backing(m, zone).iterdir()}
             assert not {n for n in names if "-from-" in n}, (zone, names)
@@ -351,32 +371,61 @@ def test_renaming_and_linking_to_deny_listed_names(
         repo = m.mnt / "repo"
         working = m.mnt / "session" / "working"
         assert sh(f"echo data > {repo}/x.txt").returncode == 0
+        # `.ssh` looks absent, and a non-directory cannot be renamed to a name with a trailing
+        # slash: the kernel answers ENOTDIR itself, so no RENAME reaches the daemon; what does
+        # is the refused lookup of `.ssh` (the first request naming it), audited as a read.
+        refused(sh(f"mv {repo}/x.txt {repo}/.ssh/"), "Not a directory")
+        entry = denial(m, "/repo/.ssh", "read", errno="ENOENT")
+        assert entry["comm"] == "mv" and "deny pattern" in entry["reason"], entry
+        denied = "Permission denied"
+        # command -> (virtual path audited, message, op audited there)
         attacks = {
-            f"mv {repo}/x.txt {repo}/.env": "/repo/.env",
-            f"mv {repo}/x.txt {repo}/x.pem": "/repo/x.pem",
-            f"mv {repo}/x.txt {repo}/.ssh/": "/repo/.ssh",
-            f"ln {repo}/x.txt {repo}/.env": "/repo/.env",
-            f"ln -s x.txt {repo}/id_rsa.pub": "/repo/id_rsa.pub",
-            f"sh -c 'echo > {repo}/.env'": "/repo/.env",
-            f"sh -c 'echo > {repo}/src/deploy.key'": "/repo/src/deploy.key",
-            f"mkdir {working}/.ssh": "/session/working/.ssh",
-            f"sh -c 'echo > {working}/.env.local'": "/session/working/.env.local",
-        }
-        for command in attacks:
-            refused(sh(command), "Permission denied")
-        probes = {
-            f"os.rename({str(repo / 'x.txt')!r}, {str(repo / '.env')!r})": "/repo/.env",
-            f"os.link({str(repo / 'x.txt')!r}, {str(repo / 'a.key')!r})": "/repo/a.key",
-            f"create({str(repo / '.netrc')!r})": "/repo/.netrc",
-            f"renameat2({str(repo / 'x.txt')!r}, {str(repo / 'server.pem')!r}, RENAME_EXCHANGE)": (
-                "/repo/server.pem"
+            f"mv {repo}/x.txt {repo}/.env": ("/repo/.env", denied, "rename"),
+            f"mv {repo}/x.txt {repo}/x.pem": ("/repo/x.pem", denied, "rename"),
+            f"mv {repo}/x.txt {repo}/.ssh": ("/repo/.ssh", denied, "rename"),
+            f"ln {repo}/x.txt {repo}/.env": ("/repo/.env", denied, "link"),
+            f"ln -s x.txt {repo}/id_rsa.pub": ("/repo/id_rsa.pub", denied, "write"),
+            f"sh -c 'echo > {repo}/.env'": ("/repo/.env", denied, "write"),
+            f"sh -c 'echo > {repo}/src/deploy.key'": ("/repo/src/deploy.key", denied, "write"),
+            f"mkdir {working}/.ssh": ("/session/working/.ssh", denied, "write"),
+            f"sh -c 'echo > {working}/.env.local'": (
+                "/session/working/.env.local",
+                denied,
+                "write",
             ),
         }
-        for statement in probes:
-            assert syscall(statement) == "EACCES", statement
+        for command, (_, message, _) in attacks.items():
+            refused(sh(command), message)
+        # statement -> (virtual path audited, errno, op audited there)
+        probes = {
+            f"os.rename({str(repo / 'x.txt')!r}, {str(repo / '.env')!r})": (
+                "/repo/.env",
+                "EACCES",
+                "rename",
+            ),
+            f"os.link({str(repo / 'x.txt')!r}, {str(repo / 'a.key')!r})": (
+                "/repo/a.key",
+                "EACCES",
+                "link",
+            ),
+            f"create({str(repo / '.netrc')!r})": ("/repo/.netrc", "EACCES", "write"),
+            # An exchange needs an existing target, and server.pem looks absent: the kernel
+            # answers ENOENT itself after the refused lookup (audited as a read).
+            f"renameat2({str(repo / 'x.txt')!r}, {str(repo / 'server.pem')!r}, RENAME_EXCHANGE)": (
+                "/repo/server.pem",
+                "ENOENT",
+                "read",
+            ),
+        }
+        for statement, (_, err, _) in probes.items():
+            assert syscall(statement) == err, statement
         denials = m.audit("--denied")
-        for vpath in [*attacks.values(), *probes.values()]:
-            entry = denial(m, vpath, entries=denials)
+        for vpath, _, op in attacks.values():
+            entry = denial(m, vpath, op, entries=denials)
+            assert "deny pattern" in entry["reason"], entry
+            assert entry["errno"] == "EACCES", entry
+        for vpath, err, op in probes.values():
+            entry = denial(m, vpath, op, entries=denials, errno=err)
             assert "deny pattern" in entry["reason"], entry
         assert (project / "x.txt").read_text() == "data\n"
         assert (project / ".env").read_text() == "API_KEY=secret\n"
@@ -405,20 +454,36 @@ def test_state_dir_and_mountpoint_unreachable_through_repo(
         refused(sh(f"ls {repo}/.sandbox", timeout=10), "No such file or directory")
         refused(sh(f"cat {repo}/.sandbox/audit.jsonl", timeout=10), "No such file or directory")
         refused(sh(f"cat {repo}/src/../.sandbox/audit.jsonl", timeout=10))
-        refused(sh(f"mkdir {repo}/.sandbox", timeout=10))
-        refused(sh(f"mv {repo}/x {repo}/.sandbox", timeout=10))
-        refused(sh(f"ln {repo}/x {repo}/.sandbox", timeout=10))
+        refused(sh(f"mkdir {repo}/.sandbox", timeout=10), "Permission denied")
+        refused(sh(f"sh -c 'echo > {repo}/.sandbox'", timeout=10), "Permission denied")
+        refused(sh(f"mv {repo}/x {repo}/.sandbox", timeout=10), "Permission denied")
+        refused(sh(f"ln {repo}/x {repo}/.sandbox", timeout=10), "Permission denied")
+        refused(sh(f"ln {repo}/x {repo}/mnt", timeout=10), "Permission denied")
         refused(sh(f"ls {repo}/mnt", timeout=10), "No such file or directory")
         refused(sh(f"ls {repo}/mnt/repo/mnt", timeout=10))
-        refused(sh(f"mkdir {repo}/mnt", timeout=10))
+        refused(sh(f"mkdir {repo}/mnt", timeout=10), "Permission denied")
+        refused(sh(f"touch {repo}/mnt", timeout=10), "Permission denied")
         # A symlink made through the mount that points at the state dir re-enters the mount,
         # where the state dir still does not exist.
         assert sh(f"ln -s .sandbox {repo}/sb").returncode == 0
         refused(sh(f"cat {repo}/sb/audit.jsonl", timeout=10), "No such file or directory")
         denials = m.audit("--denied")
-        for vpath in ("/repo/.sandbox", "/repo/mnt"):
-            entry = denial(m, vpath, entries=denials)
-            assert "sandboxfs's own state or mountpoint" in entry["reason"], entry
+        # The state dir is hidden by identity, the mountpoint as the mount root it is.
+        for vpath, why in (
+            ("/repo/.sandbox", "sandboxfs's own state"),
+            ("/repo/mnt", "the root of another mount"),
+        ):
+            looked_up = denial(m, vpath, "read", denials, errno="ENOENT")
+            assert why in looked_up["reason"], looked_up
+            created = denial(m, vpath, "write", denials, errno="EACCES")
+            assert why in created["reason"], created
+        renamed = denial(m, "/repo/x", "rename", denials, dest="/repo/.sandbox")
+        assert renamed["errno"] == "EACCES", renamed
+        assert "sandboxfs's own state" in renamed["reason"], renamed
+        for dest, why in (("/repo/.sandbox", "sandboxfs's own state"), ("/repo/mnt", "mount")):
+            linked = denial(m, "/repo/x", "link", denials, dest=dest)
+            assert linked["errno"] == "EACCES" and why in linked["reason"], linked
+        assert (project / "x").stat().st_nlink == 1
         assert (project / "x").read_text() == "data\n"
         assert (project / ".sandbox" / "audit.jsonl").stat().st_ino == audit_before
         assert (project / ".sandbox").is_dir() and not (project / ".sandbox").is_symlink()
@@ -448,7 +513,7 @@ def test_nothing_can_be_created_at_root(mount_at: Callable[..., Any]) -> None:
             entry = denial(m, f"/{name}", "write", entries=denials)
             assert entry["zone"] is None and entry["errno"] == "EACCES", entry
             assert "nothing can be created at /" in entry["reason"], entry
-        assert denial(m, "/repo/README.md", "link", denials, dest="/h")["errno"] == "EXDEV"
+        crossing(m, "/repo/README.md", "link", "/h")
         assert sh(f"ls -a {mnt}").stdout.split() == [".", "..", ".sandboxfs", *sorted(ZONES)]
         assert_healthy(m, pid)
 
@@ -623,9 +688,10 @@ def test_long_names_dotdot_and_non_utf8_names(mount_at: Callable[..., Any]) -> N
         refused(sh(f"touch {working}/{long_name}"), "File name too long")
         assert syscall(f"create({str(working / long_name)!r})") == "ENAMETOOLONG"
         assert sh(f"touch {working}/{'b' * 255}").returncode == 0
-        # `..` is resolved by the kernel: this is a lookup in /repo, which untrusted cannot read.
-        refused(sh(f"cat {working}/../../repo/README.md"), "Permission denied")
-        entry = denial(m, "/repo/README.md", "read")
+        # `..` is resolved by the kernel: this is a lookup in /repo, which untrusted cannot read:
+        # the name looks absent.
+        refused(sh(f"cat {working}/../../repo/README.md"), "No such file or directory")
+        entry = denial(m, "/repo/README.md", "read", errno="ENOENT")
         assert "not readable at trust level untrusted" in entry["reason"]
         refused(sh(f"sh -c 'echo x > {working}/../../repo/new.txt'"))
         refused(sh(f"ls {m.mnt}/staged/../workspace/"))
@@ -683,8 +749,8 @@ def test_full_repo_filesystem(mount_at: Callable[..., Any], small_fs: Path, tmp_
         assert os.statvfs(small_fs).f_bavail == 0
         assert sh(f"ls {m.mnt}/repo", timeout=10).stdout.split() == ["README.md", "big", "src"]
         assert sh(f"cat {m.mnt}/repo/README.md", timeout=10).stdout == "# demo project\n"
-        refused(sh(f"cat {m.mnt}/repo/.env", timeout=10), "Permission denied")
-        assert denial(m, "/repo/.env")["errno"] == "EACCES"
+        refused(sh(f"cat {m.mnt}/repo/.env", timeout=10), "No such file or directory")
+        assert denial(m, "/repo/.env", "read")["errno"] == "ENOENT"
         # Other zones live on another disk and are unaffected.
         assert sh(f"echo ok > {m.mnt}/session/working/ok", timeout=10).returncode == 0
         assert sh(f"rm {m.mnt}/repo/big", timeout=10).returncode == 0
@@ -708,11 +774,19 @@ def test_full_audit_log_filesystem(mount_at: Callable[..., Any], small_fs: Path)
         assert attempts.stderr.count("README.md") == 40, attempts.stderr
         # Make room again from outside, as the user would.
         (backing(m, "session") / "working" / "fill").unlink()
-        assert sh(f"ls {m.mnt}/session/working", timeout=10).returncode == 0
-        refused(sh(f"cat {m.mnt}/repo/README.md", timeout=10), "Permission denied")
+        # The refusals waited in memory while the log could not be written, and audited
+        # callbacks fail closed (ENOSPC) until the next periodic flush writes them (every
+        # audit.flush_interval, 0.05 s by default): the mount must be back well within 5 s.
+        deadline = time.monotonic() + 5
+        while (listed := sh(f"ls {m.mnt}/session/working", timeout=10)).returncode != 0:
+            assert "No space left on device" in listed.stderr, listed.stderr
+            assert time.monotonic() < deadline, "the mount did not recover after making room"
+            time.sleep(0.05)
+        refused(sh(f"cat {m.mnt}/repo/README.md", timeout=10), "No such file or directory")
         os.kill(pid, 0)
         readme = [e for e in m.audit("--denied") if e["path"] == "/repo/README.md"]
         assert len(readme) == 41, len(readme)
+        assert all(e["op"] == "read" and e["errno"] == "ENOENT" for e in readme), readme
         assert_healthy(m, pid)
 
 

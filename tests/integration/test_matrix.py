@@ -1,8 +1,13 @@
 """The whole permission matrix of SPEC §3, at every trust level, on real mounts, with real tools.
 
 The expected outcomes are written out literally below from SPEC §3 (the matrix) and §4 (which
-callback checks which operation, and which errno a refusal gets); they are deliberately not
-derived from sandboxfs's own policy code or its defaults.yaml.
+callback checks which operation, and which errno a refusal gets), as amended by the hardening
+rules (absent-looking names): LOOKUP answers "absent" (ENOENT) for every name the level may not
+know about (every name in a zone it has no access to, existing files of a create-only zone this
+mount did not create), audited as a refused `read` when the name exists; an operation that
+creates a name reaches its own callback and is refused there as the write it is (EACCES);
+listing a zone without access is still EACCES. They are deliberately not derived from
+sandboxfs's own policy code or its defaults.yaml.
 
 Each test mounts once, runs every tool against every zone, collects what went wrong and asserts
 once at the end with a readable list, so one run shows the whole picture.
@@ -26,8 +31,15 @@ from tests.conftest import Mount
 OK = "ok"
 EROFS = "EROFS"  # "Read-only file system": a denied write/delete in a zone the level can read
 EACCES = "EACCES"  # "Permission denied": every other policy denial
+ENOENT = "ENOENT"  # "No such file or directory": a name the level may not know about
 
-MESSAGE = {EROFS: "Read-only file system", EACCES: "Permission denied"}
+MESSAGE = {
+    EROFS: "Read-only file system",
+    EACCES: "Permission denied",
+    ENOENT: "No such file or directory",
+}
+# dash words ENOENT from the open(O_CREAT) of a redirection as "Directory nonexistent".
+SHELL_MESSAGE = {ENOENT: "Directory nonexistent"}
 
 LEVELS = ["untrusted", "session", "workspace", "full"]
 ZONES = ["session", "workspace", "repo", "staged", "workers"]
@@ -82,7 +94,8 @@ TOOL_OPS: list[str] = [
     "ln-s",  # ln -s m D/sym                 symlink                   -> write
 ]
 
-# SPEC §3/§4: the outcome of each tool for each kind of cell of the matrix.
+# SPEC §3/§4 as amended (absent-looking names): the outcome of each tool for each kind of cell
+# of the matrix. For "" it depends on where D is: see NO_ACCESS_BELOW_ROOT and outcome().
 OUTCOME: dict[str, dict[str, str]] = {
     "rwld": {op: OK for op in TOOL_OPS},
     # Readable and listable: every change is a read-only file system.
@@ -101,26 +114,49 @@ OUTCOME: dict[str, dict[str, str]] = {
         "ln": EROFS,
         "ln-s": EROFS,
     },
-    # No permission at all: nothing resolves, everything is Permission denied.
-    "": {op: EACCES for op in TOOL_OPS},
-    # New files and directories may be created (and written while open); existing files can't
-    # be read, listed, changed, renamed or deleted; not readable, so refusals are EACCES.
+    # No permission at all, D the zone root itself (/repo): every name in it looks absent.
+    # What first looks a name up gets ENOENT: cat, rm, chmod, and cp, mv and ln, which stat
+    # their source first. What creates a name (open O_CREAT, mkdir, symlink) reaches its
+    # callback and is refused as the write it is: EACCES. `echo >>` and `touch` open with
+    # O_CREAT too, so an existing app.txt or stamp.txt (looking absent) gets a refused CREATE.
+    # Listing D is an opendir: EACCES.
+    "": {
+        "cat": ENOENT,
+        "ls": EACCES,
+        "write": EACCES,
+        "append": EACCES,
+        "rm": ENOENT,
+        "mkdir": EACCES,
+        "touch-new": EACCES,
+        "touch": EACCES,
+        "chmod": ENOENT,
+        "cp": ENOENT,
+        "mv": ENOENT,
+        "ln": ENOENT,
+        "ln-s": EACCES,
+    },
+    # New files and directories may be created (and written while open); existing files this
+    # mount did not create look absent (ENOENT) to whatever looks them up; a CREATE over one
+    # (`echo >>`, `touch`) is refused (EACCES), and so is listing (opendir, EACCES).
     "create-only": {
-        "cat": EACCES,
+        "cat": ENOENT,
         "ls": EACCES,
         "write": OK,
         "append": EACCES,
-        "rm": EACCES,
+        "rm": ENOENT,
         "mkdir": OK,
         "touch-new": OK,
         "touch": EACCES,
-        "chmod": EACCES,
-        "cp": EACCES,
-        "mv": EACCES,
-        "ln": EACCES,
+        "chmod": ENOENT,
+        "cp": ENOENT,
+        "mv": ENOENT,
+        "ln": ENOENT,
         "ln-s": OK,
     },
 }
+# No permission at all, D a directory below the zone root (/workspace/data): D itself looks
+# absent, so every tool, `ls D` included, gets ENOENT at the first component.
+NO_ACCESS_BELOW_ROOT: dict[str, str] = {op: ENOENT for op in TOOL_OPS}
 
 SESSION_ID = "matrix-s1"
 OLD_MTIME = 1_000_000_000
@@ -189,6 +225,25 @@ class ZoneCase:
 
     def mdir(self, m: Mount) -> Path:
         return m.mnt / self.vdir
+
+    @property
+    def at_zone_root(self) -> bool:
+        return "/" not in self.vdir
+
+
+def outcome(cell: str, case: ZoneCase) -> dict[str, str]:
+    """The expected outcome of each tool in `case` for a cell of the matrix."""
+    if cell == "" and not case.at_zone_root:
+        return NO_ACCESS_BELOW_ROOT
+    return OUTCOME[cell]
+
+
+def refused_as(ran: Ran, expected: str) -> bool:
+    """`ran` failed with the message of errno `expected` (as the tool words it)."""
+    messages = [MESSAGE[expected]]
+    if ran.comm == "sh" and expected in SHELL_MESSAGE:
+        messages.append(SHELL_MESSAGE[expected])
+    return ran.rc != 0 and any(message in ran.err for message in messages)
 
 
 def zone_cases(project: Path) -> list[ZoneCase]:
@@ -331,6 +386,26 @@ def effect_problems(
     return problems
 
 
+def crossing_entry(
+    entries: list[dict[str, Any]], ran: Ran, paths: set[str], dest: str
+) -> dict[str, Any] | None:
+    """The audit entry of a rename or link of `ran` refused with EXDEV for crossing zones: not a
+    policy denial, so recorded with `allowed: null` (and not shown by `audit --denied`)."""
+    for e in entries:
+        if (
+            "allowed" in e
+            and e["allowed"] is None
+            and e.get("pid") == ran.pid
+            and e.get("comm") == ran.comm
+            and e.get("errno") == "EXDEV"
+            and e.get("path") in paths
+            and e.get("dest") == dest
+            and "cannot cross zones" in (e.get("reason") or "")
+        ):
+            return e
+    return None
+
+
 def denial_entry(
     entries: list[dict[str, Any]], ran: Ran, paths: set[str], err: str
 ) -> dict[str, Any] | None:
@@ -382,7 +457,7 @@ def test_matrix_at_level(mount_at: Callable[..., Any], project: Path, level: str
             d = case.mdir(m)
             main = d / case.main
             for op in TOOL_OPS:
-                expected = OUTCOME[cell][op]
+                expected = outcome(cell, case)[op]
                 ran = command(op, d, main)
                 label = f"[{level}] {case.zone} ({cell or '-'}) {op}: {ran}"
                 if expected == OK:
@@ -391,7 +466,7 @@ def test_matrix_at_level(mount_at: Callable[..., Any], project: Path, level: str
                         continue
                     allowed.append((label, ran))
                 else:
-                    if ran.rc == 0 or MESSAGE[expected] not in ran.err:
+                    if not refused_as(ran, expected):
                         failures.append(f"{label}: expected {MESSAGE[expected]!r}")
                     denials.append((label, ran, expected))
                 via_mount = cell != "create-only"
@@ -533,12 +608,14 @@ def test_deny_list_at_full(mount_at: Callable[..., Any], project: Path) -> None:
     failures: list[str] = []
     with mount_at("full", "--session", SESSION_ID) as m:
         repo = m.mnt / "repo"
-        checks: list[tuple[Ran, str | None]] = []  # (refused run, deny pattern in its reason)
+        # (refused run, deny pattern in its reason, errno): deny-listed names look absent to
+        # whatever looks them up (ENOENT); creating or renaming or linking onto one is EACCES.
+        checks: list[tuple[Ran, str | None, str]] = []
 
         ran = run("cat", repo / ".env")
-        checks.append((ran, ".env"))
+        checks.append((ran, ".env", ENOENT))
         ran = run("cat", repo / "server.pem")
-        checks.append((ran, "*.pem"))
+        checks.append((ran, "*.pem", ENOENT))
 
         listing = run("ls", "-a", repo)
         names = set(listing.out.split())
@@ -548,16 +625,16 @@ def test_deny_list_at_full(mount_at: Callable[..., Any], project: Path) -> None:
             if hidden in names:
                 failures.append(f"ls -a repo shows {hidden}: {sorted(names)}")
 
-        checks.append((run("ls", repo / ".ssh"), ".ssh/"))
-        checks.append((shell(f"echo > '{repo}/new.key'"), "*.key"))
-        checks.append((run("mv", repo / "README.md", repo / ".env"), ".env"))
-        checks.append((run("ln", repo / "README.md", repo / "x.pem"), "*.pem"))
+        checks.append((run("ls", repo / ".ssh"), ".ssh/", ENOENT))
+        checks.append((shell(f"echo > '{repo}/new.key'"), "*.key", EACCES))
+        checks.append((run("mv", repo / "README.md", repo / ".env"), ".env", EACCES))
+        checks.append((run("ln", repo / "README.md", repo / "x.pem"), "*.pem", EACCES))
         # Every zone, not only the repo.
-        checks.append((shell(f"echo > '{m.mnt}/session/working/a.pem'"), "*.pem"))
+        checks.append((shell(f"echo > '{m.mnt}/session/working/a.pem'"), "*.pem", EACCES))
 
-        for ran, _ in checks:
-            if ran.rc == 0 or "Permission denied" not in ran.err:
-                failures.append(f"expected 'Permission denied': {ran}")
+        for ran, _, err in checks:
+            if not refused_as(ran, err):
+                failures.append(f"expected {MESSAGE[err]!r}: {ran}")
 
         if (project / "README.md").read_text() != "# demo project\n":
             failures.append("README.md changed")
@@ -571,8 +648,8 @@ def test_deny_list_at_full(mount_at: Callable[..., Any], project: Path) -> None:
             failures.append("session/working/a.pem was created")
 
         entries = m.audit("--denied")
-        for ran, pattern in checks:
-            entry = denial_entry(entries, ran, mount_paths(m, ran), "EACCES")
+        for ran, pattern, err in checks:
+            entry = denial_entry(entries, ran, mount_paths(m, ran), err)
             if entry is None:
                 failures.append(f"no audit entry for {ran}")
             elif pattern is not None and repr(pattern) not in entry["reason"]:
@@ -592,10 +669,11 @@ def test_cross_zone_at_session(mount_at: Callable[..., Any], project: Path) -> N
         assert link.rc != 0, str(link)
         assert "Invalid cross-device link" in link.err, str(link)
         assert not os.path.lexists(ws / "workspace" / "data" / "h.txt")
-        entry = denial_entry(m.audit("--denied"), link, {"/session/working/f.txt"}, "EXDEV")
+        entry = crossing_entry(m.audit(), link, {"/session/working/f.txt"}, "/workspace/data/h.txt")
         assert entry is not None
         assert entry["op"] == "link"
-        assert entry["dest"] == "/workspace/data/h.txt"
+        # Crossing zones is no policy denial: `audit --denied` does not show it.
+        assert [e for e in m.audit("--denied") if e.get("pid") == link.pid] == []
 
         src = m.mnt / "session" / "working" / "f.txt"
         dst = m.mnt / "workspace" / "data" / "moved.txt"
@@ -615,8 +693,9 @@ def test_cross_zone_at_session(mount_at: Callable[..., Any], project: Path) -> N
             i
             for i, e in enumerate(entries)
             if e["op"] == "rename"
-            and not e["allowed"]
+            and e["allowed"] is None
             and e["errno"] == "EXDEV"
+            and "cannot cross zones" in e["reason"]
             and e["path"] == "/session/working/f.txt"
             and e["dest"] == "/workspace/data/moved.txt"
         ]
@@ -648,9 +727,9 @@ def test_cross_zone_mv_workspace_to_repo_keeps_source(
         assert backing_src.read_text() == MAIN_TEXT["workspace"], "the source was lost"
         assert src.read_text() == MAIN_TEXT["workspace"]
         assert not os.path.lexists(project / "f.txt")
-        entries = m.audit("--denied")
-        assert denial_entry(entries, ran, {"/workspace/data/f.txt"}, "EXDEV"), entries
-        assert denial_entry(entries, ran, {"/repo/f.txt"}, "EROFS"), entries
+        entries = m.audit()
+        assert crossing_entry(entries, ran, {"/workspace/data/f.txt"}, "/repo/f.txt"), entries
+        assert denial_entry(m.audit("--denied"), ran, {"/repo/f.txt"}, "EROFS"), entries
 
 
 # ----- zone roots ---------------------------------------------------------------------------------

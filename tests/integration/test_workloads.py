@@ -135,9 +135,13 @@ def build_tree(root: Path) -> None:
 
 # ----- git ---------------------------------------------------------------------------------------
 
+# `git init` writes .git/config and .git/hooks/, which are protected: never created or changed
+# through the mount at any level. The user's repo exists before the agent runs, so it is made
+# natively; everything after it runs through the mount.
+GIT_INIT = "git -c init.defaultBranch=main init -q"
+
 GIT_WORKFLOW = """
 set -e
-git -c init.defaultBranch=main init -q
 git add -A
 git commit -qm initial
 git switch -qc feature
@@ -174,7 +178,9 @@ def test_git_workflow_in_repo_matches_native(
     for secret in (".env", "server.pem"):
         (native / secret).unlink()
     shutil.rmtree(native / ".ssh")
+    run(GIT_INIT, cwd=native, **GIT_ENV)
     expected = run(GIT_WORKFLOW, cwd=native, **GIT_ENV)
+    run(GIT_INIT, cwd=project, **GIT_ENV)  # the user's repo, before mounting
     with mount_at("full") as m:
         repo = m.mnt / "repo"
         result = run(GIT_WORKFLOW, cwd=repo, **GIT_ENV)
