@@ -510,13 +510,23 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         dest: str | None = None,
     ) -> None:
         """Protected paths (and everything inside a protected directory) are never changed."""
-        if parent.zone is None or not self.policy.protect_patterns:
+        if parent.zone is None or not self._may_protect(parent):
             return
         pattern = self.policy.protect.match_within(_relpath(parent, name), is_dir)
         if pattern is not None:
             vpath = parent.vpath(name)
             decision = self.policy.protect_decision(vpath, pattern)
             raise self.refuse(ctx, str(op), vpath, parent.zone, decision, dest=dest)
+
+    def _may_protect(self, directory: Node) -> bool:
+        """Whether a protect pattern could match inside `directory`, remembered on the node
+        until any known path changes (Store.moves)."""
+        moves, may = directory.protect_memo
+        if moves != self.store.moves:
+            rel = directory.relpath().decode("utf-8", "surrogateescape")
+            may = self.policy.protect.may_match_under(rel)
+            directory.protect_memo = (self.store.moves, may)
+        return may
 
     def _reject_protected_node(self, ctx: Any, op: Op | str, node: Node) -> None:
         if node.parent is not None and node.zone is not None:
@@ -973,7 +983,6 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         zone = parent.zone
         self._reject_denied_name(ctx, parent, name, True, Op.WRITE)
         self._reject_protected(ctx, Op.WRITE, parent, name, True)
-        self._find(ctx, Op.WRITE, parent, name)  # never over sandboxfs's state or a mount
         decision = self.policy.decide_create(zone)
         if not decision.allowed:
             raise self.refuse(ctx, Op.WRITE.value, parent.vpath(name), zone, decision)
@@ -1001,6 +1010,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             with self._as_caller(ctx.uid, ctx.gid):
                 fd = self.store.create_file(dfd, name, open_flags, stat.S_IMODE(mode) & ~_SUID_SGID)
         except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.EISDIR, errno.EXDEV):
+                self._find(ctx, Op.WRITE, parent, name)  # sandboxfs's state, a mount: EACCES
             if exc.errno == errno.EEXIST:
                 self._refuse_existing(ctx, parent, name, zone)
             if exc.errno == errno.EXDEV:  # the name is the root of another mount
@@ -1036,6 +1047,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 make(dfd)
         except OSError as exc:
             if exc.errno in (errno.EEXIST, errno.EADDRINUSE):
+                # Only a creation that failed can have met sandboxfs's state or a mount.
+                self._find(ctx, Op.WRITE, parent, name)
                 self._refuse_existing(ctx, parent, name, zone)
             raise
         return self._finish_new(ctx, parent, name, detail)

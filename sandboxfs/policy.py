@@ -184,6 +184,19 @@ class Patterns:
                 return found
         return None
 
+    def may_match_under(self, dir_relpath: str) -> bool:
+        """Whether anything inside the directory at `dir_relpath` ("" for the zone root) could
+        match: a name pattern, a pattern matching the directory or one above it, or a path
+        pattern that reaches below it."""
+        if not self.written:
+            return False
+        if self._names or not dir_relpath:
+            return True
+        return (
+            self.match_within(dir_relpath, True) is not None
+            or self.match_below(dir_relpath) is not None
+        )
+
     def match_below(self, relpath: str) -> str | None:
         """A path pattern that could match something inside the directory at `relpath`: moving
         that directory would carry such an entry out from under its pattern."""

@@ -136,6 +136,9 @@ class Node:
     # Birth time of the backing inode (0 where the filesystem has none): an inode number reused
     # after a delete outside the mount is another file, and gets another node.
     birth_ns: int = 0
+    # For a directory: whether a protect pattern could match inside it, as of the given count
+    # of path changes (Store.moves; see SandboxOperations._may_protect).
+    protect_memo: tuple[int, bool] = (-1, False)
 
     def relpath(self) -> bytes:
         """The path below the zone root, b"" for the root itself."""
@@ -180,6 +183,9 @@ class Store:
         self.layer_paths = worker_layers
         self.layer_fds: list[int] = []
         self._fd_cache: OrderedDict[int, Node] = OrderedDict()
+        # Counts every change of a known node's parent or name (renames through the mount,
+        # names found moved): what is remembered about a path is valid until it changes.
+        self.moves = 0
         self._next_ino = FIRST_DYNAMIC_INO
         for zone in Zone:
             node = Node(ZONE_INO[zone], zone, self.root, zone.value.encode(), True)
@@ -242,6 +248,7 @@ class Store:
             self.nodes[node.ino] = node
             self.by_key[key] = node
         elif node.parent is not parent or node.name != name:
+            self.moves += 1
             _forget_link(node, parent, name)
             if not is_dir and node.parent is not None:
                 node.links = (*node.links, (node.parent, node.name))
@@ -288,6 +295,7 @@ class Store:
         self, node: Node, old_parent: Node, old_name: bytes, parent: Node, name: bytes
     ) -> None:
         """Record that old_parent/old_name is now parent/name (children follow a directory)."""
+        self.moves += 1
         _forget_link(node, parent, name)
         if node.parent is old_parent and node.name == old_name:
             node.parent, node.name = parent, name
