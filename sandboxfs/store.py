@@ -340,12 +340,7 @@ class Store:
 
     def checked_parent_fd(self, node: Node) -> int:
         """parent_fd, checked as checked_dir_fd checks a directory."""
-        parent = node.parent
-        if parent is None:
-            raise SandboxError(errno.ENOENT, "the entry was removed")
-        if parent.zone is Zone.WORKERS and parent.parent is self.root:
-            return self.layer_fd(node.layer, create=False)
-        return self.checked_dir_fd(parent)
+        return self.parent_fd(node, checked=True)
 
     def _zone_root_fd(self, node: Node) -> int:
         """The descriptor of the backing directory that node's relpath starts from."""
@@ -353,7 +348,7 @@ class Store:
         while top.parent is not None and top.parent.zone is not None:
             top = top.parent
         if top.zone is Zone.WORKERS:
-            return self.layer_fd(top.layer if top is not node else node.layer, create=False)
+            return self.layer_fd(top.layer, create=False)
         return top.fd
 
     def _open_checked(self, dir_fd: int, path: bytes, node: Node) -> int:
@@ -364,11 +359,9 @@ class Store:
             if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EXDEV, errno.ELOOP):
                 raise SandboxError(errno.ESTALE, "the directory moved or was replaced") from None
             raise
-        if node.key is not None:
-            st = os.stat(fd)
-            if (st.st_dev, st.st_ino) != node.key[1:]:
-                os.close(fd)
-                raise SandboxError(errno.ESTALE, "the directory moved or was replaced")
+        if not _is(node, os.stat(fd)):
+            os.close(fd)
+            raise SandboxError(errno.ESTALE, "the directory moved or was replaced")
         return fd
 
     def _cache_fd(self, node: Node, fd: int) -> int:
@@ -380,14 +373,15 @@ class Store:
             old.fd = -1
         return fd
 
-    def parent_fd(self, node: Node) -> int:
-        """The descriptor of the backing directory that holds node's name."""
+    def parent_fd(self, node: Node, checked: bool = False) -> int:
+        """The descriptor of the backing directory that holds node's name (`checked`: see
+        checked_dir_fd)."""
         parent = node.parent
         if parent is None:
             raise SandboxError(errno.ENOENT, "the entry was removed")
         if parent.zone is Zone.WORKERS and parent.parent is self.root:
             return self.layer_fd(node.layer, create=False)
-        return self.dir_fd(parent)
+        return self.checked_dir_fd(parent) if checked else self.dir_fd(parent)
 
     def layer_fd(self, layer: int, create: bool) -> int:
         fd = self.layer_fds[layer] if layer < len(self.layer_fds) else -1
