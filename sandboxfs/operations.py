@@ -603,7 +603,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         one (it still works after the name was unlinked or replaced), else parent + name."""
         if node.open_fds:
             return node.open_fds[-1], {}
-        parent_fd = self.store.checked_parent_fd(node)
+        parent_fd = self.store.parent_fd(node, checked=True)
         self.store.stat_node(node)  # the name must still be node's (ESTALE otherwise)
         return node.name, {"dir_fd": parent_fd, "follow_symlinks": False}
 
@@ -1163,7 +1163,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self._check_layer(ctx, node, "link")
         self._changing(node, parent)
         dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
-        src_fd = self.store.checked_parent_fd(node)
+        src_fd = self.store.parent_fd(node, checked=True)
         self.store.stat_node(node)  # the name must still be node's (ESTALE otherwise)
         with self._as_caller(ctx.uid, ctx.gid):
             os.link(node.name, new_name, src_dir_fd=src_fd, dst_dir_fd=dfd, follow_symlinks=False)

@@ -332,15 +332,11 @@ class Store:
         if len(relpath) < _SHORT_PATH:
             fd = self._open_checked(self._zone_root_fd(node), relpath, node)
         else:  # beyond PATH_MAX: check the parent the same way, then this one step
-            fd = self._open_checked(self.checked_parent_fd(node), node.name, node)
+            fd = self._open_checked(self.parent_fd(node, checked=True), node.name, node)
         if node.fd >= 0:  # the same directory (checked): keep the descriptor callers hold
             os.close(fd)
             return self.dir_fd(node)
         return self._cache_fd(node, fd)
-
-    def checked_parent_fd(self, node: Node) -> int:
-        """parent_fd, checked as checked_dir_fd checks a directory."""
-        return self.parent_fd(node, checked=True)
 
     def _zone_root_fd(self, node: Node) -> int:
         """The descriptor of the backing directory that node's relpath starts from."""
@@ -502,7 +498,7 @@ class Store:
         stays set: a regular file ignores it for reads and writes, and where a lease would
         make the open wait, failing is what the daemon wants.
         """
-        parent_fd = self.checked_parent_fd(node)
+        parent_fd = self.parent_fd(node, checked=True)
         # Never open anything but node's regular file: not even with O_NONBLOCK, since
         # opening a device can act on it. The fstat below catches a swap after this check.
         found = self.lstat(parent_fd, node.name)

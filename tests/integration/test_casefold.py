@@ -34,6 +34,7 @@ from tests.integration.test_isolation import (
     is_mountpoint,
     run,
     sandbox_mount,
+    wait_or_kill,
 )
 
 pytestmark = [
@@ -84,12 +85,7 @@ def casefold(tmp_path: Path) -> Iterator[Path]:
         yield top
     finally:
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            with suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
+        wait_or_kill(proc)
         if is_mountpoint(top):
             with suppress(Hang):
                 run(["fusermount3", "-u", "-z", top])

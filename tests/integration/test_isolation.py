@@ -140,6 +140,16 @@ def is_mountpoint(path: Path) -> bool:
     return False
 
 
+def wait_or_kill(proc: subprocess.Popen[Any], timeout: float = 10) -> None:
+    """Wait for a process the test started; SIGKILL it if it does not end in time."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=timeout)
+
+
 def process_alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
@@ -305,12 +315,7 @@ def sandbox_mount(
             with suppress(ProcessLookupError):
                 os.kill(live.pid, signal.SIGKILL)
         if proc is not None:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                with suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=10)
+            wait_or_kill(proc)
         reap_stuck()
 
 
