@@ -676,6 +676,8 @@ def _row(cells: Sequence[str]) -> str:
 def _table_row(entry: dict[str, Any]) -> str:
     ts = entry.get("ts")
     path = _text(entry.get("path"))
+    if entry.get("path") is None and entry.get("detail") is not None:
+        path = _text(entry["detail"])  # `run` and `net` entries: the command, the host
     if entry.get("dest") is not None:
         path += " -> " + _text(entry["dest"])
     pid = entry.get("pid")

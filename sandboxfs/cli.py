@@ -6,12 +6,10 @@ Every user error is one line on stderr and exit code 2; nothing is left mounted.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
-import select
-import signal
+import shlex
 import subprocess
 import sys
 import time
@@ -22,23 +20,25 @@ from typing import Any, NoReturn
 
 from . import audit as audit_mod
 from . import config as config_mod
+from . import confine, netproxy
+from . import doctor as doctor_mod
+from . import run as run_mod
 from .daemon import (
     MountRequest,
     audit_path,
     check_id,
-    lazy_unmount,
     new_session_id,
     read_context,
     sandboxfs_mounts,
     serve,
     session_dir,
+    spawn_daemon,
     validate_mountpoint,
     validate_project,
 )
 from .errors import UserError
 from .policy import Op, Trust, Zone
 
-MOUNT_TIMEOUT = 20.0
 UNMOUNT_WAIT = 10.0
 
 
@@ -90,6 +90,58 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug", action="store_true", help="log every FUSE request to the daemon log"
     )
 
+    run = sub.add_parser(
+        "run",
+        help="run a command confined to a private mount of the project",
+        description="Mount the project privately, run CMD inside a bubblewrap sandbox whose only "
+        "view of it is the mount (at /sandbox), unmount, and exit with CMD's status "
+        "(125: the sandbox could not be set up; 126: CMD cannot be executed; 127: not found).",
+    )
+    run.add_argument("--trust", type=_trust, help="as for mount (default: config, else session)")
+    run.add_argument(
+        "--project", type=Path, default=Path("."), help="project directory (default: .)"
+    )
+    run.add_argument("--workspace", default="default", help="workspace id (default: default)")
+    run.add_argument("--session", help="resume this session id (default: a new one)")
+    run.add_argument("--config", type=Path, help="config file (default: <project>/sandboxfs.yaml)")
+    run.add_argument(
+        "--net",
+        choices=["none", "allow", "host"],
+        help="none: loopback only; allow: only --allow-host hosts, through sandboxfs's proxy; "
+        "host: the host's network (default: config, else none)",
+    )
+    run.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="HOST[:PORT]",
+        help="with --net allow: a host the program may reach (name, *.suffix or address; "
+        "no port: 80 and 443); repeatable",
+    )
+    run.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
+        help="pass one more environment variable (your value, or VALUE); repeatable",
+    )
+    run.add_argument(
+        "--cwd",
+        metavar="VIRTUAL_PATH",
+        help="working directory inside, e.g. /repo/src (default: /repo when the trust level "
+        "can list it, else /session/working)",
+    )
+    run.add_argument(
+        "--audit-sync",
+        action="store_true",
+        help="fsync every audit entry before the operation returns",
+    )
+    run.add_argument("--quiet", "-q", action="store_true", help="no summary line at exit")
+    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
+
+    doctor = sub.add_parser("doctor", help="check what mount and run need on this machine")
+    doctor.add_argument("--json", action="store_true")
+
     umount = sub.add_parser("umount", help="unmount, also a mount whose daemon died")
     umount.add_argument("mountpoint", type=Path)
 
@@ -112,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
             "link",
             "mount",
             "unmount",
+            "run",
+            "net",
             "error",
             "recover",
             "prune",
@@ -170,6 +224,7 @@ def _when(text: str) -> datetime:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
+    run_mod.sweep_dead_runs()
     project = validate_project(args.project)
     cfg = config_mod.load(project, args.config)
     mountpoint = validate_mountpoint(args.mountpoint, project)
@@ -206,74 +261,68 @@ def _mounted_line(req: MountRequest, resumed: bool) -> str:
 
 
 def _spawn_daemon(req: MountRequest, resumed: bool) -> int:
-    """Fork the daemon (already validated and imported: no second interpreter start-up) and
-    wait until it reports that the mount answers, or why it could not mount."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the daemon: its own session, no terminal, never returns into the CLI
-        os.close(read_end)
-        code = 1
-        try:
-            os.setsid()
-            devnull = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):
-                os.dup2(devnull, fd)
-            code = _run_daemon(req, write_end)
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    message = _read_status(read_end, MOUNT_TIMEOUT)
-    os.close(read_end)
-    if message.startswith("READY"):
-        print(_mounted_line(req, resumed))
-        return 0
-    if not message:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        lazy_unmount(req.mountpoint)
-        raise UserError(
-            f"the daemon did not report a working mount within {MOUNT_TIMEOUT:.0f} s", exit_code=1
-        )
-    os.waitpid(pid, 0)
-    status, _, text = message.partition(" ")[2].partition(" ")
-    raise UserError(text.strip(), exit_code=int(status) if status.isdigit() else 1)
-
-
-def _read_status(fd: int, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    data = b""
-    while b"\n" not in data:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-            return ""
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            break
-        data += chunk
-    return data.decode("utf-8", "replace").strip()
-
-
-def _run_daemon(req: MountRequest, ready_fd: int) -> int:
-    def ready() -> None:
-        os.write(ready_fd, b"READY\n")
-        os.close(ready_fd)
-
-    try:
-        serve(req, ready)
-    except UserError as exc:
-        os.write(ready_fd, f"ERROR {exc.exit_code} {exc.message}\n".encode())
-        return exc.exit_code
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.write(ready_fd, f"ERROR 1 daemon failed: {type(exc).__name__}: {exc}\n".encode())
-        raise
+    spawn_daemon(req)
+    print(_mounted_line(req, resumed))
     return 0
+
+
+# ----- run and doctor ----------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    command = list(args.argv)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise UserError("run needs a command: sandboxfs run [OPTIONS] -- CMD [ARG...]")
+    project = validate_project(args.project)
+    cfg = config_mod.load(project, args.config)
+    workspace = check_id("workspace", args.workspace)
+    session = check_id("session", args.session) if args.session else new_session_id()
+    net = args.net or cfg.run.network
+    hosts = args.allow_host or ([] if args.net and args.net != "allow" else cfg.run.allow_hosts)
+    if args.allow_host and net != "allow":
+        raise UserError("--allow-host needs --net allow")
+    try:
+        allow = tuple(netproxy.parse_allow_host(h) for h in hosts) if net == "allow" else ()
+        env = dict(confine.parse_env_option(e, os.environ) for e in args.env)
+        cwd = confine.virtual_cwd(args.cwd) if args.cwd is not None else None
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if net == "allow" and not allow:
+        raise UserError(
+            "--net allow needs at least one --allow-host HOST[:PORT] (or run.allow_hosts in "
+            "the config); use --net none for no network"
+        )
+    req = run_mod.RunRequest(
+        project=project,
+        trust=args.trust or cfg.default_trust,
+        workspace=workspace,
+        session=session,
+        config=cfg,
+        command=tuple(command),
+        config_file=args.config,
+        net=net,
+        allow=allow,
+        env=env,
+        cwd=cwd,
+        audit_sync=args.audit_sync,
+        quiet=args.quiet,
+    )
+    return run_mod.run(req)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    checks = doctor_mod.run_checks()
+    print(doctor_mod.report_json(checks) if args.json else doctor_mod.format_report(checks))
+    return doctor_mod.exit_code(checks)
 
 
 # ----- umount and status --------------------------------------------------------------------------
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
+    run_mod.sweep_dead_runs()
     mountpoint = Path(os.path.abspath(args.mountpoint))
     if str(mountpoint) not in sandboxfs_mounts():
         raise UserError(f"{args.mountpoint} is not a sandboxfs mount (see 'sandboxfs status')")
@@ -324,7 +373,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                     "state": "running",
                     **{
                         k: context.get(k)
-                        for k in ("trust", "session", "workspace", "project", "pid")
+                        for k in ("trust", "session", "workspace", "project", "pid", "command")
                     },
                 }
             )
@@ -337,11 +386,19 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("no sandboxfs mounts")
         return 0
     headers = ["MOUNTPOINT", "STATE", "TRUST", "SESSION", "WORKSPACE", "PID", "PROJECT"]
-    table = [[str(r.get(k.lower(), "") or "") for k in headers] for r in rows]
+    if any(r.get("command") for r in rows):
+        headers.append("COMMAND")  # `sandboxfs run` sessions
+    table = [[_status_cell(r.get(k.lower())) for k in headers] for r in rows]
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
     for row in [headers, *table]:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     return 0
+
+
+def _status_cell(value: Any) -> str:
+    if isinstance(value, list):
+        return shlex.join(str(v) for v in value)
+    return str(value or "")
 
 
 # ----- audit --------------------------------------------------------------------------------------
@@ -389,15 +446,25 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "audit": cmd_audit}
+COMMANDS = {
+    "mount": cmd_mount,
+    "run": cmd_run,
+    "doctor": cmd_doctor,
+    "umount": cmd_umount,
+    "status": cmd_status,
+    "audit": cmd_audit,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
     except UserError as exc:
         print(f"sandboxfs: {exc.message}", file=sys.stderr)
+        if exc.exit_code == 2 and argv[:1] == ["run"]:
+            return run_mod.EXIT_SETUP  # as `docker run`: 125 for its own errors
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -100,6 +100,16 @@ class DaemonConfig(_Strict):
     spin_us: float = Field(default=100.0, ge=0, le=10_000)
 
 
+class RunConfig(_Strict):
+    """Defaults of `sandboxfs run`: its network mode and, for `allow`, the hosts it may reach.
+
+    Deliberately nothing else: no setting of a project file can switch confinement off.
+    """
+
+    network: Literal["none", "allow", "host"] = "none"
+    allow_hosts: list[str] = Field(default_factory=list)
+
+
 class Config(_Strict):
     """The complete, validated configuration of one mount."""
 
@@ -112,6 +122,7 @@ class Config(_Strict):
     cache: CacheConfig = CacheConfig()
     audit: AuditConfig = AuditConfig()
     daemon: DaemonConfig = DaemonConfig()
+    run: RunConfig = RunConfig()
 
     @field_validator("permissions")
     @classmethod
@@ -157,6 +168,7 @@ class ProjectConfig(_Strict):
     cache: dict[str, Any] = Field(default_factory=dict)
     audit: dict[str, Any] = Field(default_factory=dict)
     daemon: dict[str, Any] = Field(default_factory=dict)
+    run: dict[str, Any] = Field(default_factory=dict)
 
 
 def defaults() -> Config:
@@ -209,6 +221,7 @@ def _merge(base: Config, override: ProjectConfig) -> dict[str, Any]:
     merged["cache"].update(override.cache)
     merged["audit"].update(override.audit)
     merged["daemon"].update(override.daemon)
+    merged["run"].update(override.run)
     return merged
 
 

@@ -15,10 +15,12 @@ import logging
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +58,7 @@ class MountRequest:
     debug: bool = False
     allow_other: bool = False
     config_file: Path | None = None
+    command: tuple[str, ...] | None = None  # set by `sandboxfs run`: shown in context.json
 
 
 def state_dir(project: Path) -> Path:
@@ -170,7 +173,7 @@ def prepare_store(req: MountRequest) -> Store:
     ws = ("workspaces", req.workspace)
     try:
         session = ensure_dirs(req.project, STATE_DIR_NAME, *ws, "sessions", req.session)
-        for name in ("inputs", "working", "outputs"):
+        for name in ("inputs", "working", "outputs", "home"):
             ensure_dirs(session, name, mode=0o755)
         workspace = ensure_dirs(req.project, STATE_DIR_NAME, *ws, "workspace")
         for sub in (("cache", "web"), ("cache", "pdfs"), ("cache", "attachments"), ("data",)):
@@ -226,8 +229,19 @@ def _setup_logging(req: MountRequest) -> None:
     faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
 
 
-def serve(req: MountRequest, ready: Callable[[], None]) -> None:
-    """Mount and serve until unmounted or signalled; the audit log is flushed on the way out."""
+def serve(
+    req: MountRequest,
+    ready: Callable[[], None],
+    lifeline: int | None = None,
+    after: Callable[[], None] | None = None,
+) -> None:
+    """Mount and serve until unmounted or signalled; the audit log is flushed on the way out.
+
+    `lifeline` is the read end of a pipe whose write end only the process that wants this
+    mount holds (`sandboxfs run`): when it closes, even by that process being killed, the
+    daemon unmounts and exits, so no mount outlives its user; `after` runs once it has
+    unmounted (`run` removes its private mountpoint there).
+    """
     os.umask(0)  # modes arrive already masked by the kernel; apply them exactly
     _raise_fd_limit()
     # Before the first descriptor into backing storage: a same-uid process must not reach
@@ -240,7 +254,7 @@ def serve(req: MountRequest, ready: Callable[[], None]) -> None:
     _setup_logging(req)
     policy = Policy(req.config.matrix(), req.config.deny, req.trust, protected_patterns(req))
     audit = AuditLog(audit_path(req.project), sync=req.audit_sync or req.config.audit.sync)
-    info = MountInfo(req.session, req.workspace, str(req.project), str(req.mountpoint))
+    info = MountInfo(req.session, req.workspace, str(req.project), str(req.mountpoint), req.command)
     ops = SandboxOperations(
         store,
         policy,
@@ -272,7 +286,7 @@ def serve(req: MountRequest, ready: Callable[[], None]) -> None:
     lifecycle("mount")
     log.info("mounted %s (trust %s, session %s)", req.mountpoint, req.trust.value, req.session)
     try:
-        trio.run(_main, req, audit, ready)
+        trio.run(_main, req, audit, ready, lifeline)
     except BaseException:
         log.exception("the daemon stopped on an unexpected error")
         raise
@@ -285,13 +299,19 @@ def serve(req: MountRequest, ready: Callable[[], None]) -> None:
         audit.close()
         store.close()
         log.info("unmounted %s", req.mountpoint)
+        if after is not None:
+            after()
 
 
-async def _main(req: MountRequest, audit: AuditLog, ready: Callable[[], None]) -> None:
+async def _main(
+    req: MountRequest, audit: AuditLog, ready: Callable[[], None], lifeline: int | None
+) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(audit.run, req.config.audit.flush_interval)
         wait = request_wait.install(req.config.daemon.spin_us / 1e6)
         nursery.start_soon(_terminate_on_signal, wait)
+        if lifeline is not None:
+            nursery.start_soon(_terminate_when_closed, lifeline, wait)
         nursery.start_soon(_report_ready, req.mountpoint, ready)
         await pyfuse3.main(min_tasks=1, max_tasks=1)
         nursery.cancel_scope.cancel()
@@ -307,11 +327,103 @@ async def _terminate_on_signal(wait: request_wait.RequestWait | None) -> None:
             return
 
 
+async def _terminate_when_closed(fd: int, wait: request_wait.RequestWait | None) -> None:
+    """Unmount once the lifeline pipe reports end of file: its only writer is gone."""
+    while True:
+        await trio.lowlevel.wait_readable(fd)
+        try:
+            if not os.read(fd, 4096):
+                break
+        except BlockingIOError:
+            continue
+    log.info("the process this mount was made for is gone, unmounting")
+    if wait is not None:
+        wait.stop()
+    pyfuse3.terminate()
+
+
 async def _report_ready(mountpoint: Path, ready: Callable[[], None]) -> None:
     """Tell the parent once the mount answers a real request (served by this very loop)."""
     probe = mountpoint / CONTROL_NAME.decode() / CONTEXT_NAME.decode()
     await trio.to_thread.run_sync(os.stat, probe)
     ready()
+
+
+MOUNT_TIMEOUT = 20.0
+
+
+def spawn_daemon(
+    req: MountRequest, lifeline: int | None = None, after: Callable[[], None] | None = None
+) -> int:
+    """Fork the daemon (already validated and imported: no second interpreter start-up) and
+    wait until it reports that the mount answers; its pid, or UserError saying why not.
+
+    The daemon keeps no descriptor of its parent's but `lifeline` (see `serve`): a program's
+    terminal, pipes or the write end of that very lifeline would otherwise live on in it.
+    """
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the daemon: its own session, no terminal, never returns into the caller
+        code = 1
+        try:
+            os.setsid()
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(devnull, fd)
+            keep = sorted({0, 1, 2, write_end, *(() if lifeline is None else (lifeline,))})
+            for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")], strict=True):
+                os.closerange(low + 1, high)
+            code = _run_daemon(req, write_end, lifeline, after)
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    message = _read_status(read_end, MOUNT_TIMEOUT)
+    os.close(read_end)
+    if message.startswith("READY"):
+        return pid
+    if not message:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        lazy_unmount(req.mountpoint)
+        raise UserError(
+            f"the daemon did not report a working mount within {MOUNT_TIMEOUT:.0f} s", exit_code=1
+        )
+    os.waitpid(pid, 0)
+    status, _, text = message.partition(" ")[2].partition(" ")
+    raise UserError(text.strip(), exit_code=int(status) if status.isdigit() else 1)
+
+
+def _read_status(fd: int, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    data = b""
+    while b"\n" not in data:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            return ""
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode("utf-8", "replace").strip()
+
+
+def _run_daemon(
+    req: MountRequest, ready_fd: int, lifeline: int | None, after: Callable[[], None] | None
+) -> int:
+    def ready() -> None:
+        os.write(ready_fd, b"READY\n")
+        os.close(ready_fd)
+
+    try:
+        serve(req, ready, lifeline, after)
+    except UserError as exc:
+        os.write(ready_fd, f"ERROR {exc.exit_code} {exc.message}\n".encode())
+        return exc.exit_code
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.write(ready_fd, f"ERROR 1 daemon failed: {type(exc).__name__}: {exc}\n".encode())
+        raise
+    return 0
 
 
 def _raise_fd_limit() -> None:

@@ -96,6 +96,7 @@ class MountInfo:
     workspace: str
     project: str
     mountpoint: str
+    command: tuple[str, ...] | None = None  # what `sandboxfs run` started on this mount
 
 
 @dataclass(slots=True)
@@ -1567,6 +1568,7 @@ def context_document(policy: Policy, info: MountInfo, pid: int) -> bytes:
         "project": info.project,
         "mountpoint": info.mountpoint,
         "pid": pid,
+        **({"command": list(info.command)} if info.command is not None else {}),
         "zones": zones,
         "deny": list(policy.deny_patterns),
     }

@@ -1,0 +1,255 @@
+"""What a confined program sees: the bubblewrap command line and the environment of `run`.
+
+Everything here is pure (it reads the host's /etc and / to mirror them, and nothing else), so
+the view can be tested without starting anything. The root of the sandbox is an allowlist, not
+the host's root with holes: the mount at /sandbox, the system read-only (/usr, the /bin and
+/lib* links, /etc without its secrets), and private /tmp, /proc and /dev. Homes, /root, /run,
+/var, /sys, /mnt, /media, the host's /tmp and the real project are simply not there.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+SANDBOX = "/sandbox"  # where the virtual tree is, inside
+PROXY_ADDRESS = ("127.0.0.1", 3128)  # where the network proxy listens, inside (--net allow)
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+# The host's top-level system paths mirrored read-only (a symlink stays a symlink).
+SYSTEM = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+
+# Entries of /etc left out, as globs on the path below /etc. Passwords and their hashes, host
+# keys, private TLS keys, network and VPN secrets, package-registry and repository credentials.
+ETC_HIDDEN = (
+    "shadow",
+    "shadow-",
+    "gshadow",
+    "gshadow-",
+    ".pwd.lock",
+    "sudoers",
+    "sudoers.d",
+    "security/opasswd",
+    "ssh/*_key",
+    "ssl/private",
+    "pki/tls/private",
+    "NetworkManager/system-connections",
+    "wpa_supplicant",
+    "ppp",
+    "ipsec.secrets",
+    "ipsec.d",
+    "krb5.keytab",
+    "openvpn",
+    "wireguard",
+    "docker",
+    "letsencrypt",
+    "credstore",
+    "credstore.encrypted",
+    "apt/auth.conf",
+    "apt/auth.conf.d",
+    "npmrc",
+    "pip.conf",
+    "netrc",
+    "sandboxfs",
+)
+
+# Variables passed from the caller's environment when set; everything else is dropped unless
+# named with --env.
+ENV_PASSED = ("TERM", "LANG", "LANGUAGE", "TZ", "COLORTERM", "USER", "LOGNAME", "SHELL")
+ENV_PASSED_PREFIXES = ("LC_",)
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# The first thing run inside: put CMD's stderr in place (fd 4), tell the supervisor that the
+# sandbox is set up (fd 3), close both, and exec CMD as the leader of a session of its own, so
+# that signals reach its process group and, on a pty, the pty is its controlling terminal
+# (job control). setsid gives the exit codes of `docker run`: 127 when CMD is not found, 126
+# when it cannot be executed.
+LAUNCHER = (
+    "exec 2>&4 4>&-; printf . >&3; exec 3>&- 5>&- 6>&-; "
+    'if [ "$1" = tty ]; then shift; exec setsid --ctty -- "$@"; fi; shift; exec setsid -- "$@"'
+)
+SYNC_FD, STDERR_FD, SECCOMP_FD, STATUS_FD = 3, 4, 5, 6
+
+
+def system_args(root: Path = Path("/")) -> list[str]:
+    """/usr read-only, and /bin, /lib* as on the host: links where the host has links."""
+    args: list[str] = []
+    for name in SYSTEM:
+        path = root / name
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(path), f"/{name}"]
+        elif path.is_dir():
+            args += ["--ro-bind", str(path), f"/{name}"]
+    return args
+
+
+def etc_args(
+    etc: Path = Path("/etc"),
+    hidden: Sequence[str] = ETC_HIDDEN,
+    resolv_conf: bool = False,
+) -> list[str]:
+    """/etc entry by entry, read-only, without the entries `hidden` names.
+
+    A directory holding something hidden is rebuilt the same way one level down. Links are
+    recreated as links (/etc/localtime, /etc/mtab); `resolv_conf` binds the file a linked
+    resolv.conf points to (it usually lives under /run, which is not there), for --net host.
+    """
+    args = ["--dir", "/etc"]
+    for rel, kind in _etc_entries(etc, "", hidden):
+        host, inside = etc / rel, f"/etc/{rel}"
+        if kind == "dir":
+            args += ["--dir", inside]
+        elif kind == "link":
+            if rel == "resolv.conf" and resolv_conf and host.resolve().is_file():
+                args += ["--ro-bind", str(host.resolve()), inside]
+            else:
+                args += ["--symlink", os.readlink(host), inside]
+        else:
+            args += ["--ro-bind", str(host), inside]
+    return args
+
+
+def _etc_entries(etc: Path, below: str, hidden: Sequence[str]) -> Iterable[tuple[str, str]]:
+    try:
+        names = sorted(os.listdir(etc / below))
+    except OSError:
+        return
+    for name in names:
+        rel = f"{below}{name}"
+        if any(fnmatch.fnmatchcase(rel, pattern) for pattern in hidden):
+            continue
+        path = etc / rel
+        if path.is_symlink():
+            yield rel, "link"
+        elif path.is_dir():
+            if any(pattern.startswith(rel + "/") for pattern in hidden):
+                yield rel, "dir"
+                yield from _etc_entries(etc, rel + "/", hidden)
+            else:
+                yield rel, "bind"
+        elif path.is_file():
+            yield rel, "bind"
+        # sockets, fifos and devices under /etc are left out
+
+
+def bwrap_args(
+    *,
+    mountpoint: Path,
+    cwd: str,
+    net: str,
+    tty: bool,
+    command: Sequence[str],
+    root: Path = Path("/"),
+) -> list[str]:
+    """The bubblewrap command line (without the program name) for `run`.
+
+    Own user, PID, IPC, UTS and cgroup namespaces; no capabilities and no further user
+    namespaces; a new session (no controlling terminal but the one the launcher takes); dies
+    with its parent. The network namespace is bubblewrap's (`none`), the host's (`host`), or the
+    one the supervisor made with the proxy's listener in it (`allow`: bwrap shares it).
+    """
+    args = [
+        "--unshare-user",
+        "--unshare-ipc",
+        "--unshare-pid",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        *(["--unshare-net"] if net == "none" else []),
+        "--disable-userns",
+        "--cap-drop",
+        "ALL",
+        "--die-with-parent",
+        "--new-session",
+        "--hostname",
+        "sandboxfs",
+        "--seccomp",
+        str(SECCOMP_FD),
+        "--json-status-fd",
+        str(STATUS_FD),
+        *system_args(root),
+        *etc_args(root / "etc", resolv_conf=net == "host"),
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--perms",
+        "1777",
+        "--tmpfs",
+        "/tmp",
+        "--dir",
+        "/var",
+        "--symlink",
+        "../tmp",
+        "/var/tmp",
+        "--bind",
+        str(mountpoint),
+        SANDBOX,
+        "--remount-ro",
+        "/",
+        "--chdir",
+        cwd,
+        "--",
+        "/bin/sh",
+        "-c",
+        LAUNCHER,
+        "sandboxfs",
+        "tty" if tty else "pipe",
+        *command,
+    ]
+    return args
+
+
+def sandbox_env(
+    caller: Mapping[str, str],
+    *,
+    home: str,
+    session: str,
+    trust: str,
+    extra: Mapping[str, str],
+    proxy: bool,
+) -> dict[str, str]:
+    """The program's whole environment: a short allowlist of the caller's, then --env."""
+    env = {"PATH": PATH, "HOME": home}
+    for name, value in caller.items():
+        if name in ENV_PASSED or name.startswith(ENV_PASSED_PREFIXES):
+            env[name] = value
+    env["SANDBOXFS"] = "1"
+    env["SANDBOXFS_SESSION"] = session
+    env["SANDBOXFS_TRUST"] = trust
+    if proxy:
+        url = "http://{}:{}".format(*PROXY_ADDRESS)
+        for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+            env[name] = url
+        env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
+    env.update(extra)
+    return env
+
+
+def parse_env_option(text: str, caller: Mapping[str, str]) -> tuple[str, str]:
+    """`--env NAME=VALUE`, or `--env NAME` for the caller's own value (which must be set)."""
+    name, sep, value = text.partition("=")
+    if not ENV_NAME.match(name):
+        raise ValueError(
+            f"--env {text!r}: expected NAME or NAME=VALUE with NAME made of letters, digits "
+            f"and '_', not starting with a digit"
+        )
+    if not sep:
+        if name not in caller:
+            raise ValueError(f"--env {name}: {name} is not set in your environment")
+        value = caller[name]
+    return name, value
+
+
+def virtual_cwd(text: str) -> str:
+    """--cwd as a path inside the sandbox: `/repo/src` and `/sandbox/repo/src` are the same."""
+    if not text.startswith("/"):
+        raise ValueError(f"--cwd {text!r}: expected an absolute virtual path such as /repo/src")
+    parts = [p for p in text.split("/") if p and p != "."]
+    if ".." in parts:
+        raise ValueError(f"--cwd {text!r}: '..' is not accepted")
+    if parts[:1] == [SANDBOX.strip("/")]:
+        parts = parts[1:]
+    return "/".join([SANDBOX, *parts])

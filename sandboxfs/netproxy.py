@@ -1,0 +1,883 @@
+"""The network proxy behind `sandboxfs run --net allow`: the sandbox's only way out.
+
+The program runs in a network namespace of its own that has nothing but loopback; the supervisor
+binds a listening socket in it and hands it to `Proxy`, which serves HTTP proxy requests on it
+from outside, so outbound connections are made from the host. Only hosts named by `--allow-host`
+are admitted (CONNECT for HTTPS and anything else tunnelled, absolute-form requests for plain
+HTTP); everything else gets a plain-text HTTP error that says why, so a model can act on it.
+
+The proxy resolves names itself and connects only to globally routable addresses, unless an
+IP-literal rule lists the address exactly: an allowed *name* must not become a way to reach the
+host's own services (loopback), its LAN, or a cloud metadata endpoint, however its DNS is pointed.
+
+Every request that names a host is reported once through `on_decision`, before the client learns
+the outcome, so the audit entry exists first. If reporting fails the request is refused (fail
+closed). Reported as refused (`allowed=False`): a host not in the allowlist, or one whose
+addresses are all refused. Reported as allowed (`allowed=True`): a connection made, and also a
+resolution or connection failure *after* the policy admitted the host (reason "connect failed:
+...", answered 502), since the policy did not refuse it; the reason tells the two apart.
+
+Everything is stdlib and thread-based: one accept thread and one thread per connection, with
+non-blocking sockets waited on with poll() together with a wake-up socket that `close()` makes
+readable, so every thread notices a close at once. Only the default resolver (getaddrinfo) and
+`on_decision` itself cannot be interrupted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import ipaddress
+import logging
+import os
+import re
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+HEADER_LIMIT = 64 * 1024  # a request header larger than this is refused (400)
+HEADER_TIMEOUT = 30.0  # seconds for a client to send its complete request header
+CONNECT_TIMEOUT = 10.0  # seconds to connect to each upstream address
+SEND_TIMEOUT = 30.0  # seconds to deliver an error response to a client that does not read
+MAX_CONNECTIONS = 512  # connections served at once; more are closed at once (bounds threads)
+WEB_PORTS = (80, 443)  # what a rule without a port admits
+_RELAY_BUFFER = 64 * 1024
+_THREAD_PREFIX = "sandboxfs-netproxy"
+_EXPECTED = "expected HOST, HOST:PORT, *.DOMAIN[:PORT], IP[:PORT] or [IPv6]:PORT"
+
+_IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
+_PORT = re.compile(r"[0-9]{1,5}")
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_VERSION = re.compile(r"HTTP/1\.[0-9]")
+_CGNAT = ipaddress.IPv4Network("100.64.0.0/10")
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+_ULA = ipaddress.IPv6Network("fc00::/7")
+_RFC1918 = tuple(
+    ipaddress.IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
+)
+_METADATA = (ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254"))
+_DROPPED_HEADERS = frozenset(
+    {"proxy-authorization", "proxy-connection", "connection", "keep-alive", "host"}
+)
+
+
+class AllowHostError(ValueError):
+    """A bad `--allow-host` value; the message is one line naming it and what is accepted."""
+
+
+@dataclass(frozen=True)
+class HostRule:
+    """One `--allow-host` entry, normalized so that matching is plain comparison."""
+
+    host: str  # lowercase (IDNA) name, "*.suffix" wildcard, or IP literal (IPv6 without brackets)
+    port: int | None  # None: the web ports 80 and 443 only
+
+
+@dataclass(frozen=True)
+class NetDecision:
+    """What the proxy decided for one request naming a host, for the caller's audit entry."""
+
+    host: str
+    port: int
+    allowed: bool
+    reason: str | None  # why refused (or "connect failed: ..."), in words a model can act on
+    address: str | None  # the IP address connected to (allowed) or refused
+    client: tuple[str, int]  # peer address of the client connection (inside the sandbox)
+    method: str  # "CONNECT" or the HTTP method
+
+
+# ----- rules --------------------------------------------------------------------------------------
+
+
+def parse_allow_host(text: str) -> HostRule:
+    """Parse one `--allow-host` value, refusing anything ambiguous rather than guessing."""
+
+    def bad(why: str) -> AllowHostError:
+        return AllowHostError(f"bad --allow-host value {text!r}: {why} ({_EXPECTED})")
+
+    if not text:
+        raise bad("it is empty")
+    if any(c.isspace() for c in text):
+        raise bad("it contains white space")
+    if "://" in text:
+        raise bad("give a host name, not a URL")
+    if any(c in text for c in "/?#@\\%"):
+        raise bad("give a host name only, without a path, user or zone")
+    host, port_text = text, None
+    if text.startswith("["):
+        close = text.find("]")
+        if close < 0:
+            raise bad("missing ']' after the IPv6 address")
+        host, rest = text[1:close], text[close + 1 :]
+        if rest:
+            if not rest.startswith(":"):
+                raise bad("expected ':PORT' after ']'")
+            port_text = rest[1:]
+        if _ip(host) is None or ":" not in host:
+            raise bad("only an IPv6 address goes in brackets")
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    port = None
+    if port_text is not None:
+        port = _parse_port(port_text)
+        if port is None:
+            raise bad(f"the port must be a number from 1 to 65535, not {port_text!r}")
+    address = _ip(host)
+    if address is not None:
+        return HostRule(str(address), port)
+    if ":" in host:
+        raise bad("not a valid IPv6 address")
+    if host.startswith("*."):
+        try:
+            suffix = _normalize_name(host[2:])
+        except ValueError as exc:
+            raise bad(str(exc)) from None
+        if "." not in suffix:
+            raise bad("a wildcard needs at least two labels after '*.' (e.g. *.example.com)")
+        return HostRule(f"*.{suffix}", port)
+    if host == "*":
+        raise bad("'*' would admit every host; list the hosts the program needs")
+    if "*" in host:
+        raise bad("a wildcard is only accepted as a leading '*.' (e.g. *.example.com)")
+    try:
+        return HostRule(_normalize_name(host), port)
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+
+
+def _parse_port(text: str) -> int | None:
+    if not _PORT.fullmatch(text):
+        return None
+    port = int(text)
+    return port if 1 <= port <= 65535 else None
+
+
+def _ip(text: str) -> _IPAddress | None:
+    """An IP literal (brackets and zone not included), IPv4-mapped IPv6 as IPv4; else None."""
+    if "%" in text:
+        return None
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def _normalize_name(text: str) -> str:
+    """Lowercase, IDNA-encode and check a host name, without its trailing dot."""
+    name = text[:-1] if text.endswith(".") else text
+    if not name:
+        raise ValueError("the host name is empty")
+    try:
+        name = name.lower().encode("idna").decode("ascii").lower()
+    except UnicodeError:
+        raise ValueError("not a valid host name (an empty or over-long label)") from None
+    labels = name.split(".")
+    if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
+        raise ValueError("not a valid host name")
+    if labels[-1].isdigit():
+        # "127.1" or "1.2.3.4.5": the resolver may read these as numbers; say what they are.
+        raise ValueError("neither a valid IP address nor a host name")
+    return name
+
+
+def _canonical_host(text: str) -> str:
+    """The host as the client asked, in rule form: an IP literal or a normalized name."""
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    address = _ip(text)
+    return str(address) if address is not None else _normalize_name(text)
+
+
+def _with_port(host: str, port: int | None) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return shown if port is None else f"{shown}:{port}"
+
+
+def _port_matches(rule_port: int | None, port: int) -> bool:
+    return port in WEB_PORTS if rule_port is None else port == rule_port
+
+
+class Allowlist:
+    """The `--allow-host` rules: which hosts a request may name, which addresses are listed."""
+
+    def __init__(self, rules: Sequence[HostRule]) -> None:
+        self.rules = tuple(rules)
+
+    def admits(self, host: str, port: int) -> bool:
+        """Whether a request naming `host` (name or IP literal, as the client asked) may go on."""
+        try:
+            canonical = _canonical_host(host)
+        except ValueError:
+            return False
+        address = _ip(canonical)
+        for rule in self.rules:
+            if not _port_matches(rule.port, port):
+                continue
+            if address is not None:
+                if _ip(rule.host) == address:
+                    return True
+            elif rule.host.startswith("*."):
+                if canonical.endswith(rule.host[1:]):
+                    return True
+            elif rule.host == canonical:
+                return True
+        return False
+
+    def lists_address(self, ip: str, port: int) -> bool:
+        """True when an IP-literal rule names exactly this address (and port): only then may a
+        loopback, private or otherwise non-global address be connected to."""
+        address = _ip(ip.split("%", 1)[0])
+        if address is None:
+            return False
+        return any(
+            _port_matches(rule.port, port) and _ip(rule.host) == address for rule in self.rules
+        )
+
+    def describe(self, limit: int = 20) -> str:
+        """The rules as a user would type them, for messages."""
+        shown = [_with_port(rule.host, rule.port) for rule in self.rules[:limit]]
+        if len(self.rules) > limit:
+            shown.append(f"... ({len(self.rules) - limit} more)")
+        return ", ".join(shown) or "(none)"
+
+
+def _address_class(address: _IPAddress) -> str | None:
+    """Why a connection to `address` is refused by default, or None when it is global."""
+    if address.is_unspecified:
+        return "unspecified"
+    if address.is_loopback:
+        return "loopback"
+    if address in _METADATA:
+        return "link-local, cloud metadata"
+    if address.is_link_local:
+        return "link-local"
+    if address.is_multicast:
+        return "multicast"
+    if isinstance(address, ipaddress.IPv4Address):
+        if address in _CGNAT:
+            return "carrier-grade NAT, shared"
+        if any(address in net for net in _RFC1918):
+            return "private"
+    else:
+        if address in _NAT64:
+            # DNS64 gives v4-only hosts these addresses; judge the IPv4 address inside.
+            embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+            inner = _address_class(embedded)
+            return None if inner is None else f"NAT64 of {embedded}, {inner}"
+        if address in _ULA:
+            return "private, unique local"
+        if address.is_site_local:
+            return "site-local"
+    if address.is_reserved:
+        return "reserved"
+    if address.is_private or not address.is_global:
+        return "special-purpose, not globally routable"
+    return None
+
+
+# ----- the proxy ----------------------------------------------------------------------------------
+
+
+class _Closing(Exception):
+    """The proxy is closing: the connection ends now."""
+
+
+class _Refusal(Exception):
+    """An HTTP error response to send (and, with a decision, to report first)."""
+
+    def __init__(self, status: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class _Request:
+    method: str
+    host: str  # as the client wrote it (brackets removed)
+    port: int
+    authority: str  # as the client wrote it, for the Host header
+    target: str  # origin-form path for plain HTTP; "" for CONNECT
+    version: str
+    headers: tuple[tuple[str, str], ...]
+    rest: bytes  # bytes read after the header (body or tunnel data)
+
+
+class Proxy:
+    """Serves HTTP/HTTPS proxy requests on `listener`, admitting only the allowlist's hosts."""
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        allowlist: Allowlist,
+        on_decision: Callable[[NetDecision], None],
+        resolve: Callable[[str, int], list[str]] | None = None,
+    ) -> None:
+        self._listener = listener
+        self._allowlist = allowlist
+        self._on_decision = on_decision
+        self._resolve = resolve or _getaddrinfo
+        self._lock = threading.Lock()
+        self._closed = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_closed = False
+        self._joined = False  # close() has waited for the threads
+        self._accepting = False  # the accept thread may still poll the wake-up socket
+        self._accept_thread: threading.Thread | None = None
+        self._threads: set[threading.Thread] = set()
+        self._sockets: set[socket.socket] = set()
+
+    def start(self) -> None:
+        """Serve in daemon threads: one accepting, one per connection."""
+        if self._accept_thread is not None or self._closed:
+            raise RuntimeError("the proxy was already started")
+        self._listener.setblocking(False)
+        thread = threading.Thread(target=self._accept_loop, name=f"{_THREAD_PREFIX}-accept")
+        thread.daemon = True
+        self._accept_thread = thread
+        self._accepting = True
+        thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop accepting, close the listener and every connection, and wait for the threads.
+
+        A thread still inside the resolver or `on_decision` after `timeout` is left behind
+        (it is a daemon thread and closes its own sockets when it returns)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"x")
+            for sock in self._sockets:  # peers see the end at once, even if a thread is stuck
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + timeout
+        if self._accept_thread is not None:
+            self._accept_thread.join(max(0.0, deadline - time.monotonic()))
+        self._listener.close()
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            self._joined = True
+            self._close_wake()
+
+    def _close_wake(self) -> None:
+        """(with the lock) Close the wake-up pair once no thread can poll it any more."""
+        if self._joined and not self._threads and not self._accepting and not self._wake_closed:
+            self._wake_closed = True
+            self._wake_r.close()
+            self._wake_w.close()
+
+    # ----- threads --------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        try:
+            self._accept()
+        finally:
+            with self._lock:
+                self._accepting = False
+                self._close_wake()
+
+    def _accept(self) -> None:
+        poller = select.poll()
+        poller.register(self._listener, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        wake = self._wake_r.fileno()
+        pause = -1
+        while True:
+            ready = poller.poll(pause)
+            pause = -1
+            if any(fd == wake for fd, _ in ready) or self._closed:
+                return
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                continue
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    logger.warning("proxy: cannot accept a connection: %s", exc)
+                    pause = 100  # let descriptors free up rather than spin
+                    continue
+                if not self._closed:
+                    logger.error("proxy: the listener failed, no longer serving: %s", exc)
+                return
+            self._spawn(conn)
+
+    def _spawn(self, conn: socket.socket) -> None:
+        with self._lock:
+            if self._closed or len(self._threads) >= MAX_CONNECTIONS:
+                conn.close()
+                if not self._closed:
+                    logger.warning("proxy: over %d connections, one refused", MAX_CONNECTIONS)
+                return
+            conn.setblocking(False)
+            self._sockets.add(conn)
+            thread = threading.Thread(
+                target=self._serve, args=(conn,), name=f"{_THREAD_PREFIX}-conn"
+            )
+            thread.daemon = True
+            self._threads.add(thread)
+        thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        """One client connection, from its header to the end of the relay; never raises."""
+        try:
+            self._handle(conn)
+        except _Closing:
+            pass
+        except Exception:
+            logger.exception("proxy: a connection failed")
+        finally:
+            self._forget(conn)
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+                self._close_wake()
+
+    def _forget(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.discard(sock)
+        sock.close()
+
+    def _open_upstream(self, family: socket.AddressFamily) -> socket.socket:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._sockets.add(sock)
+        if closed:
+            sock.close()
+            raise _Closing
+        return sock
+
+    # ----- one request ----------------------------------------------------------------------------
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            peer = conn.getpeername()
+        except OSError:
+            return  # already gone
+        client = (str(peer[0]), int(peer[1]))
+        try:
+            head = self._read_head(conn)
+            if head is None:
+                return  # connected and closed without a word: nothing to answer
+            request = _parse_request(*head)
+        except _Refusal as refusal:
+            self._respond(conn, refusal.status, refusal.reason, denied=False)
+            return
+        upstream: socket.socket | None = None
+        try:
+            upstream = self._decide_and_connect(conn, client, request)
+            if upstream is None:
+                return
+            if request.method == "CONNECT":
+                self._send_all(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
+                self._relay(conn, upstream, bytearray(request.rest), end_with_upstream=False)
+            else:
+                self._relay(conn, upstream, bytearray(_origin_request(request)), True)
+        except OSError as exc:
+            logger.debug("proxy: a connection ended: %s", exc)  # a client or server went away
+        finally:
+            if upstream is not None:
+                self._forget(upstream)
+
+    def _decide_and_connect(
+        self, conn: socket.socket, client: tuple[str, int], request: _Request
+    ) -> socket.socket | None:
+        """Apply the policy, connect, report; answer the client on refusal or failure.
+
+        Returns the connected upstream socket, or None once the client has been answered."""
+        try:
+            host = _canonical_host(request.host)
+        except ValueError:
+            host = request.host[:255]
+        port = request.port
+
+        def report(allowed: bool, reason: str | None, address: str | None) -> bool:
+            decision = NetDecision(host, port, allowed, reason, address, client, request.method)
+            try:
+                self._on_decision(decision)
+            except Exception:
+                logger.exception("proxy: reporting a network decision failed; refusing")
+                self._respond(
+                    conn,
+                    "403 Forbidden",
+                    f"the request to {_with_port(host, port)} could not be recorded in the "
+                    "audit log, so it is refused",
+                    denied=True,
+                )
+                return False
+            return True
+
+        def refuse(status: str, allowed: bool, reason: str, address: str | None) -> None:
+            if report(allowed, reason, address):
+                self._respond(conn, status, reason, denied=status.startswith("403"))
+
+        if not self._allowlist.admits(host, port):
+            reason = (
+                f"host {_with_port(host, port)} is not in the allowlist (--allow-host); "
+                f"allowed: {self._allowlist.describe()}"
+            )
+            refuse("403 Forbidden", False, reason, None)
+            return None
+        literal = _ip(host)
+        if literal is not None:
+            candidates = [str(literal)]
+        else:
+            try:
+                candidates = list(self._resolve(host, port))
+            except Exception as exc:
+                reason = f"connect failed: cannot resolve {host} ({_describe_error(exc)})"
+                refuse("502 Bad Gateway", True, reason, None)
+                return None
+            if not candidates:
+                refuse("502 Bad Gateway", True, f"connect failed: {host} has no address", None)
+                return None
+        passing: list[_IPAddress] = []
+        refused: list[tuple[_IPAddress, str]] = []
+        for text in candidates:
+            address = _ip(str(text).split("%", 1)[0])
+            if address is None:
+                continue
+            if address in passing or any(address == a for a, _ in refused):
+                continue
+            kind = _address_class(address)
+            if kind is None or self._allowlist.lists_address(str(address), port):
+                passing.append(address)
+            else:
+                refused.append((address, kind))
+        if not passing:
+            if not refused:
+                reason = f"connect failed: {host} resolved to no usable address"
+                refuse("502 Bad Gateway", True, reason, None)
+                return None
+            refuse("403 Forbidden", False, _address_reason(host, port, refused), str(refused[0][0]))
+            return None
+        failures: list[str] = []
+        for address in passing:
+            upstream = self._connect(address, port, failures)
+            if upstream is None:
+                continue
+            if report(True, None, str(address)):
+                return upstream
+            self._forget(upstream)
+            return None
+        reason = f"connect failed: {'; '.join(failures)}"
+        refuse("502 Bad Gateway", True, reason, str(passing[-1]))
+        return None
+
+    def _connect(self, address: _IPAddress, port: int, failures: list[str]) -> socket.socket | None:
+        """Connect to one address within CONNECT_TIMEOUT; on failure note why and return None."""
+        family = socket.AF_INET if address.version == 4 else socket.AF_INET6
+        sock = self._open_upstream(family)
+        shown = _with_port(str(address), port)
+        try:
+            code = sock.connect_ex((str(address), port))
+            if code in (errno.EINPROGRESS, errno.EAGAIN):
+                if not self._wait(sock, select.POLLOUT, time.monotonic() + CONNECT_TIMEOUT):
+                    failures.append(f"{shown}: timed out after {CONNECT_TIMEOUT:g} s")
+                    self._forget(sock)
+                    return None
+                code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if code != 0:
+                failures.append(f"{shown}: {_describe_error(OSError(code, os.strerror(code)))}")
+                self._forget(sock)
+                return None
+        except BaseException:
+            self._forget(sock)
+            raise
+        return sock
+
+    # ----- reading and answering ------------------------------------------------------------------
+
+    def _read_head(self, conn: socket.socket) -> tuple[bytes, bytes] | None:
+        """The request header (without its blank line) and the bytes after it; None when the
+        client closed without sending anything."""
+        deadline = time.monotonic() + HEADER_TIMEOUT
+        buf = bytearray()
+        while True:
+            # Leading empty lines before a request line are allowed (RFC 9112, 2.2).
+            while buf.startswith(b"\r\n") or buf.startswith(b"\n"):
+                del buf[: 2 if buf.startswith(b"\r\n") else 1]
+            ends = [(buf.find(t), t) for t in (b"\r\n\r\n", b"\n\n")]
+            found = [(i, t) for i, t in ends if i >= 0]
+            if found:
+                index, term = min(found)
+                if index + len(term) > HEADER_LIMIT:
+                    break
+                return bytes(buf[:index]), bytes(buf[index + len(term) :])
+            if len(buf) >= HEADER_LIMIT:
+                break
+            if not self._wait(conn, select.POLLIN, deadline):
+                raise _Refusal(
+                    "400 Bad Request",
+                    f"no complete request header within {HEADER_TIMEOUT:g} s",
+                )
+            try:
+                data = conn.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                return None
+            if not data:
+                if not buf:
+                    return None
+                raise _Refusal("400 Bad Request", "the request header ended early")
+            buf += data
+        raise _Refusal(
+            "400 Bad Request", f"the request header is larger than {HEADER_LIMIT // 1024} KiB"
+        )
+
+    def _respond(self, conn: socket.socket, status: str, reason: str, *, denied: bool) -> None:
+        """Send a plain-text error response; the connection is closed after it."""
+        body = f"sandboxfs: {reason}\n".encode()
+        head = (
+            f"HTTP/1.1 {status}\r\n"
+            "Content-Type: text/plain\r\n"
+            f"Content-Length: {len(body)}\r\n"
+            "Connection: close\r\n" + ("X-Sandboxfs-Denied: 1\r\n" if denied else "") + "\r\n"
+        )
+        with contextlib.suppress(OSError):
+            self._send_all(conn, head.encode("ascii") + body)
+            conn.shutdown(socket.SHUT_WR)
+            # Drain briefly so closing with unread input does not reset the answer away.
+            deadline = time.monotonic() + 0.5
+            while self._wait(conn, select.POLLIN, deadline):
+                try:
+                    if not conn.recv(65536):
+                        break
+                except BlockingIOError:
+                    continue
+
+    def _send_all(self, sock: socket.socket, data: bytes) -> None:
+        deadline = time.monotonic() + SEND_TIMEOUT
+        view = memoryview(data)
+        while view:
+            try:
+                sent = sock.send(view)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            view = view[sent:]
+            if view and not self._wait(sock, select.POLLOUT, deadline):
+                raise TimeoutError("the client does not read")
+
+    def _wait(self, sock: socket.socket, events: int, deadline: float) -> bool:
+        """Wait for `events` on `sock` until `deadline`: True when ready, False on timeout;
+        raises _Closing when the proxy closes."""
+        poller = select.poll()
+        poller.register(sock, events)
+        poller.register(self._wake_r, select.POLLIN)
+        wake = self._wake_r.fileno()
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            ready = poller.poll(max(1, int(remaining * 1000)))
+            if any(fd == wake for fd, _ in ready):
+                raise _Closing
+            if ready:
+                return True
+
+    def _relay(
+        self,
+        client: socket.socket,
+        upstream: socket.socket,
+        to_upstream: bytearray,
+        end_with_upstream: bool,
+    ) -> None:
+        """Copy bytes both ways until both directions have ended (a half-close is passed on
+        with shutdown(SHUT_WR)), or, for plain HTTP, until the upstream's answer has ended."""
+        pipes = (
+            _Pipe(client, upstream, to_upstream),
+            _Pipe(upstream, client, bytearray()),
+        )
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        wake = self._wake_r.fileno()
+        registered: dict[int, int] = {}
+        while not all(p.done for p in pipes):
+            if end_with_upstream and pipes[1].done:
+                return
+            wanted: dict[int, int] = {client.fileno(): 0, upstream.fileno(): 0}
+            for pipe in pipes:
+                if not pipe.eof and len(pipe.buf) < _RELAY_BUFFER:
+                    wanted[pipe.src.fileno()] |= select.POLLIN
+                if pipe.buf:
+                    wanted[pipe.dst.fileno()] |= select.POLLOUT
+            for fd, events in wanted.items():
+                if registered.get(fd, 0) == events:
+                    continue
+                if events:
+                    poller.register(fd, events)
+                else:
+                    poller.unregister(fd)
+                registered[fd] = events
+            if not any(registered.values()):
+                return  # cannot happen: a pipe not done always wants something
+            ready = dict(poller.poll())
+            if wake in ready:
+                raise _Closing
+            for pipe in pipes:
+                try:
+                    pipe.step(ready.get(pipe.src.fileno(), 0), ready.get(pipe.dst.fileno(), 0))
+                except OSError:
+                    return  # a reset or a broken pipe ends the whole connection
+
+
+class _Pipe:
+    """One direction of a relay: bytes read from `src`, waiting in `buf`, written to `dst`."""
+
+    def __init__(self, src: socket.socket, dst: socket.socket, buf: bytearray) -> None:
+        self.src = src
+        self.dst = dst
+        self.buf = buf
+        self.eof = False  # src has ended
+        self.done = False  # ... and that end was passed on to dst
+
+    def step(self, src_events: int, dst_events: int) -> None:
+        readable = select.POLLIN | select.POLLHUP | select.POLLERR
+        if src_events & readable and not self.eof and len(self.buf) < _RELAY_BUFFER:
+            try:
+                data = self.src.recv(_RELAY_BUFFER - len(self.buf))
+            except (BlockingIOError, InterruptedError):
+                data = None
+            if data is not None:
+                if data:
+                    self.buf += data
+                else:
+                    self.eof = True
+        if dst_events & (select.POLLOUT | select.POLLHUP | select.POLLERR) and self.buf:
+            try:
+                sent = self.dst.send(self.buf)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            del self.buf[:sent]
+        if self.eof and not self.buf and not self.done:
+            self.done = True
+            with contextlib.suppress(OSError):
+                self.dst.shutdown(socket.SHUT_WR)
+
+
+# ----- parsing ------------------------------------------------------------------------------------
+
+
+def _parse_request(head: bytes, rest: bytes) -> _Request:
+    """Parse a proxy request header: CONNECT authority or an absolute-form http:// URL."""
+    lines = [line.removesuffix(b"\r").decode("latin-1") for line in head.split(b"\n")]
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not _VERSION.fullmatch(parts[2]):
+        raise _Refusal("400 Bad Request", "not an HTTP/1.x request line")
+    method, target, version = parts
+    headers: list[tuple[str, str]] = []
+    if any("\r" in line for line in lines):
+        raise _Refusal("400 Bad Request", "a stray carriage return in the request header")
+    for line in lines[1:]:
+        name, colon, value = line.partition(":")
+        if not colon or not _TOKEN.fullmatch(name):
+            raise _Refusal("400 Bad Request", "a malformed header line")
+        headers.append((name, value.strip(" \t")))
+    if method == "CONNECT":
+        authority, path = target, ""
+        default_port = 443
+    else:
+        scheme, sep, remainder = target.partition("://")
+        if not sep or scheme.lower() != "http":
+            raise _Refusal(
+                "400 Bad Request",
+                "this is a proxy: send CONNECT host:port (for https) or an absolute-form "
+                "request such as GET http://host/path",
+            )
+        cut = min((i for i in (remainder.find(c) for c in "/?#") if i >= 0), default=None)
+        authority, path = (remainder, "") if cut is None else (remainder[:cut], remainder[cut:])
+        path = path.partition("#")[0]
+        path = path if path.startswith("/") else "/" + path
+        default_port = 80
+    parsed = _split_authority(authority, default_port)
+    if parsed is None:
+        raise _Refusal("400 Bad Request", f"not a valid host[:port]: {authority[:100]!r}")
+    host, port = parsed
+    return _Request(method, host, port, authority, path, version, tuple(headers), rest)
+
+
+def _split_authority(text: str, default_port: int) -> tuple[str, int] | None:
+    """`host[:port]` or `[v6][:port]` as host (brackets removed) and port; None if malformed."""
+    if not text or any(c in text for c in "@/?#\\") or any(c.isspace() for c in text):
+        return None
+    if text.startswith("["):
+        close = text.find("]")
+        if close < 0:
+            return None
+        host, rest = text[1:close], text[close + 1 :]
+        if rest and not rest.startswith(":"):
+            return None
+        port_text = rest[1:] if rest else None
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    elif ":" in text:
+        return None
+    else:
+        host, port_text = text, None
+    if not host:
+        return None
+    if port_text is None:
+        return host, default_port
+    port = _parse_port(port_text)
+    return None if port is None else (host, port)
+
+
+def _origin_request(request: _Request) -> bytes:
+    """The request rewritten for the origin server: origin-form target, the client's Host
+    replaced by the URL's authority (RFC 9112, 3.2.2), proxy headers dropped, one request."""
+    lines = [f"{request.method} {request.target} {request.version}", f"Host: {request.authority}"]
+    lines += [f"{n}: {v}" for n, v in request.headers if n.lower() not in _DROPPED_HEADERS]
+    lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + request.rest
+
+
+def _address_reason(host: str, port: int, refused: list[tuple[_IPAddress, str]]) -> str:
+    listed = ", ".join(f"{address} ({kind})" for address, kind in refused)
+    if len(refused) == 1:
+        address = refused[0][0]
+        example = _with_port(str(address), port)
+        if _ip(host) == address:
+            return (
+                f"{address} is a {refused[0][1]} address, which is refused unless listed "
+                f"exactly (--allow-host {example})"
+            )
+        return (
+            f"{host} resolves to {listed}, which is refused unless listed exactly "
+            f"(--allow-host {example})"
+        )
+    return (
+        f"{host} resolves to {listed}, which are refused unless listed exactly "
+        f"(--allow-host ADDRESS:{port})"
+    )
+
+
+def _getaddrinfo(host: str, port: int) -> list[str]:
+    """The default resolver: the host's own, TCP addresses in its preferred order."""
+    addresses: list[str] = []
+    for *_, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        address = str(sockaddr[0])
+        if address not in addresses:
+            addresses.append(address)
+    return addresses
+
+
+def _describe_error(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__

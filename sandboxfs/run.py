@@ -1,0 +1,694 @@
+"""`sandboxfs run -- CMD`: a program inside the sandbox, from mount to unmount.
+
+Three processes. The daemon serves a private mount of the project (forked first; it holds the
+backing storage and dies with the lifeline pipe when this process goes). This process, the
+supervisor, is non-dumpable: it relays the terminal, forwards signals, runs the network proxy
+and writes the run's audit entries. bubblewrap runs CMD in the view `confine` describes. If
+anything of that cannot be set up, CMD is not started: there is no unconfined fallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import selectors
+import shlex
+import shutil
+import signal
+import socket
+import struct
+import sys
+import termios
+import threading
+import time
+import tty
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from . import audit as audit_mod
+from . import confine, doctor, seccomp
+from .audit import AuditLog
+from .audit_anchor import state_root
+from .config import Config
+from .daemon import (
+    MountRequest,
+    audit_path,
+    lazy_unmount,
+    sandboxfs_mounts,
+    spawn_daemon,
+)
+from .errors import UserError
+from .netproxy import Allowlist, HostRule, NetDecision, Proxy
+from .policy import Op, Policy, Trust, Zone
+from .syscalls import make_undumpable
+
+EXIT_SETUP = 125  # as `docker run`: the sandbox could not be set up, CMD never ran
+STOP_GRACE = 10.0  # seconds between a forwarded SIGTERM/SIGHUP and killing the sandbox
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNET = 0x40000000
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class SetupError(UserError):
+    """The sandbox could not be set up; CMD was not started."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, exit_code=EXIT_SETUP)
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    project: Path
+    trust: Trust
+    workspace: str
+    session: str
+    config: Config
+    command: tuple[str, ...]
+    config_file: Path | None = None
+    net: str = "none"
+    allow: tuple[HostRule, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    audit_sync: bool = False
+    quiet: bool = False
+
+
+# ----- the run directory: where the private mount lives, and how a dead one is cleaned ------
+
+
+def runtime_root() -> Path:
+    """Private mountpoints of `run`, in the user's own 0700 state dir (never in a project)."""
+    return state_root() / "run"
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def sweep_dead_runs() -> None:
+    """Unmount and remove what a killed `run` left: its owner (pid and start time) is gone."""
+    root = runtime_root()
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return
+    mounted = set(sandboxfs_mounts())
+    for run_dir in entries:
+        try:
+            pid_text, _, started = (run_dir / "owner").read_text().partition(" ")
+            if _start_time(int(pid_text)) == started.strip():
+                continue
+        except (OSError, ValueError):
+            if time.time() - run_dir.stat().st_mtime < 60:
+                continue  # being created right now
+        mnt = run_dir / "mnt"
+        if str(mnt) in mounted:
+            lazy_unmount(mnt)
+        remove_run_dir(run_dir)
+
+
+def _make_run_dir(session: str) -> Path:
+    root = runtime_root()
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(root, 0o700)
+    run_dir = root / f"{session}-{os.getpid()}"
+    run_dir.mkdir(mode=0o700)
+    (run_dir / "owner").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+    (run_dir / "mnt").mkdir(mode=0o700)
+    return run_dir
+
+
+def remove_run_dir(run_dir: Path) -> None:
+    """Once unmounted (by the daemon, or by the sweep for a daemon that died too)."""
+    with contextlib.suppress(OSError):
+        (run_dir / "mnt").rmdir()
+    with contextlib.suppress(OSError):
+        (run_dir / "owner").unlink()
+    with contextlib.suppress(OSError):
+        run_dir.rmdir()
+
+
+# ----- audit entries of the run itself ---------------------------------------------------------
+
+
+class RunAudit:
+    """The supervisor's own entries (`run` start and end, `net`), safe from proxy threads."""
+
+    def __init__(self, req: RunRequest) -> None:
+        self._log = AuditLog(audit_path(req.project), sync=req.audit_sync)
+        self._lock = threading.Lock()
+        self._base = {
+            "session": req.session,
+            "workspace": req.workspace,
+            "trust": req.trust.value,
+            "uid": os.getuid(),
+        }
+
+    def record(self, op: str, *, allowed: bool | None = True, **fields: Any) -> None:
+        entry: dict[str, Any] = {"op": op, "path": None, "zone": None, **self._base}
+        entry["allowed"] = allowed
+        entry.update(fields)
+        with self._lock:
+            self._log.record(entry)
+            if not self._log.try_flush():
+                raise OSError(errno.EIO, "the audit log cannot be written")
+
+    def close(self) -> None:
+        with self._lock:
+            self._log.close()
+
+
+# ----- the program's process: namespaces, descriptors, exec ---------------------------------------
+
+
+def _die_with_parent(parent: int) -> None:
+    if _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
+        os._exit(EXIT_SETUP)
+
+
+def _own_network(listener_channel: socket.socket) -> None:
+    """(--net allow, in the child) A user and network namespace of its own with loopback up,
+    and the proxy's listening socket bound in it, handed to the supervisor; bwrap shares it."""
+    uid, gid = os.geteuid(), os.getegid()
+    if _libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), "cannot create a network namespace")
+    Path("/proc/self/setgroups").write_text("deny")
+    Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
+    Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        request = struct.pack("16sH", b"lo", 0).ljust(40, b"\0")
+        flags = struct.unpack_from("16sH", fcntl.ioctl(probe, 0x8913, request))[1]  # SIOCGIFFLAGS
+        fcntl.ioctl(probe, 0x8914, struct.pack("16sH", b"lo", flags | 1).ljust(40, b"\0"))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(confine.PROXY_ADDRESS)
+        listener.listen(128)
+        socket.send_fds(listener_channel, [b"L"], [listener.fileno()])
+    listener_channel.close()
+
+
+def _arrange_fds(targets: dict[int, int]) -> None:
+    """Make each target fd a copy of its source, close-on-exec off, and close everything else."""
+    high = {
+        target: fcntl.fcntl(source, fcntl.F_DUPFD_CLOEXEC, 100)
+        for target, source in targets.items()
+    }
+    for target, copy in high.items():
+        os.dup2(copy, target, inheritable=True)
+    os.closerange(max(targets) + 1, os.sysconf("SC_OPEN_MAX"))
+
+
+@dataclass
+class _Child:
+    pid: int
+    sync: int  # read end: a byte once the launcher runs inside
+    errors: int  # read end: bwrap's own stderr
+    status: int  # read end: bwrap's --json-status-fd
+    listener: socket.socket | None = None
+
+
+def _start_child(
+    argv: list[str], env: dict[str, str], stdio: tuple[int, int, int], net: str
+) -> _Child:
+    """Fork and exec bubblewrap, with exactly the descriptors the launcher expects."""
+    sync_r, sync_w = os.pipe()
+    err_r, err_w = os.pipe()
+    status_r, status_w = os.pipe()
+    filter_fd = seccomp.filter_fd()
+    channel = socket.socketpair() if net == "allow" else None
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _die_with_parent(parent)
+            os.setsid()
+            if channel is not None:
+                channel[0].close()
+                _own_network(channel[1])
+            _arrange_fds(
+                {
+                    0: stdio[0],
+                    1: stdio[1],
+                    2: err_w,
+                    confine.SYNC_FD: sync_w,
+                    confine.STDERR_FD: stdio[2],
+                    confine.SECCOMP_FD: filter_fd,
+                    confine.STATUS_FD: status_w,
+                }
+            )
+            signal.pthread_sigmask(signal.SIG_SETMASK, [])
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+                signal.signal(signum, signal.SIG_DFL)
+            os.execve(argv[0], argv, env)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.write(err_w, f"sandboxfs: {_describe(exc)}\n".encode())
+        os._exit(EXIT_SETUP)
+    for fd in (sync_w, err_w, status_w, filter_fd):
+        os.close(fd)
+    child = _Child(pid, sync_r, err_r, status_r)
+    if channel is not None:
+        channel[1].close()
+        with channel[0]:
+            channel[0].settimeout(10)
+            try:
+                _, fds, _, _ = socket.recv_fds(channel[0], 1, 1)
+            except OSError:
+                fds = []
+        if fds:
+            child.listener = socket.socket(fileno=fds[0])
+    return child
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}" + (f": {exc.filename}" if exc.filename else "")
+    return f"{type(exc).__name__}: {exc}"
+
+
+# ----- the terminal ----------------------------------------------------------------------------
+
+
+class _Terminal:
+    """The user's terminal in raw mode, relayed to a pty of the program's own.
+
+    The program never holds a descriptor of the user's terminal, so TIOCSTI (and any other
+    ioctl) reaches only its own pty; job control and full-screen programs work as usual.
+    """
+
+    def __init__(self) -> None:
+        self.saved = termios.tcgetattr(0)
+        self.master, self.slave = os.openpty()
+        termios.tcsetattr(self.slave, termios.TCSANOW, self.saved)
+        self.resize()
+        os.set_blocking(self.master, False)
+        self.pending = b""  # keyboard input the program has not taken yet
+
+    def resize(self) -> None:
+        with contextlib.suppress(OSError):
+            size = fcntl.ioctl(1, termios.TIOCGWINSZ, b"\0" * 8)
+            fcntl.ioctl(self.master, termios.TIOCSWINSZ, size)
+
+    def raw(self) -> None:
+        tty.setraw(0, termios.TCSANOW)
+
+    def restore(self) -> None:
+        with contextlib.suppress(termios.error):
+            termios.tcsetattr(0, termios.TCSADRAIN, self.saved)
+
+    def foreground(self) -> int | None:
+        try:
+            return os.tcgetpgrp(self.master)
+        except OSError:
+            return None
+
+
+# ----- the supervisor --------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    status: int
+    started: datetime
+
+
+class Supervisor:
+    """Waits for the program, relaying its terminal and forwarding signals to it."""
+
+    def __init__(self, child: _Child, terminal: _Terminal | None) -> None:
+        self.child = child
+        self.terminal = terminal
+        self.sel = selectors.DefaultSelector()
+        self.pidfd = os.pidfd_open(child.pid)
+        self.signals: list[int] = []
+        self.setup_text = b""
+        self.status_text = b""
+        self.ready = False
+        self.init_pid: int | None = None  # bwrap's PID 1 inside, as seen from here
+        self.cmd_pid: int | None = None
+        self.kill_at: float | None = None
+        self.status: int | None = None
+
+    def wait(self) -> int:
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        os.set_blocking(wake_r, False)
+        watched = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGWINCH)
+        old = {s: signal.signal(s, lambda n, _f: self.signals.append(n)) for s in watched}
+        old_wake = signal.set_wakeup_fd(wake_w)
+        try:
+            self.sel.register(wake_r, selectors.EVENT_READ, "wake")
+            self.sel.register(self.pidfd, selectors.EVENT_READ, "exit")
+            self.sel.register(self.child.sync, selectors.EVENT_READ, "sync")
+            self.sel.register(self.child.errors, selectors.EVENT_READ, "errors")
+            self.sel.register(self.child.status, selectors.EVENT_READ, "status")
+            if self.terminal is not None:
+                self.sel.register(0, selectors.EVENT_READ, "stdin")
+                self.sel.register(self.terminal.master, selectors.EVENT_READ, "master")
+            while self.status is None:
+                timeout = None if self.kill_at is None else max(0, self.kill_at - time.monotonic())
+                for key, events in self.sel.select(timeout):
+                    self._handle(key.data, events, wake_r)
+                self._forward_signals()
+                if self.kill_at is not None and time.monotonic() >= self.kill_at:
+                    self._kill_sandbox()
+            self._drain()
+            return self.status
+        finally:
+            signal.set_wakeup_fd(old_wake)
+            for signum, handler in old.items():
+                signal.signal(signum, handler)
+            self.sel.close()
+            for fd in (wake_r, wake_w, self.pidfd, self.child.sync, self.child.errors):
+                os.close(fd)
+            os.close(self.child.status)
+
+    def _handle(self, what: str, events: int, wake_r: int) -> None:
+        if what == "wake":
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 512)
+        elif what == "exit":
+            _, wait_status = os.waitpid(self.child.pid, 0)
+            code = os.waitstatus_to_exitcode(wait_status)
+            self.status = code if code >= 0 else 128 - code
+        elif what == "sync":
+            if os.read(self.child.sync, 1):
+                self.ready = True
+                self.cmd_pid = self._find_cmd()
+            self.sel.unregister(self.child.sync)
+        elif what == "errors":
+            data = os.read(self.child.errors, 65536)
+            if not data:
+                self.sel.unregister(self.child.errors)
+            elif self.ready:
+                _write_all(2, data)
+            else:
+                self.setup_text = (self.setup_text + data)[-65536:]
+        elif what == "status":
+            data = os.read(self.child.status, 4096)
+            if not data:
+                self.sel.unregister(self.child.status)
+            elif self.init_pid is None:
+                self.status_text += data
+                line, sep, _ = self.status_text.partition(b"\n")
+                if sep:
+                    with contextlib.suppress(ValueError, KeyError, TypeError):
+                        self.init_pid = int(json.loads(line)["child-pid"])
+        elif what == "stdin" and self.terminal is not None:
+            data = b""
+            with contextlib.suppress(OSError):
+                data = os.read(0, 65536)
+            if not data:
+                self.sel.unregister(0)
+                return
+            self.terminal.pending += data
+            self.sel.modify(
+                self.terminal.master, selectors.EVENT_READ | selectors.EVENT_WRITE, "master"
+            )
+        elif what == "master" and self.terminal is not None:
+            self._pump_master(events)
+
+    def _pump_master(self, events: int) -> None:
+        term = self.terminal
+        assert term is not None
+        if events & selectors.EVENT_READ:
+            try:
+                data = os.read(term.master, 65536)
+            except BlockingIOError:
+                data = b"-"
+            except OSError:  # EIO: nobody holds the pty any more
+                data = b""
+            if not data:
+                self.sel.unregister(term.master)
+                return
+            if data != b"-":
+                _write_all(1, data)
+        if events & selectors.EVENT_WRITE and term.pending:
+            with contextlib.suppress(BlockingIOError):
+                term.pending = term.pending[os.write(term.master, term.pending) :]
+            if not term.pending:
+                self.sel.modify(term.master, selectors.EVENT_READ, "master")
+
+    def _drain(self) -> None:
+        """What the program wrote just before it ended is still in its pty."""
+        if self.terminal is None:
+            return
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            try:
+                data = os.read(self.terminal.master, 65536)
+            except BlockingIOError:
+                break
+            except OSError:
+                break
+            if not data:
+                break
+            _write_all(1, data)
+
+    def _find_cmd(self) -> int | None:
+        if self.init_pid is None:
+            return None
+        children = Path(f"/proc/{self.init_pid}/task/{self.init_pid}/children")
+        with contextlib.suppress(OSError, ValueError):
+            first = children.read_text().split()
+            return int(first[0]) if first else None
+        return None
+
+    def _forward_signals(self) -> None:
+        while self.signals:
+            signum = self.signals.pop(0)
+            if signum == signal.SIGWINCH:
+                if self.terminal is not None:
+                    self.terminal.resize()
+                continue
+            targets = {self.cmd_pid} if self.cmd_pid else set()
+            if self.terminal is not None and (group := self.terminal.foreground()):
+                targets.add(group)
+            if not self.ready or not targets:
+                self._kill_sandbox()  # still being set up: nothing to hand the signal to
+                continue
+            for group in targets:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(group, signum)
+            if signum in (signal.SIGTERM, signal.SIGHUP) and self.kill_at is None:
+                self.kill_at = time.monotonic() + STOP_GRACE
+
+    def _kill_sandbox(self) -> None:
+        """bwrap dies; its PID 1 dies with it (--die-with-parent), and with that all inside."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.child.pid, signal.SIGKILL)
+        self.kill_at = None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            select_wait = selectors.DefaultSelector()
+            select_wait.register(fd, selectors.EVENT_WRITE)
+            select_wait.select(1.0)
+            select_wait.close()
+        except OSError:
+            return
+
+
+# ----- the whole run ---------------------------------------------------------------------------
+
+
+def run(req: RunRequest) -> int:
+    """Mount, start CMD confined, wait, unmount; CMD's exit status (125 if it never started)."""
+    problem = doctor.confinement_problem()
+    if problem is not None:
+        raise SetupError(problem)
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:  # checked by confinement_problem, unless PATH changed meanwhile
+        raise SetupError(
+            "bubblewrap (bwrap) is not installed; install it: apt-get install bubblewrap"
+        )
+    if shutil.which("setsid", path="/usr/bin:/bin") is None:
+        raise SetupError("setsid is not in /usr/bin; install it: apt-get install util-linux")
+    make_undumpable()
+    sweep_dead_runs()
+    policy = Policy(req.config.matrix(), req.config.deny, req.trust, req.config.protect)
+    if req.cwd is not None:
+        cwd = req.cwd
+    elif Op.LIST in policy.access(Zone.REPO).ops:
+        cwd = f"{confine.SANDBOX}/repo"
+    else:
+        cwd = f"{confine.SANDBOX}/session/working"
+    if req.net == "host" and not req.quiet:
+        print(
+            "sandboxfs: warning: --net host: the program shares this machine's network, "
+            "its loopback services and abstract sockets",
+            file=sys.stderr,
+        )
+    audit = RunAudit(req)
+    run_dir = _make_run_dir(req.session)
+    try:
+        return _run_mounted(req, audit, run_dir, cwd, bwrap)
+    finally:
+        audit.close()
+        remove_run_dir(run_dir)  # normally gone already: the daemon removes it
+
+
+def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwrap: str) -> int:
+    mnt = run_dir / "mnt"
+    lifeline_r, lifeline_w = os.pipe()
+    mount = MountRequest(
+        mountpoint=mnt,
+        project=req.project,
+        trust=req.trust,
+        workspace=req.workspace,
+        session=req.session,
+        config=req.config,
+        audit_sync=req.audit_sync,
+        config_file=req.config_file,
+        command=req.command,
+    )
+    try:
+        daemon = spawn_daemon(mount, lifeline_r, after=lambda: remove_run_dir(run_dir))
+    except UserError as exc:
+        os.close(lifeline_w)
+        raise SetupError(exc.message) from None
+    finally:
+        os.close(lifeline_r)
+    started = datetime.now(UTC)
+    status: int | None = None
+    proxy: Proxy | None = None
+    terminal: _Terminal | None = None
+    try:
+        if not (mnt / cwd.removeprefix(confine.SANDBOX).lstrip("/")).is_dir():
+            raise SetupError(
+                f"--cwd {cwd}: not a directory the program may enter at this trust level"
+            )
+        home = f"{confine.SANDBOX}/session/home"
+        env = confine.sandbox_env(
+            os.environ,
+            home=home,
+            session=req.session,
+            trust=req.trust.value,
+            extra=req.env,
+            proxy=req.net == "allow",
+        )
+        interactive = os.isatty(0) and os.isatty(1)
+        if interactive:
+            terminal = _Terminal()
+        args = confine.bwrap_args(
+            mountpoint=mnt, cwd=cwd, net=req.net, tty=interactive, command=req.command
+        )
+        audit.record(
+            "run",
+            pid=os.getpid(),
+            comm="sandboxfs",
+            detail=f"start (net {req.net}): {shlex.join(req.command)}",
+            command=list(req.command),
+            net=req.net,
+            allow_hosts=[_rule_text(r) for r in req.allow],
+        )
+        stdio = (terminal.slave,) * 3 if terminal else (0, 1, 2)
+        child = _start_child([bwrap, *args], env, stdio, req.net)
+        if terminal is not None:
+            os.close(terminal.slave)
+        if req.net == "allow":
+            if child.listener is None:
+                pass  # the child failed before handing it over; its message says why
+            else:
+                proxy = _start_proxy(req, audit, child)
+        supervisor = Supervisor(child, terminal)
+        if terminal is not None:
+            terminal.raw()
+        status = supervisor.wait()
+        if not supervisor.ready:
+            if terminal is not None:
+                terminal.restore()
+            raise SetupError(_setup_failure(supervisor.setup_text, status))
+        return status
+    finally:
+        if terminal is not None:
+            terminal.restore()
+            os.close(terminal.master)
+        if proxy is not None:
+            proxy.close()
+        if status is not None:
+            with contextlib.suppress(OSError):
+                audit.record(
+                    "run",
+                    pid=os.getpid(),
+                    comm="sandboxfs",
+                    detail=f"exit {status}: {shlex.join(req.command)}",
+                    command=list(req.command),
+                    net=req.net,
+                    status=status,
+                )
+        os.close(lifeline_w)  # the daemon unmounts and exits
+        os.waitpid(daemon, 0)
+        if status is not None and not req.quiet:
+            print(_summary(req, started, status), file=sys.stderr)
+
+
+def _setup_failure(text: bytes, status: int) -> str:
+    lines = [line for line in text.decode("utf-8", "replace").splitlines() if line.strip()]
+    detail = lines[-1].strip() if lines else f"bubblewrap exited with status {status}"
+    return f"cannot start the sandbox: {detail} (run 'sandboxfs doctor' to check this machine)"
+
+
+def _rule_text(rule: HostRule) -> str:
+    host = f"[{rule.host}]" if ":" in rule.host else rule.host
+    return host if rule.port is None else f"{host}:{rule.port}"
+
+
+def _start_proxy(req: RunRequest, audit: RunAudit, child: _Child) -> Proxy:
+    assert child.listener is not None
+
+    def on_decision(decision: NetDecision) -> None:
+        audit.record(
+            "net",
+            allowed=decision.allowed,
+            pid=None,
+            comm=None,
+            reason=decision.reason,
+            errno="EACCES" if not decision.allowed else None,
+            detail=f"{decision.method} {decision.host}:{decision.port}",
+            host=decision.host,
+            port=decision.port,
+            address=decision.address,
+        )
+
+    proxy = Proxy(child.listener, Allowlist(req.allow), on_decision)
+    proxy.start()
+    return proxy
+
+
+def _summary(req: RunRequest, started: datetime, status: int) -> str:
+    query = audit_mod.AuditQuery(session=req.session, since=started)
+    allowed = denied = 0
+    staged: set[str] = set()
+    for entry in audit_mod.query(audit_path(req.project), query):
+        if entry.get("op") in ("run", "mount", "unmount"):
+            continue
+        if entry.get("allowed") is False:
+            denied += 1
+            continue
+        allowed += 1
+        if entry.get("zone") == Zone.STAGED.value and entry.get("op") == "write":
+            staged.add(str(entry.get("path")))
+    return (
+        f"sandboxfs: session {req.session} ended (exit {status}): "
+        f"{_count(allowed, 'operation')} allowed, {denied} denied, "
+        f"{_count(len(staged), 'file')} staged; details: sandboxfs audit --session {req.session}"
+    )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")

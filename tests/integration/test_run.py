@@ -1,0 +1,880 @@
+"""`sandboxfs run`: real confined programs, as root and as an ordinary user.
+
+Every run here is the real command (daemon, bubblewrap, the program); each asserts the outcome
+and, for refusals inside the mount, the audit entry. Escapes are probed from inside by a small
+shell or Python script that prints one line per attempt; the test decides. Only local servers on
+127.0.0.1 are used, never an outside address. Every run is bounded by a timeout and nothing it
+mounted may be left behind (checked after each test).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import pty
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import SANDBOXFS, make_project
+
+NOBODY_UID = 65534
+NOBODY = ["setpriv", f"--reuid={NOBODY_UID}", f"--regid={NOBODY_UID}", "--clear-groups", "--"]
+TIMEOUT = 60.0
+PY = "/usr/bin/python3"  # the system's, which the sandbox's read-only /usr holds
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists("/usr/bin/bwrap"), reason="bubblewrap is installed by .ci/setup"
+)
+
+
+# ----- running sandboxfs run ---------------------------------------------------------------------
+
+
+def sbx(
+    *args: str | Path,
+    prefix: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    timeout: float = TIMEOUT,
+    pass_fds: Sequence[int] = (),
+) -> subprocess.CompletedProcess[str]:
+    """The sandboxfs CLI, stdin from /dev/null, its own process group (killed on a timeout)."""
+    proc = subprocess.Popen(
+        [*prefix, *SANDBOXFS, *map(str, args)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+        pass_fds=pass_fds,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"sandboxfs {' '.join(map(str, args))} hung") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def audit(project: Path, *filters: str) -> list[dict[str, Any]]:
+    result = subprocess.run(
+        [*SANDBOXFS, "audit", "--project", str(project), "--json", *filters],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def run_dirs() -> list[Path]:
+    root = Path(os.environ["SANDBOXFS_STATE_DIR"]) / "run"
+    return sorted(root.iterdir()) if root.is_dir() else []
+
+
+def fuse_mounts() -> list[str]:
+    text = Path("/proc/self/mounts").read_text()
+    return [line.split()[1] for line in text.splitlines() if " fuse.sandboxfs " in line]
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    before = set(fuse_mounts())
+    yield
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (set(fuse_mounts()) - before or run_dirs()):
+        time.sleep(0.05)
+    left = set(fuse_mounts()) - before
+    for mnt in left:
+        subprocess.run(["fusermount3", "-u", "-z", mnt], check=False)
+    assert not left, f"mounts left behind: {left}"
+    assert not run_dirs(), f"run directories left behind: {run_dirs()}"
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    proj = make_project(tmp_path)
+    (proj / "README.md").write_text("the project readme\n")
+    return proj
+
+
+def lines(result: subprocess.CompletedProcess[str]) -> dict[str, str]:
+    """`name: outcome` lines printed by a probe script."""
+    found = {}
+    for line in result.stdout.splitlines():
+        name, sep, outcome = line.partition(": ")
+        if sep:
+            found[name.strip()] = outcome.strip()
+    return found
+
+
+# ----- the trust matrix, through run -------------------------------------------------------------
+
+MATRIX_PROBE = r"""
+for zone in session/working workspace/data repo staged; do
+  f=/sandbox/$zone/probe-$SANDBOXFS_TRUST.txt
+  if (echo x > "$f") 2>/dev/null; then w=yes; else w=no; fi
+  if ls /sandbox/$zone >/dev/null 2>&1; then l=yes; else l=no; fi
+  echo "$zone: w=$w l=$l"
+done
+if cat /sandbox/repo/README.md >/dev/null 2>&1; then r=yes; else r=no; fi
+echo "read-repo: $r"
+"""
+
+EXPECTED = {
+    # zone: (write, list) per trust level, from the default matrix
+    "untrusted": {
+        "session/working": "w=yes l=yes",
+        "workspace/data": "w=no l=no",
+        "repo": "w=no l=no",
+        "staged": "w=yes l=no",
+        "read-repo": "no",
+    },
+    "session": {
+        "session/working": "w=yes l=yes",
+        "workspace/data": "w=yes l=yes",
+        "repo": "w=no l=no",
+        "staged": "w=yes l=yes",
+        "read-repo": "no",
+    },
+    "workspace": {
+        "session/working": "w=yes l=yes",
+        "workspace/data": "w=yes l=yes",
+        "repo": "w=no l=yes",
+        "staged": "w=yes l=yes",
+        "read-repo": "yes",
+    },
+    "full": {
+        "session/working": "w=yes l=yes",
+        "workspace/data": "w=yes l=yes",
+        "repo": "w=yes l=yes",
+        "staged": "w=yes l=yes",
+        "read-repo": "yes",
+    },
+}
+
+
+@pytest.mark.parametrize("trust", list(EXPECTED))
+def test_trust_matrix_through_run(project: Path, trust: str) -> None:
+    result = sbx("run", "--project", project, "--trust", trust, "--", "sh", "-c", MATRIX_PROBE)
+    assert result.returncode == 0, result.stderr
+    assert lines(result) == EXPECTED[trust], result.stdout
+    assert "ended (exit 0)" in result.stderr
+    denied = audit(project, "--denied")
+    writes = [e for e in denied if e["op"] == "write" and e["zone"] == "repo"]
+    reads = [e for e in denied if e["op"] == "read" and e["path"] == "/repo/README.md"]
+    if trust == "full":
+        assert not denied, denied
+        return
+    assert writes and writes[-1]["trust"] == trust and writes[-1]["comm"] == "sh", denied
+    assert writes[-1]["errno"] in ("EACCES", "EROFS")
+    if trust == "workspace":
+        assert not reads, reads
+    else:
+        assert reads and reads[-1]["comm"] == "cat", denied
+
+
+# ----- escapes -----------------------------------------------------------------------------------
+
+ESCAPE_PROBE = r"""
+import ctypes, errno, fcntl, json, os, socket, subprocess, sys, termios
+from contextlib import suppress
+facts = json.loads(sys.argv[1])
+with open("/sandbox/.sandboxfs/context.json") as f:
+    facts["daemon_pid"] = json.load(f)["pid"]  # the daemon's pid outside
+libc = ctypes.CDLL(None, use_errno=True)
+
+def attempt(name, fn):
+    try:
+        out = fn()
+        print(f"{name}: ESCAPED {str(out)[:80]!r}")
+    except OSError as exc:
+        print(f"{name}: blocked {errno.errorcode.get(exc.errno, exc.errno)}")
+    except Exception as exc:
+        print(f"{name}: blocked {type(exc).__name__}")
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read(200)
+
+def run_ok(*argv):
+    done = subprocess.run(argv, capture_output=True)
+    if done.returncode != 0:
+        raise OSError(errno.EPERM, done.stderr.decode()[-200:])
+    return done.stdout
+
+def syscall_ok(name, *args):
+    if getattr(libc, name)(*args) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return "succeeded"
+
+def connect_tcp(port):
+    with socket.create_connection(("127.0.0.1", port), timeout=3) as s:
+        return s.recv(100)
+
+def connect_abstract(name):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(3)
+        s.connect("\0" + name)
+        return "connected"
+
+def no_secret_env():
+    found = {k: v for k, v in os.environ.items() if k in ("SECRET_TOKEN", "SSH_AUTH_SOCK")}
+    if found:
+        return found
+    raise OSError(errno.ENOENT, "absent")
+
+def proc_environ():
+    data = read("/proc/1/environ")
+    if b"SECRET_TOKEN" in data or b"sekrit" in data:
+        return data
+    raise OSError(errno.ENOENT, "no secret in /proc/1/environ")
+
+def inherited_fds():
+    extra = {}
+    for name in os.listdir("/proc/self/fd"):
+        with suppress(OSError):  # the listing's own descriptor is closed by now
+            if int(name) > 2:
+                extra[name] = os.readlink(f"/proc/self/fd/{name}")
+    if extra:
+        return extra
+    raise OSError(errno.EBADF, "only 0 1 2")
+
+def host_pids_visible():
+    pids = {int(p) for p in os.listdir("/proc") if p.isdigit()}
+    seen = pids & set(facts["host_pids"])
+    if seen or os.path.exists(f"/proc/{facts['daemon_pid']}/fd"):
+        return seen
+    raise OSError(errno.ESRCH, "not visible")
+
+def kill_outside():
+    os.kill(facts["outside_pid"], 0)
+    return "signalled"
+
+def ptrace_outside():
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    if libc.ptrace(16, facts["outside_pid"], None, None) != 0:  # PTRACE_ATTACH
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return "attached"
+
+def tiocsti():
+    fcntl.ioctl(0, termios.TIOCSTI, b"x")  # on a pty: the program's own terminal
+    return "injected"
+
+def nnp():
+    status = read("/proc/self/status").decode() + open("/proc/self/status").read()
+    if "NoNewPrivs:\t1" not in status or "CapEff:\t0000000000000000" not in status:
+        return status
+    raise OSError(errno.EPERM, "no_new_privs, no capabilities")
+
+attempt("real-project", lambda: read(facts["project"] + "/README.md"))
+attempt("state-dir", lambda: os.listdir(facts["project"] + "/.sandbox"))
+attempt("audit-via-repo", lambda: read("/sandbox/repo/.sandbox/audit.jsonl"))
+attempt("audit-relative", lambda: read("../../.sandbox/audit.jsonl"))
+attempt("host-home-ssh", lambda: os.listdir(facts["home"] + "/.ssh"))
+attempt("root-home", lambda: os.listdir("/root"))
+attempt("homes", lambda: os.listdir("/home"))
+attempt("shadow", lambda: read("/etc/shadow"))
+attempt("ssh-host-keys", lambda: [n for n in os.listdir("/etc/ssh") if n.endswith("_key")]
+        or read("/etc/ssh/ssh_host_ed25519_key"))
+attempt("proc-1-environ", proc_environ)
+attempt("host-pids", host_pids_visible)
+attempt("daemon-fd", lambda: os.listdir(f"/proc/{facts['daemon_pid']}/fd"))
+attempt("host-tmp", lambda: read(facts["tmp_marker"]))
+attempt("host-run", lambda: os.listdir("/run"))
+attempt("inherited-fd", inherited_fds)
+attempt("repo-symlink", lambda: read("/sandbox/repo/innocent.txt"))
+attempt("secret-env", no_secret_env)
+attempt("unshare-user", lambda: run_ok("unshare", "-U", "true"))
+attempt("unshare-syscall", lambda: syscall_ok("unshare", 0x10000000))
+attempt("remount-rw", lambda: run_ok("mount", "-o", "remount,rw", "/usr"))
+attempt("mount-tmpfs", lambda: run_ok("mount", "-t", "tmpfs", "none", "/tmp"))
+attempt("write-usr", lambda: open("/usr/bin/sandboxfs-probe", "wb"))
+attempt("write-etc", lambda: open("/etc/sandboxfs-probe", "wb"))
+attempt("tcp-host-loopback", lambda: connect_tcp(facts["tcp_port"]))
+attempt("abstract-socket", lambda: connect_abstract(facts["abstract"]))
+attempt("kill-outside", kill_outside)
+attempt("ptrace-outside", ptrace_outside)
+attempt("tiocsti", tiocsti)
+attempt("setuid-elevation", nnp)
+attempt("su", lambda: run_ok("su", "-c", "id", "root"))
+"""
+
+
+@contextmanager
+def host_services(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A TCP server on the host's loopback, an abstract Unix socket, a marker in /tmp, a
+    sleeping process: things outside that nothing inside may reach."""
+    tcp = socket.create_server(("127.0.0.1", 0))
+    abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    name = f"sandboxfs-test-{os.getpid()}-{time.monotonic_ns()}"
+    abstract.bind("\0" + name)
+    abstract.listen()
+    marker = Path("/tmp") / f"sandboxfs-marker-{os.getpid()}"
+    marker.write_text("host tmp\n")
+    outside = subprocess.Popen(["sleep", "300"])
+
+    def serve() -> None:
+        with suppress(OSError):
+            while True:
+                conn, _ = tcp.accept()
+                with conn:
+                    conn.sendall(b"hello from the host\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield {
+            "tcp_port": tcp.getsockname()[1],
+            "abstract": name,
+            "tmp_marker": str(marker),
+            "outside_pid": outside.pid,
+            "host_pids": [os.getpid(), outside.pid],
+        }
+    finally:
+        outside.kill()
+        outside.wait()
+        tcp.close()
+        abstract.close()
+        marker.unlink()
+
+
+def escape_facts(project: Path, services: dict[str, Any], home: str) -> dict[str, Any]:
+    return {**services, "project": str(project), "home": home}
+
+
+def check_escapes(result: subprocess.CompletedProcess[str]) -> dict[str, str]:
+    found = lines(result)
+    assert len(found) >= 30, result.stdout + result.stderr
+    escaped = {k: v for k, v in found.items() if not v.startswith("blocked")}
+    assert not escaped, escaped
+    return found
+
+
+def test_escapes_fail(project: Path, tmp_path: Path) -> None:
+    """Run at trust full (the widest view) with a secret in the environment, a descriptor of
+    the caller's left open, a repo symlink at a host secret, and host services listening."""
+    secret = tmp_path / "host-secret"
+    secret.write_text("host secret\n")
+    (project / "innocent.txt").symlink_to(secret)
+    env = {**os.environ, "SECRET_TOKEN": "sekrit", "SSH_AUTH_SOCK": "/tmp/agent.sock"}
+    leaked = os.open(secret, os.O_RDONLY)
+    os.set_inheritable(leaked, True)
+    try:
+        with host_services(tmp_path) as services:
+            facts = escape_facts(project, services, os.path.expanduser("~"))
+            result = sbx(
+                "run",
+                "--project",
+                project,
+                "--trust",
+                "full",
+                "--",
+                PY,
+                "-c",
+                ESCAPE_PROBE,
+                json.dumps(facts),
+                env=env,
+                pass_fds=[leaked],
+            )
+    finally:
+        os.close(leaked)
+    assert result.returncode == 0, result.stderr
+    found = check_escapes(result)
+    assert found["real-project"] == "blocked ENOENT"
+    assert found["shadow"] == "blocked ENOENT"
+    assert found["tcp-host-loopback"] == "blocked ECONNREFUSED"
+    assert found["abstract-socket"] == "blocked ECONNREFUSED"
+    assert found["unshare-syscall"] == "blocked EPERM"
+    assert found["write-usr"] == "blocked EROFS"
+    assert found["kill-outside"] == "blocked ESRCH"
+
+
+# ----- a terminal: job control, Ctrl-C, TIOCSTI -------------------------------------------------
+
+
+class Pty:
+    """`sandboxfs run` on a pty of the test's own, driven like a user at a keyboard."""
+
+    def __init__(self, *args: str | Path, prefix: Sequence[str] = ()) -> None:
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # pragma: no cover - the child
+            os.environ["TERM"] = "dumb"
+            argv = [*prefix, *SANDBOXFS, *map(str, args)]
+            os.execvp(argv[0], argv)
+        self.output = b""
+        self.status: int | None = None
+
+    def read_until(self, needle: bytes, timeout: float = 15) -> bytes:
+        deadline = time.monotonic() + timeout
+        while needle not in self.output:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                raise AssertionError(f"{needle!r} not seen; output: {self.output[-2000:]!r}")
+            try:
+                data = os.read(self.fd, 65536)
+            except OSError:
+                data = b""
+            if not data:
+                raise AssertionError(f"{needle!r} not seen before EOF: {self.output[-2000:]!r}")
+            self.output += data
+        return self.output
+
+    def send(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def wait(self, timeout: float = 30) -> int:
+        deadline = time.monotonic() + timeout
+        while self.status is None:
+            with suppress(OSError):
+                if select.select([self.fd], [], [], 0.05)[0]:
+                    self.output += os.read(self.fd, 65536)
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.status = os.waitstatus_to_exitcode(status)
+            elif time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"run did not end; output: {self.output[-2000:]!r}")
+        return self.status
+
+    def kill(self) -> None:
+        if self.status is None:
+            with suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self.status = -9
+
+    def close(self) -> None:
+        self.kill()
+        os.close(self.fd)
+
+
+@contextmanager
+def on_pty(*args: str | Path, prefix: Sequence[str] = ()) -> Iterator[Pty]:
+    term = Pty(*args, prefix=prefix)
+    try:
+        yield term
+    finally:
+        term.close()
+
+
+def test_interactive_bash_with_job_control(project: Path) -> None:
+    args = ["run", "--project", project, "--trust", "session", "--env", "PS1=sbx> "]
+    with on_pty(*args, "--", "bash", "--norc") as t:
+        t.read_until(b"sbx> ")
+        t.send(b"sleep 30 &\n")
+        t.read_until(b"[1] ")
+        t.send(b"jobs; echo jobs-$((1+1))\n")
+        t.read_until(b"jobs-2")
+        assert b"Running" in t.output
+        t.send(b"kill %1; sleep 0.2; jobs; echo killed-$((2+1))\n")
+        t.read_until(b"killed-3")
+        assert b"Terminated" in t.output, t.output
+        assert b"no job control" not in t.output
+        t.send(b"exit 4\n")
+        assert t.wait() == 4
+    assert b"ended (exit 4)" in t.output
+
+
+def test_ctrl_c_reaches_the_program_not_the_sandbox(project: Path) -> None:
+    script = "trap 'echo got-INT; exit 5' INT; echo ready-$((3*3)); while :; do sleep 0.1; done"
+    with on_pty("run", "--project", project, "--", "sh", "-c", script) as t:
+        t.read_until(b"ready-9")
+        t.send(b"\x03")
+        t.read_until(b"got-INT")
+        assert t.wait() == 5
+
+
+def test_tiocsti_cannot_reach_the_terminal(project: Path, tmp_path: Path) -> None:
+    """The same probe on a terminal: TIOCSTI is refused (seccomp), and even the program's own
+    terminal is a pty of run's, never the user's."""
+    with host_services(tmp_path) as services:
+        facts = escape_facts(project, services, os.path.expanduser("~"))
+        args = ["run", "--project", project, "--trust", "full", "-q", "--"]
+        with on_pty(*args, PY, "-c", ESCAPE_PROBE, json.dumps(facts)) as t:
+            assert t.wait() == 0, t.output
+    result = subprocess.CompletedProcess([], 0, t.output.decode(errors="replace"), "")
+    found = check_escapes(result)
+    assert found["tiocsti"] == "blocked EPERM"
+
+
+# ----- exit status, signals, cleanup -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("command", "status"),
+    [
+        (["sh", "-c", "exit 7"], 7),
+        (["sh", "-c", "kill -TERM $$"], 128 + signal.SIGTERM),
+        (["no-such-command-here"], 127),
+        (["/etc/passwd"], 126),
+    ],
+)
+def test_exit_status(project: Path, command: list[str], status: int) -> None:
+    result = sbx("run", "--project", project, "-q", "--", *command)
+    assert result.returncode == status, result.stderr
+
+
+def test_setup_errors_exit_125_with_one_line(project: Path) -> None:
+    for args in (
+        ["--cwd", "/no/such/dir"],
+        ["--cwd", "relative"],
+        ["--net", "allow"],
+        ["--allow-host", "example.com"],
+        ["--env", "1BAD"],
+        ["--trust", "root"],
+        [],
+    ):
+        cmd = ["run", "--project", project, *args, *(["--", "true"] if args else [])]
+        result = sbx(*cmd)
+        assert result.returncode == 125, (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+
+
+def test_sigterm_reaches_the_program_and_background_children_die(project: Path) -> None:
+    marker = f"{time.monotonic_ns() % 10**6}.5"
+    script = (
+        f"sleep {marker} & trap 'echo got-TERM; exit 3' TERM; echo ready; "
+        "while :; do sleep 0.1; done"
+    )
+    proc = subprocess.Popen(
+        [*SANDBOXFS, "run", "--project", project, "--", "sh", "-c", script],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        assert sleeping(marker), "the background child should be running"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 3, err
+    assert "got-TERM" in out
+    assert not sleeping(marker), "a background child outlived the run"
+
+
+def sleeping(marker: str) -> bool:
+    for entry in Path("/proc").iterdir():
+        with suppress(OSError):
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes() == (
+                b"sleep\0" + marker.encode() + b"\0"
+            ):
+                return True
+    return False
+
+
+def test_killed_run_leaves_nothing_behind(project: Path) -> None:
+    """SIGKILL to run itself: the sandbox dies with it (parent-death signal), the daemon
+    unmounts (its lifeline closed), and the next run removes the directory left behind."""
+    marker = f"{time.monotonic_ns() % 10**6}.25"
+    proc = subprocess.Popen(
+        [*SANDBOXFS, "run", "--project", project, "--", "sh", "-c", f"echo ready; sleep {marker}"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    mounts = [m for m in fuse_mounts() if "/run/" in m]
+    assert mounts and run_dirs()
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (sleeping(marker) or set(mounts) & set(fuse_mounts())):
+        time.sleep(0.05)
+    assert not sleeping(marker)
+    assert not set(mounts) & set(fuse_mounts())
+    assert sbx("run", "--project", project, "-q", "--", "true").returncode == 0
+    assert not run_dirs()
+
+
+def test_two_runs_at_once_and_session_resume(project: Path) -> None:
+    script = "echo {0} > /sandbox/session/working/who; sleep 1; cat /sandbox/session/working/who"
+    procs = [
+        subprocess.Popen(
+            [
+                *SANDBOXFS,
+                "run",
+                "--project",
+                project,
+                "--session",
+                name,
+                "--",
+                "sh",
+                "-c",
+                script.format(name),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("first", "second")
+    ]
+    for name, proc in zip(("first", "second"), procs, strict=True):
+        out, err = proc.communicate(timeout=TIMEOUT)
+        assert proc.returncode == 0, err
+        assert out.strip() == name
+        assert f"session {name} ended (exit 0)" in err
+    resumed = sbx(
+        "run",
+        "--project",
+        project,
+        "--session",
+        "first",
+        "--",
+        "cat",
+        "/sandbox/session/working/who",
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.strip() == "first"
+
+
+def test_run_is_audited_and_shown_by_status(project: Path) -> None:
+    proc = subprocess.Popen(
+        [
+            *SANDBOXFS,
+            "run",
+            "--project",
+            project,
+            "--session",
+            "shown",
+            "--",
+            "sh",
+            "-c",
+            "echo ready; sleep 30",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        status = subprocess.run(
+            [*SANDBOXFS, "status", "--json"], capture_output=True, text=True, check=True
+        )
+        rows = [r for r in json.loads(status.stdout) if r.get("session") == "shown"]
+        assert rows and rows[0]["command"] == ["sh", "-c", "echo ready; sleep 30"], status.stdout
+        table = subprocess.run([*SANDBOXFS, "status"], capture_output=True, text=True, check=True)
+        assert "COMMAND" in table.stdout and "sleep 30" in table.stdout
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    runs = [e for e in audit(project, "--op", "run") if e["session"] == "shown"]
+    assert [e["detail"].split(":")[0] for e in runs] == ["start (net none)", f"exit {130}"]
+    assert runs[0]["command"] == ["sh", "-c", "echo ready; sleep 30"]
+    assert runs[1]["status"] == 130
+
+
+# ----- the network: --net allow ------------------------------------------------------------------
+
+
+@contextmanager
+def http_server(text: str) -> Iterator[int]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = text.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+NET_PROBE = r"""
+code() { curl -sS -m 10 -o /dev/null -w '%{http_code}' "$@" 2>/dev/null || echo "fail-$?"; }
+echo "allowed: $(curl -sS -m 10 --noproxy '' http://127.0.0.1:$1/)"
+echo "allowed-tunnel: $(curl -sS -m 10 --noproxy '' --proxytunnel http://127.0.0.1:$1/)"
+echo "refused: $(code --noproxy '' http://127.0.0.1:$2/)"
+echo "refused-body: $(curl -sS -m 10 --noproxy '' http://127.0.0.1:$2/)"
+echo "direct: $(code --noproxy '*' http://127.0.0.1:$1/)"
+echo "metadata: $(code --noproxy '' http://169.254.169.254/latest/meta-data/)"
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/curl"), reason="curl is installed by .ci/setup")
+def test_net_allow_admits_only_listed_hosts(project: Path) -> None:
+    with http_server("server A\n") as allowed, http_server("server B\n") as other:
+        result = sbx(
+            "run",
+            "--project",
+            project,
+            "--net",
+            "allow",
+            "--allow-host",
+            f"127.0.0.1:{allowed}",
+            "--",
+            "sh",
+            "-c",
+            NET_PROBE,
+            "probe",
+            str(allowed),
+            str(other),
+        )
+    assert result.returncode == 0, result.stderr
+    found = lines(result)
+    assert found["allowed"] == "server A"
+    assert found["allowed-tunnel"] == "server A"
+    assert found["refused"] == "403"
+    assert "not in the allowlist" in found["refused-body"]
+    assert found["direct"].endswith("fail-7"), found  # curl: could not connect
+    assert found["metadata"] == "403"
+    net = audit(project, "--op", "net")
+    assert any(e["allowed"] and e["port"] == allowed for e in net), net
+    refused = [e for e in net if e["allowed"] is False and e["port"] == other]
+    assert refused and "allowlist" in refused[0]["reason"], net
+    start = [e for e in audit(project, "--op", "run") if e["detail"].startswith("start")][-1]
+    assert start["net"] == "allow" and start["allow_hosts"] == [f"127.0.0.1:{allowed}"]
+
+
+def test_net_none_is_loopback_only(project: Path) -> None:
+    result = sbx("run", "--project", project, "--", "sh", "-c", "cat /proc/net/dev")
+    assert result.returncode == 0, result.stderr
+    interfaces = [ln.split(":")[0].strip() for ln in result.stdout.splitlines() if ":" in ln]
+    assert interfaces == ["lo"], result.stdout
+
+
+# ----- as an ordinary user -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def nobody_home() -> Iterator[Path]:
+    """A home, state dir and project owned by nobody, in a directory everyone can traverse."""
+    if os.geteuid() != 0:
+        pytest.skip("the ordinary-user tests switch to nobody, which needs root")
+    root = Path(tempfile.mkdtemp(prefix="sandboxfs-run-", dir="/tmp"))
+    try:
+        root.chmod(0o755)
+        make_project(root)
+        (root / "project" / "README.md").write_text("the project readme\n")
+        (root / "home").mkdir()
+        subprocess.run(["chown", "-R", f"{NOBODY_UID}:{NOBODY_UID}", str(root)], check=True)
+        usable = subprocess.run(
+            [*NOBODY, sys.executable, "-c", "import sandboxfs.cli"], capture_output=True
+        )
+        assert usable.returncode == 0, f"nobody cannot run sandboxfs: {usable.stderr!r}"
+        yield root
+    finally:
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            if str(root) in line.split()[1]:
+                subprocess.run(["fusermount3", "-u", "-z", line.split()[1]], check=False)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def nobody_env(root: Path) -> dict[str, str]:
+    return {
+        "HOME": str(root / "home"),
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "SANDBOXFS_STATE_DIR": str(root / "home" / "state"),
+        "SECRET_TOKEN": "sekrit",
+    }
+
+
+def test_ordinary_user_matrix_and_escapes(nobody_home: Path) -> None:
+    project = nobody_home / "project"
+    env = nobody_env(nobody_home)
+    result = sbx(
+        "run",
+        "--project",
+        project,
+        "--trust",
+        "untrusted",
+        "--",
+        "sh",
+        "-c",
+        MATRIX_PROBE,
+        prefix=NOBODY,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert lines(result) == EXPECTED["untrusted"], result.stdout
+    with host_services(nobody_home) as services:
+        facts = escape_facts(project, services, env["HOME"])
+        result = sbx(
+            "run",
+            "--project",
+            project,
+            "--trust",
+            "full",
+            "--",
+            PY,
+            "-c",
+            ESCAPE_PROBE,
+            json.dumps(facts),
+            prefix=NOBODY,
+            env=env,
+        )
+    assert result.returncode == 0, result.stderr
+    found = check_escapes(result)
+    assert found["host-home-ssh"] == "blocked ENOENT"
+    denied = [
+        json.loads(line)
+        for line in (project / ".sandbox" / "audit.jsonl").read_text().splitlines()
+        if '"allowed":false' in line.replace(" ", "")
+    ]
+    assert any(e["uid"] == NOBODY_UID and e["zone"] == "repo" for e in denied), denied
+
+
+def test_ordinary_user_interactive_shell(nobody_home: Path) -> None:
+    project = nobody_home / "project"
+    env_args = [f"{k}={v}" for k, v in nobody_env(nobody_home).items()]
+    prefix = [*NOBODY, "env", "-i", *env_args]
+    with on_pty("run", "--project", project, "--env", "PS1=sbx> ", "--", "sh", prefix=prefix) as t:
+        t.read_until(b"sbx> ")
+        t.send(b"id -u; ls /sandbox; echo done-$((6*7))\n")
+        t.read_until(b"done-42")
+        assert b"65534" in t.output and b"workspace" in t.output
+        t.send(b"exit\n")
+        assert t.wait() == 0
+
+
+# ----- doctor ------------------------------------------------------------------------------------
+
+
+def test_doctor_reports_a_ready_machine() -> None:
+    result = subprocess.run([*SANDBOXFS, "doctor"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+    assert "bubblewrap-trial" in result.stdout
+    report = subprocess.run([*SANDBOXFS, "doctor", "--json"], capture_output=True, text=True)
+    checks = json.loads(report.stdout)
+    assert all(c["ok"] or c["optional"] for c in checks), checks
