@@ -429,7 +429,13 @@ class Proxy:
             )
             thread.daemon = True
             self._threads.add(thread)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError as exc:  # no more threads on this machine: drop this one
+            logger.warning("proxy: cannot serve a connection: %s", exc)
+            with self._lock:
+                self._threads.discard(thread)
+            self._forget(conn)
 
     def _serve(self, conn: socket.socket) -> None:
         """One client connection, from its header to the end of the relay; never raises."""

@@ -652,11 +652,12 @@ def _start_proxy(req: RunRequest, audit: RunAudit, child: _Child) -> Proxy:
     assert child.listener is not None
 
     def on_decision(decision: NetDecision) -> None:
+        pid, comm = connecting_process(child.pid, decision.client[1])
         audit.record(
             "net",
             allowed=decision.allowed,
-            pid=None,
-            comm=None,
+            pid=pid,
+            comm=comm,
             reason=decision.reason,
             errno="EACCES" if not decision.allowed else None,
             detail=f"{decision.method} {decision.host}:{decision.port}",
@@ -668,6 +669,40 @@ def _start_proxy(req: RunRequest, audit: RunAudit, child: _Child) -> Proxy:
     proxy = Proxy(child.listener, Allowlist(req.allow), on_decision)
     proxy.start()
     return proxy
+
+
+def connecting_process(netns_pid: int, port: int) -> tuple[int | None, str | None]:
+    """The process inside that holds the TCP socket connecting from 127.0.0.1:`port`.
+
+    Found from this side: the socket's inode in the sandbox's /proc/net/tcp (read through a
+    process in that network namespace), then the process holding it among those sharing it.
+    Best effort: a process that closed its socket already is (None, None).
+    """
+    wanted = f"0100007F:{port:04X}"
+    inode = None
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{netns_pid}/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[1] == wanted:
+                inode = fields[9]
+                break
+    if inode is None:
+        return None, None
+    target = f"socket:[{inode}]"
+    try:
+        netns = os.readlink(f"/proc/{netns_pid}/ns/net")
+    except OSError:
+        return None, None
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if os.readlink(entry / "ns" / "net") != netns:
+                continue
+            for fd in (entry / "fd").iterdir():
+                if os.readlink(fd) == target:
+                    return int(entry.name), (entry / "comm").read_text().strip()
+    return None, None
 
 
 def _summary(req: RunRequest, started: datetime, status: int) -> str:

@@ -760,7 +760,8 @@ def test_net_allow_admits_only_listed_hosts(project: Path) -> None:
     assert found["direct"].endswith("fail-7"), found  # curl: could not connect
     assert found["metadata"] == "403"
     net = audit(project, "--op", "net")
-    assert any(e["allowed"] and e["port"] == allowed for e in net), net
+    admitted = [e for e in net if e["allowed"] and e["port"] == allowed]
+    assert admitted and admitted[0]["comm"] == "curl" and admitted[0]["pid"] > 0, net
     refused = [e for e in net if e["allowed"] is False and e["port"] == other]
     assert refused and "allowlist" in refused[0]["reason"], net
     start = [e for e in audit(project, "--op", "run") if e["detail"].startswith("start")][-1]
