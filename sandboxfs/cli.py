@@ -373,8 +373,10 @@ def cmd_status(args: argparse.Namespace) -> int:
                     "state": "running",
                     **{
                         k: context.get(k)
-                        for k in ("trust", "session", "workspace", "project", "pid", "command")
+                        for k in ("trust", "session", "workspace", "project", "pid")
                     },
+                    # `sandboxfs run` sessions name their command
+                    **({"command": context["command"]} if "command" in context else {}),
                 }
             )
         else:
