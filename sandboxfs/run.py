@@ -46,13 +46,14 @@ from .daemon import (
 from .errors import UserError
 from .netproxy import Allowlist, HostRule, NetDecision, Proxy
 from .policy import Op, Policy, Trust, Zone
-from .syscalls import make_undumpable
+from .syscalls import make_undumpable, set_dumpable
 
 EXIT_SETUP = 125  # as `docker run`: the sandbox could not be set up, CMD never ran
 STOP_GRACE = 10.0  # seconds between a forwarded SIGTERM/SIGHUP and killing the sandbox
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
+_CHANNEL_FD = 7  # (--net allow) where the child hands the proxy's listener over
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -231,27 +232,33 @@ def _start_child(
         try:
             _die_with_parent(parent)
             os.setsid()
+            fds = {
+                0: stdio[0],
+                1: stdio[1],
+                2: err_w,
+                confine.SYNC_FD: sync_w,
+                confine.STDERR_FD: stdio[2],
+                confine.SECCOMP_FD: filter_fd,
+                confine.STATUS_FD: status_w,
+            }
             if channel is not None:
-                channel[0].close()
-                _own_network(channel[1])
-            _arrange_fds(
-                {
-                    0: stdio[0],
-                    1: stdio[1],
-                    2: err_w,
-                    confine.SYNC_FD: sync_w,
-                    confine.STDERR_FD: stdio[2],
-                    confine.SECCOMP_FD: filter_fd,
-                    confine.STATUS_FD: status_w,
-                }
-            )
+                fds[_CHANNEL_FD] = channel[1].fileno()
+            _arrange_fds(fds)  # nothing of the supervisor's is left from here on
+            if channel is not None:
+                # Writing its own uid_map needs a dumpable process (the supervisor is not);
+                # exec would make it dumpable anyway.
+                set_dumpable(True)
+                _own_network(socket.socket(fileno=_CHANNEL_FD))
             signal.pthread_sigmask(signal.SIG_SETMASK, [])
             for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
                 signal.signal(signum, signal.SIG_DFL)
             os.execve(argv[0], argv, env)
         except BaseException as exc:
-            with contextlib.suppress(OSError):
-                os.write(err_w, f"sandboxfs: {_describe(exc)}\n".encode())
+            message = f"sandboxfs: {_describe(exc)}\n".encode()
+            for fd in (err_w, 2):  # err_w is fd 2 once the descriptors are arranged
+                with contextlib.suppress(OSError):
+                    os.write(fd, message)
+                    break
         os._exit(EXIT_SETUP)
     for fd in (sync_w, err_w, status_w, filter_fd):
         os.close(fd)
@@ -261,11 +268,11 @@ def _start_child(
         with channel[0]:
             channel[0].settimeout(10)
             try:
-                _, fds, _, _ = socket.recv_fds(channel[0], 1, 1)
+                _, handed, _, _ = socket.recv_fds(channel[0], 1, 1)
             except OSError:
-                fds = []
-        if fds:
-            child.listener = socket.socket(fileno=fds[0])
+                handed = []
+        if handed:
+            child.listener = socket.socket(fileno=handed[0])
     return child
 
 
@@ -565,6 +572,7 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         os.close(lifeline_r)
     started = datetime.now(UTC)
     status: int | None = None
+    ran = False  # CMD was started (the launcher ran inside)
     proxy: Proxy | None = None
     terminal: _Terminal | None = None
     try:
@@ -609,7 +617,8 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         if terminal is not None:
             terminal.raw()
         status = supervisor.wait()
-        if not supervisor.ready:
+        ran = supervisor.ready
+        if not ran:
             if terminal is not None:
                 terminal.restore()
             raise SetupError(_setup_failure(supervisor.setup_text, status))
@@ -626,14 +635,15 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
                     "run",
                     pid=os.getpid(),
                     comm="sandboxfs",
-                    detail=f"exit {status}: {shlex.join(req.command)}",
+                    detail=(f"exit {status}" if ran else f"not started (exit {EXIT_SETUP})")
+                    + f": {shlex.join(req.command)}",
                     command=list(req.command),
                     net=req.net,
-                    status=status,
+                    status=status if ran else EXIT_SETUP,
                 )
         os.close(lifeline_w)  # the daemon unmounts and exits
         os.waitpid(daemon, 0)
-        if status is not None and not req.quiet:
+        if ran and status is not None and not req.quiet:
             print(_summary(req, started, status), file=sys.stderr)
 
 

@@ -172,7 +172,11 @@ _PR_SET_DUMPABLE = 4
 
 def make_undumpable() -> None:
     """Keep same-uid processes out of /proc/<pid>/fd, /proc/<pid>/mem and ptrace."""
-    if _prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+    set_dumpable(False)
+
+
+def set_dumpable(dumpable: bool) -> None:
+    if _prctl(_PR_SET_DUMPABLE, int(dumpable), 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 

@@ -879,3 +879,55 @@ def test_doctor_reports_a_ready_machine() -> None:
     report = subprocess.run([*SANDBOXFS, "doctor", "--json"], capture_output=True, text=True)
     checks = json.loads(report.stdout)
     assert all(c["ok"] or c["optional"] for c in checks), checks
+
+
+def test_net_host_is_warned_and_audited(project: Path) -> None:
+    with host_services(project.parent) as services:
+        probe = f"exec 3<>/dev/tcp/127.0.0.1/{services['tcp_port']} && head -c 5 <&3"
+        result = sbx("run", "--project", project, "--net", "host", "--", "bash", "-c", probe)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "hello"  # the host's loopback: that is what host means
+    assert "warning: --net host" in result.stderr
+    start = [e for e in audit(project, "--op", "run") if e["detail"].startswith("start")][-1]
+    assert start["net"] == "host" and start["detail"].startswith("start (net host)")
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/curl"), reason="curl is installed by .ci/setup")
+def test_ordinary_user_net_allow(nobody_home: Path) -> None:
+    """The proxy's network namespace is made by the ordinary user too (no privilege needed)."""
+    project = nobody_home / "project"
+    with http_server("server A\n") as allowed, http_server("server B\n") as other:
+        result = sbx(
+            "run",
+            "--project",
+            project,
+            "--net",
+            "allow",
+            "--allow-host",
+            f"127.0.0.1:{allowed}",
+            "--",
+            "sh",
+            "-c",
+            NET_PROBE,
+            "probe",
+            str(allowed),
+            str(other),
+            prefix=NOBODY,
+            env=nobody_env(nobody_home),
+        )
+    assert result.returncode == 0, result.stderr
+    found = lines(result)
+    assert (found["allowed"], found["refused"]) == ("server A", "403"), found
+    assert found["direct"].endswith("fail-7"), found
+
+
+def test_without_bubblewrap_nothing_runs(project: Path, tmp_path: Path) -> None:
+    """No bwrap on PATH: one line naming the fix, exit 125, and CMD never ran (no fallback)."""
+    marker = tmp_path / "ran"
+    env = {**os.environ, "PATH": str(tmp_path)}
+    result = sbx("run", "--project", project, "--", "/usr/bin/touch", marker, env=env)
+    assert result.returncode == 125
+    assert result.stderr.strip().splitlines() == [
+        "sandboxfs: bubblewrap (bwrap) is not installed; install it: apt-get install bubblewrap"
+    ], result.stderr
+    assert not marker.exists()
