@@ -191,10 +191,10 @@ def test_trust_matrix_through_run(project: Path, trust: str) -> None:
 # ----- escapes -----------------------------------------------------------------------------------
 
 ESCAPE_PROBE = r"""
-import ctypes, errno, fcntl, json, os, socket, subprocess, sys, termios
+import ctypes, errno, fcntl, json, os, socket, subprocess, sys, termios, time
 from contextlib import suppress
 facts = json.loads(sys.argv[1])
-with open("/sandbox/.sandboxfs/context.json") as f:
+with suppress(OSError), open("/sandbox/.sandboxfs/context.json") as f:
     facts["daemon_pid"] = json.load(f)["pid"]  # the daemon's pid outside
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -283,6 +283,21 @@ def nnp():
         return status
     raise OSError(errno.EPERM, "no_new_privs, no capabilities")
 
+def setuid_euid():
+    # su is setuid root: while it waits for a password, is it running as root?
+    su = subprocess.Popen(["/usr/bin/su", "root", "-c", "true"], stdin=subprocess.PIPE,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        with open(f"/proc/{su.pid}/status") as f:
+            euid = int([ln for ln in f if ln.startswith("Uid:")][0].split()[2])
+    finally:
+        su.kill()
+        su.wait()
+    if euid != os.geteuid():
+        return f"su ran with euid {euid}"
+    raise OSError(errno.EPERM, "no elevation")
+
 attempt("real-project", lambda: read(facts["project"] + "/README.md"))
 attempt("state-dir", lambda: os.listdir(facts["project"] + "/.sandbox"))
 attempt("audit-via-repo", lambda: read("/sandbox/repo/.sandbox/audit.jsonl"))
@@ -314,6 +329,7 @@ attempt("ptrace-outside", ptrace_outside)
 attempt("tiocsti", tiocsti)
 attempt("setuid-elevation", nnp)
 attempt("su", lambda: run_ok("su", "-c", "id", "root"))
+attempt("setuid-su", setuid_euid)
 """
 
 
@@ -848,6 +864,13 @@ def test_ordinary_user_matrix_and_escapes(nobody_home: Path) -> None:
     assert result.returncode == 0, result.stderr
     found = check_escapes(result)
     assert found["host-home-ssh"] == "blocked ENOENT"
+    assert found["setuid-su"] == "blocked EPERM"
+    # The control: outside the sandbox the same su does run as root for nobody.
+    probe = ESCAPE_PROBE.split('attempt("real-project"')[0] + "print(setuid_euid())"
+    control = subprocess.run(
+        [*NOBODY, PY, "-c", probe, json.dumps(facts)], capture_output=True, text=True
+    )
+    assert "su ran with euid 0" in control.stdout, control
     denied = [
         json.loads(line)
         for line in (project / ".sandbox" / "audit.jsonl").read_text().splitlines()
