@@ -524,15 +524,7 @@ def _trial_check(host: _Host, earlier: dict[str, Check], timeout: float) -> Chec
         return _skipped(name, "run", "bubblewrap is not installed", "bubblewrap")
     argv = trial_argv(bwrap)
     try:
-        result = subprocess.run(
-            argv,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=timeout,
-            check=False,
-        )
+        result = _quiet_run(argv, timeout)
     except subprocess.TimeoutExpired:
         return Check(
             name,
@@ -615,18 +607,22 @@ def _sysctl(key: str, value: str) -> str:
 def _output(argv: list[str]) -> str | None:
     """stdout and stderr of a quick command that succeeded, or None."""
     try:
-        result = subprocess.run(
-            argv,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=VERSION_TIMEOUT,
-            check=False,
-        )
+        result = _quiet_run(argv, VERSION_TIMEOUT)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return result.stdout + result.stderr if result.returncode == 0 else None
+
+
+def _quiet_run(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=timeout,
+        check=False,
+    )
 
 
 def _version(text: str) -> tuple[int, ...] | None:

@@ -748,8 +748,10 @@ echo "metadata: $(code --noproxy '' http://169.254.169.254/latest/meta-data/)"
 """
 
 
-@pytest.mark.skipif(not os.path.exists("/usr/bin/curl"), reason="curl is installed by .ci/setup")
-def test_net_allow_admits_only_listed_hosts(project: Path) -> None:
+def run_net_probe(
+    project: Path, **options: Any
+) -> tuple[subprocess.CompletedProcess[str], int, int]:
+    """NET_PROBE with two local servers, only the first of which is allowed."""
     with http_server("server A\n") as allowed, http_server("server B\n") as other:
         result = sbx(
             "run",
@@ -766,7 +768,14 @@ def test_net_allow_admits_only_listed_hosts(project: Path) -> None:
             "probe",
             str(allowed),
             str(other),
+            **options,
         )
+    return result, allowed, other
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/curl"), reason="curl is installed by .ci/setup")
+def test_net_allow_admits_only_listed_hosts(project: Path) -> None:
+    result, allowed, other = run_net_probe(project)
     assert result.returncode == 0, result.stderr
     found = lines(result)
     assert found["allowed"] == "server A"
@@ -919,25 +928,7 @@ def test_net_host_is_warned_and_audited(project: Path) -> None:
 def test_ordinary_user_net_allow(nobody_home: Path) -> None:
     """The proxy's network namespace is made by the ordinary user too (no privilege needed)."""
     project = nobody_home / "project"
-    with http_server("server A\n") as allowed, http_server("server B\n") as other:
-        result = sbx(
-            "run",
-            "--project",
-            project,
-            "--net",
-            "allow",
-            "--allow-host",
-            f"127.0.0.1:{allowed}",
-            "--",
-            "sh",
-            "-c",
-            NET_PROBE,
-            "probe",
-            str(allowed),
-            str(other),
-            prefix=NOBODY,
-            env=nobody_env(nobody_home),
-        )
+    result, _, _ = run_net_probe(project, prefix=NOBODY, env=nobody_env(nobody_home))
     assert result.returncode == 0, result.stderr
     found = lines(result)
     assert (found["allowed"], found["refused"]) == ("server A", "403"), found
