@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -564,34 +564,38 @@ def test_setup_errors_exit_125_with_one_line(project: Path) -> None:
         assert "Traceback" not in result.stderr
 
 
-def test_sigterm_reaches_the_program_and_background_children_die(project: Path) -> None:
-    marker = f"{time.monotonic_ns() % 10**6}.5"
-    script = (
-        f"sleep {marker} & trap 'echo got-TERM; exit 3' TERM; echo ready; "
-        "while :; do sleep 0.1; done"
-    )
-    proc = subprocess.Popen(
-        [*SANDBOXFS, "run", "--project", project, "--", "sh", "-c", script],
+@contextmanager
+def running(*args: str | Path) -> Iterator[subprocess.Popen[str]]:
+    """`sandboxfs run ARGS` in the background, once CMD has printed "ready"; killed (if still
+    there) and its pipes closed on the way out."""
+    with subprocess.Popen(
+        [*SANDBOXFS, "run", *map(str, args)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "ready"
-        assert sleeping(marker), "the background child should be running"
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == 3, err
-    assert "got-TERM" in out
-    assert not sleeping(marker), "a background child outlived the run"
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "ready"
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def sleeping(marker: str) -> bool:
+    """Is a `sleep MARKER` running anywhere on this machine?"""
     for entry in Path("/proc").iterdir():
         with suppress(OSError):
             if entry.name.isdigit() and (entry / "cmdline").read_bytes() == (
@@ -601,61 +605,71 @@ def sleeping(marker: str) -> bool:
     return False
 
 
-def test_killed_run_leaves_nothing_behind(project: Path) -> None:
-    """SIGKILL to run itself: the sandbox dies with it (parent-death signal), the daemon
-    unmounts (its lifeline closed), and the next run removes the directory left behind."""
-    marker = f"{time.monotonic_ns() % 10**6}.25"
-    proc = subprocess.Popen(
-        [*SANDBOXFS, "run", "--project", project, "--", "sh", "-c", f"echo ready; sleep {marker}"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_signals_reach_the_program_and_background_children_die(
+    project: Path, signum: signal.Signals
+) -> None:
+    marker = f"{time.monotonic_ns() % 10**6}.5"
+    name = signum.name.removeprefix("SIG")
+    script = (
+        f"sleep {marker} & trap 'echo got-{name}; exit 3' {name}; echo ready; "
+        "while :; do sleep 0.1; done"
     )
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "ready"
-    mounts = [m for m in fuse_mounts() if "/run/" in m]
-    assert mounts and run_dirs()
-    proc.kill()
-    proc.wait()
-    proc.stdout.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (sleeping(marker) or set(mounts) & set(fuse_mounts())):
-        time.sleep(0.05)
-    assert not sleeping(marker)
-    assert not set(mounts) & set(fuse_mounts())
-    assert sbx("run", "--project", project, "-q", "--", "true").returncode == 0
+    with running("--project", project, "--", "sh", "-c", script) as proc:
+        assert wait_until(lambda: sleeping(marker)), "the background child should be running"
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 3, err
+    assert f"got-{name}" in out
+    assert not sleeping(marker), "a background child outlived the run"
+
+
+def test_killed_run_leaves_nothing_behind(project: Path) -> None:
+    """SIGKILL to run itself: the sandbox dies with it (parent-death signal), and the daemon
+    (its lifeline closed) unmounts and removes the run's directory."""
+    marker = f"{time.monotonic_ns() % 10**6}.25"
+    with running("--project", project, "--", "sh", "-c", f"echo ready; sleep {marker}") as proc:
+        mounts = [m for m in fuse_mounts() if "/run/" in m]
+        assert mounts and run_dirs() and wait_until(lambda: sleeping(marker))
+        proc.kill()
+    assert wait_until(lambda: not sleeping(marker) and not set(mounts) & set(fuse_mounts()))
+    assert wait_until(lambda: not run_dirs())
+
+
+def test_a_dead_daemon_is_cleaned_by_the_next_command(project: Path) -> None:
+    """run and its daemon both killed: the mount is dead (ENOTCONN) and its directory stays,
+    until the next sandboxfs command removes them."""
+    args = ["--project", project, "--session", "doomed", "--", "sh", "-c", "echo ready; sleep 30"]
+    with running(*args) as proc:
+        status = subprocess.run([*SANDBOXFS, "status", "--json"], capture_output=True, text=True)
+        row = next(r for r in json.loads(status.stdout) if r.get("session") == "doomed")
+        os.kill(row["pid"], signal.SIGKILL)  # the daemon first: nothing will unmount
+        proc.kill()
+    assert row["mountpoint"] in fuse_mounts() and run_dirs()
+    result = subprocess.run([*SANDBOXFS, "status"], capture_output=True, text=True, timeout=TIMEOUT)
+    assert "dead" in result.stdout, result.stdout
+    cleaned = sbx("umount", "/nonexistent-mountpoint")  # any of run, mount, umount sweeps
+    assert cleaned.returncode == 2
+    assert row["mountpoint"] not in fuse_mounts()
     assert not run_dirs()
 
 
 def test_two_runs_at_once_and_session_resume(project: Path) -> None:
-    script = "echo {0} > /sandbox/session/working/who; sleep 1; cat /sandbox/session/working/who"
-    procs = [
-        subprocess.Popen(
-            [
-                *SANDBOXFS,
-                "run",
-                "--project",
-                project,
-                "--session",
-                name,
-                "--",
-                "sh",
-                "-c",
-                script.format(name),
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name in ("first", "second")
-    ]
-    for name, proc in zip(("first", "second"), procs, strict=True):
-        out, err = proc.communicate(timeout=TIMEOUT)
-        assert proc.returncode == 0, err
-        assert out.strip() == name
-        assert f"session {name} ended (exit 0)" in err
+    who = "/sandbox/session/working/who"
+    script = f"echo ready; echo {{0}} > {who}; sleep 1; cat {who}"
+    with (
+        running(
+            "--project", project, "--session", "first", "--", "sh", "-c", script.format("first")
+        ) as first,
+        running(
+            "--project", project, "--session", "second", "--", "sh", "-c", script.format("second")
+        ) as second,
+    ):
+        for name, proc in (("first", first), ("second", second)):
+            out, err = proc.communicate(timeout=TIMEOUT)
+            assert proc.returncode == 0, err
+            assert out.strip() == name
+            assert f"session {name} ended (exit 0)" in err
     resumed = sbx(
         "run",
         "--project",
@@ -671,42 +685,20 @@ def test_two_runs_at_once_and_session_resume(project: Path) -> None:
 
 
 def test_run_is_audited_and_shown_by_status(project: Path) -> None:
-    proc = subprocess.Popen(
-        [
-            *SANDBOXFS,
-            "run",
-            "--project",
-            project,
-            "--session",
-            "shown",
-            "--",
-            "sh",
-            "-c",
-            "echo ready; sleep 30",
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "ready"
+    command = ["sh", "-c", "echo ready; sleep 30"]
+    with running("--project", project, "--session", "shown", "--", *command) as proc:
         status = subprocess.run(
             [*SANDBOXFS, "status", "--json"], capture_output=True, text=True, check=True
         )
         rows = [r for r in json.loads(status.stdout) if r.get("session") == "shown"]
-        assert rows and rows[0]["command"] == ["sh", "-c", "echo ready; sleep 30"], status.stdout
+        assert rows and rows[0]["command"] == command, status.stdout
         table = subprocess.run([*SANDBOXFS, "status"], capture_output=True, text=True, check=True)
         assert "COMMAND" in table.stdout and "sleep 30" in table.stdout
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-        proc.wait()
     runs = [e for e in audit(project, "--op", "run") if e["session"] == "shown"]
-    assert [e["detail"].split(":")[0] for e in runs] == ["start (net none)", f"exit {130}"]
-    assert runs[0]["command"] == ["sh", "-c", "echo ready; sleep 30"]
+    assert [e["detail"].split(":")[0] for e in runs] == ["start (net none)", "exit 130"]
+    assert runs[0]["command"] == command
     assert runs[1]["status"] == 130
 
 
