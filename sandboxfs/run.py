@@ -523,6 +523,10 @@ def run(req: RunRequest) -> int:
         raise SetupError(
             "bubblewrap (bwrap) is not installed; install it: apt-get install bubblewrap"
         )
+    try:
+        seccomp.build_filter()
+    except seccomp.SeccompUnsupported as exc:
+        raise SetupError(str(exc)) from None
     if shutil.which("setsid", path="/usr/bin:/bin") is None:
         raise SetupError("setsid is not in /usr/bin; install it: apt-get install util-linux")
     make_undumpable()
