@@ -6,6 +6,7 @@ Every user error is one line on stderr and exit code 2; nothing is left mounted.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import re
@@ -13,7 +14,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -27,11 +28,10 @@ from .daemon import (
     MountRequest,
     audit_path,
     check_id,
-    new_session_id,
+    choose_session,
     read_context,
     sandboxfs_mounts,
     serve,
-    session_dir,
     spawn_daemon,
     validate_mountpoint,
     validate_project,
@@ -54,27 +54,27 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sandboxfs",
         description="A FUSE sandbox for AI agents: zones, trust levels, audit log.",
     )
+    parser.add_argument("--version", action="version", version=f"sandboxfs {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    mount = sub.add_parser("mount", help="mount the virtual tree; returns when it answers")
-    mount.add_argument("mountpoint", type=Path)
+    mount = sub.add_parser(
+        "mount",
+        help="mount the virtual tree; returns when it answers",
+        description="Mount the project's virtual tree at MOUNTPOINT and return once it answers "
+        "(the daemon stays in the background; -f keeps it in the foreground).",
+    )
+    mount.add_argument("mountpoint", type=Path, help="an existing, empty directory")
     mount.add_argument(
         "--trust",
         type=_trust,
         help="untrusted, session, workspace or full (default: config, else session)",
     )
+    _project_options(mount)
     mount.add_argument(
-        "--project", type=Path, default=Path("."), help="project directory (default: .)"
-    )
-    mount.add_argument("--workspace", default="default", help="workspace id (default: default)")
-    mount.add_argument("--session", help="resume this session id (default: a new one)")
-    mount.add_argument(
-        "--config", type=Path, help="config file (default: <project>/sandboxfs.yaml)"
-    )
-    mount.add_argument(
+        "-f",
         "--foreground",
         action="store_true",
-        help="stay in the foreground; unmount on SIGINT/SIGTERM",
+        help="stay in the foreground; unmount on Ctrl-C, SIGINT or SIGTERM",
     )
     mount.add_argument(
         "--audit-sync",
@@ -84,10 +84,23 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument(
         "--allow-other",
         action="store_true",
-        help="let other users use the mount (needs user_allow_other)",
+        help="let other users use the mount (needs user_allow_other in /etc/fuse.conf)",
     )
     mount.add_argument(
-        "--debug", action="store_true", help="log every FUSE request to the daemon log"
+        "-d",
+        "--debug",
+        action="store_true",
+        help="log every FUSE request (opcode, inode or name, result, time) to the daemon log",
+    )
+    mount.add_argument(
+        "-o",
+        dest="options",
+        action="append",
+        default=[],
+        metavar="OPT[,OPT...]",
+        help="mount options, as sshfs and bindfs take them: "
+        + ", ".join(MOUNT_OPTIONS)
+        + "; repeatable",
     )
 
     run = sub.add_parser(
@@ -98,12 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(125: the sandbox could not be set up; 126: CMD cannot be executed; 127: not found).",
     )
     run.add_argument("--trust", type=_trust, help="as for mount (default: config, else session)")
-    run.add_argument(
-        "--project", type=Path, default=Path("."), help="project directory (default: .)"
-    )
-    run.add_argument("--workspace", default="default", help="workspace id (default: default)")
-    run.add_argument("--session", help="resume this session id (default: a new one)")
-    run.add_argument("--config", type=Path, help="config file (default: <project>/sandboxfs.yaml)")
+    _project_options(run)
     run.add_argument(
         "--net",
         choices=["none", "allow", "host"],
@@ -186,6 +194,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+MOUNT_OPTIONS = {
+    "allow_other": "as --allow-other",
+    "ro": "read-only: nothing changes through the mount, at any trust level",
+    "trust=LEVEL": "as --trust",
+    "project=DIR": "as --project",
+    "workspace=ID": "as --workspace",
+    "session=ID": "as --session",
+    "new_session=ID": "as --new-session",
+    "config=FILE": "as --config",
+    "entry_timeout=SECONDS": "how long the kernel caches names",
+    "attr_timeout=SECONDS": "how long the kernel caches attributes",
+    "audit_sync": "as --audit-sync",
+    "debug": "as --debug",
+}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("sandboxfs")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        from . import __version__
+
+        return __version__
+
+
+def _project_options(parser: argparse.ArgumentParser) -> None:
+    """The options `mount` and `run` share: which project, workspace, session and config."""
+    parser.add_argument(
+        "--project", type=Path, default=Path("."), help="project directory (default: .)"
+    )
+    parser.add_argument("--workspace", default="default", help="workspace id (default: default)")
+    sessions = parser.add_mutually_exclusive_group()
+    sessions.add_argument("--session", metavar="ID", help="resume this existing session")
+    sessions.add_argument(
+        "--new-session", metavar="ID", help="start a new session with this id (default: random)"
+    )
+    parser.add_argument(
+        "--config", type=Path, help="config file (default: <project>/sandboxfs.yaml)"
+    )
+
+
 def _trust(text: str) -> Trust:
     try:
         return Trust(text)
@@ -225,12 +274,14 @@ def _when(text: str) -> datetime:
 
 def cmd_mount(args: argparse.Namespace) -> int:
     run_mod.sweep_dead_runs()
+    read_only, cache = _apply_mount_options(args)
     project = validate_project(args.project)
     cfg = config_mod.load(project, args.config)
+    if cache:
+        cfg = cfg.model_copy(update={"cache": cfg.cache.model_copy(update=cache)})
     mountpoint = validate_mountpoint(args.mountpoint, project)
     workspace = check_id("workspace", args.workspace)
-    session = check_id("session", args.session) if args.session else new_session_id()
-    resumed = session_dir(project, workspace, session).is_dir()
+    session, resumed = choose_session(project, workspace, args.session, args.new_session)
     req = MountRequest(
         mountpoint=mountpoint,
         project=project,
@@ -242,6 +293,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         debug=args.debug,
         allow_other=args.allow_other,
         config_file=args.config,
+        read_only=read_only,
     )
     if args.foreground:
 
@@ -253,10 +305,59 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return _spawn_daemon(req, resumed)
 
 
+def _apply_mount_options(args: argparse.Namespace) -> tuple[bool, dict[str, float]]:
+    """`-o a,b=c`: each option sets what its long flag sets; returns (ro, cache timeouts)."""
+    read_only = False
+    cache: dict[str, float] = {}
+    flags = {"allow_other": "allow_other", "audit_sync": "audit_sync", "debug": "debug"}
+    valued: dict[str, tuple[str, Callable[[str], Any]]] = {
+        "trust": ("trust", _trust),
+        "project": ("project", Path),
+        "workspace": ("workspace", str),
+        "session": ("session", str),
+        "new_session": ("new_session", str),
+        "config": ("config", Path),
+    }
+    accepted = ", ".join(MOUNT_OPTIONS)
+    for group in args.options:
+        for option in filter(None, group.split(",")):
+            name, sep, value = option.partition("=")
+            if name in flags or name == "ro":
+                if sep:
+                    raise UserError(f"mount option {name} takes no value (got {option!r})")
+                if name == "ro":
+                    read_only = True
+                else:
+                    setattr(args, flags[name], True)
+            elif name in valued or name in ("entry_timeout", "attr_timeout"):
+                if not value:
+                    raise UserError(f"mount option {name} needs a value: {name}=...")
+                if name in valued:
+                    dest, convert = valued[name]
+                    try:
+                        setattr(args, dest, convert(value))
+                    except argparse.ArgumentTypeError as exc:
+                        raise UserError(f"mount option {option}: {exc}") from None
+                else:
+                    try:
+                        seconds = float(value)
+                    except ValueError:
+                        seconds = -1.0
+                    if not seconds >= 0:
+                        raise UserError(f"mount option {option}: expected a number of seconds >= 0")
+                    cache[name] = seconds
+            else:
+                raise UserError(f"unknown mount option {option!r}; accepted: {accepted}")
+    if args.session is not None and args.new_session is not None:
+        raise UserError("--session and --new-session (or their -o forms) exclude each other")
+    return read_only, cache
+
+
 def _mounted_line(req: MountRequest, resumed: bool) -> str:
     return (
         f"mounted {req.mountpoint} (trust {req.trust.value}, workspace {req.workspace}, "
-        f"session {req.session}{' resumed' if resumed else ''})\nsession: {req.session}"
+        f"{'resumed' if resumed else 'new'} session{', read-only' if req.read_only else ''})\n"
+        f"session: {req.session}"
     )
 
 
@@ -278,7 +379,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     project = validate_project(args.project)
     cfg = config_mod.load(project, args.config)
     workspace = check_id("workspace", args.workspace)
-    session = check_id("session", args.session) if args.session else new_session_id()
+    session, _ = choose_session(project, workspace, args.session, args.new_session)
     net = args.net or cfg.run.network
     hosts = args.allow_host or ([] if args.net and args.net != "allow" else cfg.run.allow_hosts)
     if args.allow_host and net != "allow":

@@ -235,7 +235,16 @@ def _validate(model: type[M], raw: Any, source: str) -> M:
 def _describe(exc: ValidationError, model: type[BaseModel], source: str) -> str:
     """One line naming the file, the field path and what is accepted."""
     err = exc.errors()[0]
-    loc = ".".join(str(part) for part in err["loc"]) or "(top level)"
+    parts = [str(part) for part in err["loc"]]
+    if "[key]" in parts:  # a mapping key was rejected: name it, not pydantic's path to it
+        parent = ".".join(parts[: parts.index("[key]") - 1])
+        kind = {"permissions": "trust level"}.get(
+            parent, "zone" if "permissions." in parent + "." else "key"
+        )
+        expected = err.get("ctx", {}).get("expected", "")
+        choices = f"; accepted: {expected}" if expected else ""
+        return f"{source}: unknown {kind} {err['input']!r} under {parent}{choices}"
+    loc = ".".join(parts) or "(top level)"
     if err["type"] == "extra_forbidden":
         accepted = _accepted_keys(model, err["loc"][:-1])
         hint = f"; accepted keys: {', '.join(accepted)}" if accepted else ""

@@ -59,6 +59,7 @@ class MountRequest:
     allow_other: bool = False
     config_file: Path | None = None
     command: tuple[str, ...] | None = None  # set by `sandboxfs run`: shown in context.json
+    read_only: bool = False  # mounted `ro`: the kernel refuses every change
 
 
 def state_dir(project: Path) -> Path:
@@ -84,6 +85,68 @@ def check_id(kind: str, value: str) -> str:
             f"starting with a letter or digit"
         )
     return value
+
+
+def choose_session(
+    project: Path, workspace: str, session: str | None, new_session: str | None
+) -> tuple[str, bool]:
+    """The session to use and whether it is resumed.
+
+    `--session ID` must name an existing session not in use by another mount (two mounts of
+    one session would interleave its scratch files unnoticed); `--new-session ID` must not exist
+    yet (a typo must not silently start an empty session); neither gives a random new id.
+    """
+    if session is not None:
+        check_id("session", session)
+        if not session_dir(project, workspace, session).is_dir():
+            known = existing_sessions(project, workspace)
+            listed = ", ".join(known[:10]) + (", ..." if len(known) > 10 else "")
+            raise UserError(
+                f"session {session!r} does not exist in workspace {workspace!r} "
+                f"({'existing, newest first: ' + listed if known else 'it has no sessions yet'}); "
+                f"to start one with this id: --new-session {session}"
+            )
+        for mountpoint, context in _live_contexts():
+            if (context.get("project"), context.get("workspace"), context.get("session")) == (
+                str(project),
+                workspace,
+                session,
+            ):
+                raise UserError(
+                    f"session {session} is already mounted at {mountpoint} "
+                    f"(pid {context.get('pid')}); unmount it first "
+                    f"(sandboxfs umount {mountpoint}) or start another session"
+                )
+        return session, True
+    if new_session is not None:
+        check_id("session", new_session)
+        if session_dir(project, workspace, new_session).is_dir():
+            raise UserError(
+                f"session {new_session!r} already exists in workspace {workspace!r}; "
+                f"resume it with --session {new_session}"
+            )
+        return new_session, False
+    return new_session_id(), False
+
+
+def existing_sessions(project: Path, workspace: str) -> list[str]:
+    """Session ids of a workspace, most recently used first."""
+    root = state_dir(project) / "workspaces" / workspace / "sessions"
+    try:
+        entries = [e for e in root.iterdir() if e.is_dir()]
+    except OSError:
+        return []
+    entries.sort(key=lambda e: e.stat().st_mtime, reverse=True)
+    return [e.name for e in entries]
+
+
+def _live_contexts() -> list[tuple[str, dict[str, Any]]]:
+    found = []
+    for mountpoint in sandboxfs_mounts():
+        context = read_context(Path(mountpoint), timeout=2.0)
+        if isinstance(context, dict):
+            found.append((mountpoint, context))
+    return found
 
 
 def validate_project(project: Path) -> Path:
@@ -126,13 +189,27 @@ def validate_mountpoint(mountpoint: Path, project: Path) -> Path:
             f"mountpoint {mountpoint} is the project directory itself; "
             f"use an empty directory, for example {project / 'mnt'}"
         )
-    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
-        raise UserError(
-            "/dev/fuse is missing or not accessible; install fuse3 (apt-get install fuse3)"
-        )
+    _check_dev_fuse()
     if os.geteuid() != 0 and shutil.which("fusermount3") is None:
         raise UserError("fusermount3 not found; install fuse3 (apt-get install fuse3)")
     return mp
+
+
+def _check_dev_fuse() -> None:
+    """Missing and not permitted are different problems with different fixes."""
+    try:
+        st = os.stat("/dev/fuse")
+    except FileNotFoundError:
+        raise UserError(
+            "/dev/fuse does not exist; install fuse3 and load the module "
+            "(apt-get install fuse3; modprobe fuse), or in a container pass --device /dev/fuse"
+        ) from None
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        raise UserError(
+            f"/dev/fuse is not readable and writable by you (mode {st.st_mode & 0o777:04o}, "
+            f"owner uid {st.st_uid}); Debian makes it 0666: sudo chmod 0666 /dev/fuse "
+            f"(see 'sandboxfs doctor')"
+        )
 
 
 def read_context(mountpoint: Path, timeout: float) -> dict[str, Any] | str:
@@ -172,6 +249,7 @@ def prepare_store(req: MountRequest) -> Store:
     """Create the zone directories under the state dir and open every zone once."""
     ws = ("workspaces", req.workspace)
     try:
+        _ignore_in_git(ensure_dirs(req.project, STATE_DIR_NAME))
         session = ensure_dirs(req.project, STATE_DIR_NAME, *ws, "sessions", req.session)
         for name in ("inputs", "working", "outputs", "home"):
             ensure_dirs(session, name, mode=0o755)
@@ -203,6 +281,19 @@ def prepare_store(req: MountRequest) -> Store:
         Zone.STAGED: staged,
     }
     return Store(dirs, worker_layers(req.project), hidden)
+
+
+def _ignore_in_git(state: Path) -> None:
+    """`.sandbox/.gitignore` of `*`: `git add -A` in the project never takes the audit log,
+    sessions or workspaces. Created without following a planted link, never rewritten."""
+    with contextlib.suppress(FileExistsError):
+        fd = os.open(
+            state / ".gitignore", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644
+        )
+        try:
+            os.write(fd, b"# sandboxfs state: sessions, workspaces, audit log. Not for git.\n*\n")
+        finally:
+            os.close(fd)
 
 
 def protected_patterns(req: MountRequest) -> list[str]:
@@ -268,6 +359,8 @@ def serve(
     options |= {"fsname=sandboxfs", "subtype=sandboxfs", "nosuid", "nodev", "default_permissions"}
     if req.allow_other:
         options.add("allow_other")
+    if req.read_only:
+        options.add("ro")
     if req.debug:
         options.add("debug")
     pid = os.getpid()

@@ -290,7 +290,7 @@ def test_mount_status_umount(tmp_path: Path, project: Path) -> None:
         session_lines = [ln for ln in result.stdout.splitlines() if ln.startswith("session: ")]
         assert len(session_lines) == 1
         session = session_lines[0].split(": ", 1)[1]
-        assert session and session in result.stdout.splitlines()[0]
+        assert session and session not in result.stdout.splitlines()[0]  # printed once
         context = context_of(mnt)
         assert context is not None
         pid = int(context["pid"])

@@ -606,7 +606,7 @@ def test_create_only_write_is_not_audited_as_denied(
 
 def test_deny_list_at_full(mount_at: Callable[..., Any], project: Path) -> None:
     failures: list[str] = []
-    with mount_at("full", "--session", SESSION_ID) as m:
+    with mount_at("full", "--new-session", SESSION_ID) as m:
         repo = m.mnt / "repo"
         # (refused run, deny pattern in its reason, errno): deny-listed names look absent to
         # whatever looks them up (ENOENT); creating or renaming or linking onto one is EACCES.

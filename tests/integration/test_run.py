@@ -639,7 +639,16 @@ def test_killed_run_leaves_nothing_behind(project: Path) -> None:
 def test_a_dead_daemon_is_cleaned_by_the_next_command(project: Path) -> None:
     """run and its daemon both killed: the mount is dead (ENOTCONN) and its directory stays,
     until the next sandboxfs command removes them."""
-    args = ["--project", project, "--session", "doomed", "--", "sh", "-c", "echo ready; sleep 30"]
+    args = [
+        "--project",
+        project,
+        "--new-session",
+        "doomed",
+        "--",
+        "sh",
+        "-c",
+        "echo ready; sleep 30",
+    ]
     with running(*args) as proc:
         status = subprocess.run([*SANDBOXFS, "status", "--json"], capture_output=True, text=True)
         row = next(r for r in json.loads(status.stdout) if r.get("session") == "doomed")
@@ -659,10 +668,17 @@ def test_two_runs_at_once_and_session_resume(project: Path) -> None:
     script = f"echo ready; echo {{0}} > {who}; sleep 1; cat {who}"
     with (
         running(
-            "--project", project, "--session", "first", "--", "sh", "-c", script.format("first")
+            "--project", project, "--new-session", "first", "--", "sh", "-c", script.format("first")
         ) as first,
         running(
-            "--project", project, "--session", "second", "--", "sh", "-c", script.format("second")
+            "--project",
+            project,
+            "--new-session",
+            "second",
+            "--",
+            "sh",
+            "-c",
+            script.format("second"),
         ) as second,
     ):
         for name, proc in (("first", first), ("second", second)):
@@ -686,7 +702,7 @@ def test_two_runs_at_once_and_session_resume(project: Path) -> None:
 
 def test_run_is_audited_and_shown_by_status(project: Path) -> None:
     command = ["sh", "-c", "echo ready; sleep 30"]
-    with running("--project", project, "--session", "shown", "--", *command) as proc:
+    with running("--project", project, "--new-session", "shown", "--", *command) as proc:
         status = subprocess.run(
             [*SANDBOXFS, "status", "--json"], capture_output=True, text=True, check=True
         )
