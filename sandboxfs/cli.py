@@ -9,6 +9,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import pwd
 import re
 import shlex
 import subprocess
@@ -25,10 +26,12 @@ from . import confine, netproxy
 from . import doctor as doctor_mod
 from . import run as run_mod
 from .daemon import (
+    NOT_YOURS,
     MountRequest,
     audit_path,
     check_id,
     choose_session,
+    mount_owner,
     read_context,
     sandboxfs_mounts,
     serve,
@@ -151,11 +154,21 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true")
 
     umount = sub.add_parser("umount", help="unmount, also a mount whose daemon died")
-    umount.add_argument("mountpoint", type=Path)
+    umount.add_argument("mountpoint", type=Path, help="where a sandboxfs mount is")
+    umount.add_argument(
+        "--lazy",
+        action="store_true",
+        help="detach it now even if busy or hung; it goes once no process uses it",
+    )
+    umount.add_argument(
+        "--force",
+        action="store_true",
+        help="(root) unmount another user's live mount",
+    )
 
     status = sub.add_parser("status", help="list sandboxfs mounts")
-    status.add_argument("mountpoint", type=Path, nargs="?")
-    status.add_argument("--json", action="store_true")
+    status.add_argument("mountpoint", type=Path, nargs="?", help="only this mount")
+    status.add_argument("--json", action="store_true", help="a JSON list instead of a table")
 
     audit = sub.add_parser("audit", help="show, verify or prune the audit log")
     audit.add_argument("action", nargs="?", choices=["show", "verify", "prune"], default="show")
@@ -428,21 +441,52 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if str(mountpoint) not in sandboxfs_mounts():
         raise UserError(f"{args.mountpoint} is not a sandboxfs mount (see 'sandboxfs status')")
     context = read_context(mountpoint, timeout=2.0)
-    pid = context.get("pid") if isinstance(context, dict) else None
-    alive = isinstance(context, dict)
-    cmd = (
-        ["fusermount3", "-u", str(mountpoint)]
-        if alive
-        else ["fusermount3", "-u", "-z", str(mountpoint)]
-    )
+    owner = mount_owner(str(mountpoint))
+    if context == NOT_YOURS and not args.force:
+        raise UserError(
+            f"{args.mountpoint} is {_user_name(owner)}'s mount, in use by them; "
+            + (
+                "to unmount it anyway: sandboxfs umount --force " + str(args.mountpoint)
+                if os.geteuid() == 0
+                else "only they (or root, with --force) can unmount it"
+            ),
+            exit_code=1,
+        )
+    if context == "unresponsive" and not args.lazy:
+        raise UserError(
+            f"{args.mountpoint} does not answer (its daemon is alive but hung or very busy); "
+            f"detach it now with: sandboxfs umount --lazy {args.mountpoint}",
+            exit_code=1,
+        )
+    dead = context == "dead"
+    lazy = dead or args.lazy
+    cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), str(mountpoint)]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         detail = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"
+        if "busy" in detail.lower():
+            raise UserError(
+                f"{args.mountpoint} is busy: processes still use it (see: fuser -vm "
+                f"{args.mountpoint}); close them, or detach it now with: "
+                f"sandboxfs umount --lazy {args.mountpoint}",
+                exit_code=1,
+            )
         raise UserError(f"cannot unmount {args.mountpoint}: {detail}", exit_code=1)
+    pid = context.get("pid") if isinstance(context, dict) else None
     if isinstance(pid, int):
         _wait_for_exit(pid, UNMOUNT_WAIT)
-    print(f"unmounted {args.mountpoint}" + ("" if alive else " (its daemon had died)"))
+    how = " (its daemon had died)" if dead else " (detached: it goes once unused)" if lazy else ""
+    print(f"unmounted {args.mountpoint}{how}")
     return 0
+
+
+def _user_name(uid: int | None) -> str:
+    if uid is None:
+        return "another user"
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _wait_for_exit(pid: int, timeout: float) -> None:
@@ -480,6 +524,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                     **({"command": context["command"]} if "command" in context else {}),
                 }
             )
+        elif context == NOT_YOURS:
+            rows.append({"mountpoint": mp, "state": context, "owner": _user_name(mount_owner(mp))})
         else:
             rows.append({"mountpoint": mp, "state": context})
     if args.json:
@@ -489,6 +535,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("no sandboxfs mounts")
         return 0
     headers = ["MOUNTPOINT", "STATE", "TRUST", "SESSION", "WORKSPACE", "PID", "PROJECT"]
+    if any(r.get("owner") for r in rows):
+        headers.insert(2, "OWNER")  # other users' mounts
     if any(r.get("command") for r in rows):
         headers.append("COMMAND")  # `sandboxfs run` sessions
     table = [[_status_cell(r.get(k.lower())) for k in headers] for r in rows]

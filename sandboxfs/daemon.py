@@ -212,8 +212,13 @@ def _check_dev_fuse() -> None:
         )
 
 
+NOT_YOURS = "not yours"
+
+
 def read_context(mountpoint: Path, timeout: float) -> dict[str, Any] | str:
-    """A mount's context.json, or "dead" / "unresponsive" when it cannot be read.
+    """A mount's context.json, or why not: "dead" (its daemon is gone: ENOTCONN), "not yours"
+    (another user's mount: EACCES), "unresponsive" (no answer within `timeout`: hung or very
+    busy), or "unreadable" (any other error).
 
     Opening the file always reaches the daemon (opens are never answered from the kernel's
     cache), so this tells a live mount from a dead one; a thread bounds a hung daemon.
@@ -224,13 +229,32 @@ def read_context(mountpoint: Path, timeout: float) -> dict[str, Any] | str:
         nonlocal result
         try:
             result = json.loads((mountpoint / ".sandboxfs" / "context.json").read_bytes())
-        except (OSError, ValueError):
-            result = "dead"
+        except OSError as exc:
+            if exc.errno in _DEAD_MOUNT_ERRNOS:
+                result = "dead"
+            elif exc.errno in (errno.EACCES, errno.EPERM):
+                result = NOT_YOURS
+            else:
+                result = "unreadable"
+        except ValueError:
+            result = "unreadable"
 
     thread = threading.Thread(target=read, daemon=True)
     thread.start()
     thread.join(timeout)
     return result
+
+
+def mount_owner(mountpoint: str) -> int | None:
+    """The uid that made a FUSE mount (its `user_id=` option in the mount table)."""
+    with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 4 and _unescape_mount_path(fields[1]) == mountpoint:
+                for option in fields[3].split(","):
+                    if option.startswith("user_id="):
+                        return int(option.removeprefix("user_id="))
+    return None
 
 
 def lazy_unmount(mountpoint: Path) -> None:
@@ -355,6 +379,8 @@ def serve(
         attr_timeout=req.config.cache.attr_timeout,
         context_json=context_document(policy, info, os.getpid()),
     )
+    if req.debug:
+        _log_requests(ops)
     options = set(pyfuse3.default_options)
     options |= {"fsname=sandboxfs", "subtype=sandboxfs", "nosuid", "nodev", "default_permissions"}
     if req.allow_other:
@@ -517,6 +543,88 @@ def _run_daemon(
             os.write(ready_fd, f"ERROR 1 daemon failed: {type(exc).__name__}: {exc}\n".encode())
         raise
     return 0
+
+
+# The requests a mount answers: what --debug logs, one line each.
+_REQUESTS = (
+    "lookup",
+    "getattr",
+    "setattr",
+    "readlink",
+    "forget",
+    "opendir",
+    "readdir",
+    "releasedir",
+    "fsyncdir",
+    "open",
+    "read",
+    "write",
+    "flush",
+    "fsync",
+    "release",
+    "create",
+    "mkdir",
+    "symlink",
+    "mknod",
+    "link",
+    "unlink",
+    "rmdir",
+    "rename",
+    "getxattr",
+    "listxattr",
+    "setxattr",
+    "removexattr",
+    "statfs",
+)
+
+
+def _log_requests(ops: SandboxOperations) -> None:
+    """(--debug) Wrap every request handler so that each request is logged to the daemon log
+    with its opcode, inode or name, caller, result and time. Off by default: it costs."""
+    for name in _REQUESTS:
+        handler = getattr(ops, name, None)
+        if handler is not None:
+            setattr(ops, name, _logged(name, handler))
+
+
+def _logged(name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
+    async def logged(*args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            result = await handler(*args)
+        except pyfuse3.FUSEError as exc:
+            outcome = errno.errorcode.get(exc.errno, str(exc.errno))
+            raise
+        except BaseException as exc:
+            outcome = f"raised {type(exc).__name__}"
+            raise
+        else:
+            outcome = _shown(result)
+            return result
+        finally:
+            took = (time.perf_counter() - start) * 1e6
+            shown = " ".join(_shown(arg) for arg in args)
+            log.debug("request %s %s -> %s (%.0f us)", name, shown, outcome, took)
+
+    return logged
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "ok"
+    if isinstance(value, int | float | str):
+        return str(value)
+    if isinstance(value, bytes):
+        return repr(value) if len(value) <= 64 else f"<{len(value)} bytes>"
+    if isinstance(value, pyfuse3.RequestContext):
+        return f"pid={value.pid} uid={value.uid}"
+    if isinstance(value, pyfuse3.EntryAttributes):
+        return f"ino={value.st_ino}"
+    if isinstance(value, pyfuse3.FileInfo):
+        return f"fh={value.fh}"
+    if isinstance(value, tuple):
+        return "(" + " ".join(_shown(v) for v in value) + ")"
+    return type(value).__name__
 
 
 def _raise_fd_limit() -> None:
