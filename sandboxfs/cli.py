@@ -148,10 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="fsync every audit entry before the operation returns",
     )
     run.add_argument("--quiet", "-q", action="store_true", help="no summary line at exit")
-    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
+    run.add_argument(
+        "argv",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD [ARG...]",
+        help="the command to run inside, after --",
+    )
 
     doctor = sub.add_parser("doctor", help="check what mount and run need on this machine")
-    doctor.add_argument("--json", action="store_true")
+    doctor.add_argument("--json", action="store_true", help="a JSON list of checks")
 
     umount = sub.add_parser("umount", help="unmount, also a mount whose daemon died")
     umount.add_argument("mountpoint", type=Path, help="where a sandboxfs mount is")

@@ -619,7 +619,7 @@ def _shown(value: Any) -> str:
     if isinstance(value, pyfuse3.RequestContext):
         return f"pid={value.pid} uid={value.uid}"
     if isinstance(value, pyfuse3.EntryAttributes):
-        return f"ino={value.st_ino}"
+        return f"ino={value.st_ino}" if value.st_ino else "absent (a negative entry)"
     if isinstance(value, pyfuse3.FileInfo):
         return f"fh={value.fh}"
     if isinstance(value, tuple):
