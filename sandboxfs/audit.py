@@ -31,7 +31,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
@@ -633,6 +633,11 @@ def query(path: Path, q: AuditQuery) -> list[dict[str, Any]]:
         data = path.read_bytes()
     except FileNotFoundError:
         return []
+    return _select(data, q)
+
+
+def _select(data: bytes, q: AuditQuery) -> list[dict[str, Any]]:
+    """`query` on the bytes of a log, so that `follow` can use what it has already opened."""
     matches = _Filter(q)
     found = [
         entry
@@ -643,6 +648,41 @@ def query(path: Path, q: AuditQuery) -> list[dict[str, Any]]:
     if q.limit is not None:
         found = found[max(0, len(found) - q.limit) :]
     return found
+
+
+@dataclass(frozen=True, slots=True)
+class Clock:
+    """Which time the table's TIME column shows; JSON keeps `ts` in UTC whatever this says.
+
+    Local time is the TZ variable's zone (else /etc/localtime), each entry at its own offset,
+    so a log spanning a change to or from daylight saving time is right on both sides.
+    """
+
+    local: bool = False
+
+    def label(self) -> str:
+        """The zone as the header names it: UTC, JST, or CET/CEST for a zone with summer time."""
+        if not self.local:
+            return "UTC"
+        standard, summer = time.tzname
+        return standard if not time.daylight or standard == summer else f"{standard}/{summer}"
+
+    def show(self, ts: object) -> str:
+        """`ts` to the second in this clock's zone; text that is no time is shown as it is."""
+        if not isinstance(ts, str):
+            return ""
+        if not self.local:
+            return ts[:19].replace("T", " ")
+        try:
+            moment = datetime.fromisoformat(ts)
+        except ValueError:
+            return _text(ts)
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=UTC)  # as _format_ts: a naive time is UTC
+        return moment.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+_UTC = Clock()
 
 
 _COLUMNS = (
@@ -673,8 +713,7 @@ def _row(cells: Sequence[str]) -> str:
     return "  ".join(padded).rstrip()
 
 
-def _table_row(entry: dict[str, Any]) -> str:
-    ts = entry.get("ts")
+def _table_row(entry: dict[str, Any], clock: Clock | None = None) -> str:
     path = _text(entry.get("path"))
     if entry.get("path") is None and entry.get("detail") is not None:
         path = _text(entry["detail"])  # `run` and `net` entries: the command, the host
@@ -691,7 +730,7 @@ def _table_row(entry: dict[str, Any]) -> str:
         name = errno.errorcode.get(code, str(code)) if isinstance(code, int) else _text(code)
         reason = ": ".join(part for part in (name, _text(entry.get("reason"))) if part)
     cells = [
-        ts[:19].replace("T", " ") if isinstance(ts, str) else "",
+        (clock or _UTC).show(entry.get("ts")),
         _text(entry.get("op")),
         "DENIED" if denied else "ok",
         _text(entry.get("zone")),
@@ -702,9 +741,16 @@ def _table_row(entry: dict[str, Any]) -> str:
     return _row(cells)
 
 
-def format_table(entries: Sequence[dict[str, Any]]) -> str:
-    """A header line and one row per entry (UTC times); `format_table([])` is the header."""
-    return "\n".join([_row([name for name, _ in _COLUMNS]), *map(_table_row, entries)])
+def format_table(entries: Sequence[dict[str, Any]], clock: Clock | None = None) -> str:
+    """A header line and one row per entry; `format_table([], clock)` is the header alone.
+
+    With a `clock` the header names its zone (`TIME (UTC)`); without one the times are UTC and
+    the header is a bare `TIME`, as it was before times named their zone.
+    """
+    names = [name for name, _ in _COLUMNS]
+    if clock is not None:
+        names[0] += f" ({clock.label()})"
+    return "\n".join([_row(names), *(_table_row(entry, clock) for entry in entries)])
 
 
 def follow(
@@ -716,25 +762,37 @@ def follow(
     poll: float = 0.2,
     stop: Callable[[], bool] = lambda: False,
     resume: tuple[int, int] | None = None,
+    last: int = 0,
+    clock: Clock | None = None,
 ) -> None:
-    """Print entries appended from now on that match `q` (its `limit` is ignored), until stop().
+    """Print entries appended from now on that match `q` (its `limit` is ignored), until stop(),
+    like `tail -f`; first the `last` latest matching entries already there, as `query` orders
+    them, read from the same open file so that none is missed or shown twice.
 
     Entries are recognised as new by id, so re-reading a log that prune replaced prints nothing
-    twice. Table rows come without a header. `resume` = (file offset, last id already shown)
-    continues a `query` without a gap: pass the log's size from before the query and the
-    largest id it printed.
+    twice. Table rows (times per `clock`) come without a header. `resume` = (file offset, last id
+    already shown) continues a `query` without a gap: pass the log's size from before the query
+    and the largest id it printed.
     """
     last_id = 0
     pending = b""
     matches = _Filter(q)
     stream = _open_or_none(path)
+
+    def show(entry: dict[str, Any]) -> None:
+        out.write((_canonical(entry).decode() if as_json else _table_row(entry, clock)) + "\n")
+
     try:
         if stream is not None and resume is not None:
             stream.seek(resume[0])
             last_id = resume[1]
         elif stream is not None:
             tail = _scan_tail(stream.fileno(), os.fstat(stream.fileno()).st_size)
-            stream.seek(tail.valid_end)  # a line being written right now is still to come
+            if last > 0:  # up to the last complete line: one being written is still to come
+                for known in _select(stream.read(tail.valid_end), replace(q, limit=last)):
+                    show(known)
+                out.flush()
+            stream.seek(tail.valid_end)
             last_id = tail.last_id
         while not stop():
             if stream is None or not _same_file(stream.fileno(), path):
@@ -749,8 +807,7 @@ def follow(
                         continue
                     last_id = entry["id"]
                     if matches(entry):
-                        text = _canonical(entry).decode() if as_json else _table_row(entry)
-                        out.write(text + "\n")
+                        show(entry)
                 out.flush()
             time.sleep(poll)
     finally:
@@ -956,7 +1013,7 @@ def _replace(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def prune(path: Path, before: datetime) -> int:
+def prune(path: Path, before: datetime, *, dry_run: bool = False) -> int:
     """Drop the leading entries older than `before`, keeping the rest verifiable.
 
     Only a leading run can go, or the chain would break: an older entry that follows a newer one
@@ -965,7 +1022,8 @@ def prune(path: Path, before: datetime) -> int:
     entries is keyed with the anchor's key if this user has it: without a mac, a header could
     be made up by anyone to hide entries removed from the start. The anchor's head stays
     right, since the last entry is always kept (or, when all go, the header takes its id).
-    Returns how many entries were dropped.
+    Returns how many entries were dropped, or with `dry_run` how many would be (and drops none),
+    so that a user can be asked first.
     """
     cutoff = _format_ts(before)
     try:
@@ -985,8 +1043,8 @@ def prune(path: Path, before: datetime) -> int:
             dropped = 0
             while dropped < len(chain) and str(chain[dropped][1].get("ts", "")) < cutoff:
                 dropped += 1
-            if dropped == 0:
-                return 0
+            if dropped == 0 or dry_run:
+                return dropped
             last = chain[dropped - 1][1]
             anchor, _ = read_anchor(*locate_anchor(path))
             header, _ = _sealed_line(

@@ -20,15 +20,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import audit as audit_mod
+from . import audit_cli, confine, netproxy
 from . import config as config_mod
-from . import confine, netproxy
 from . import doctor as doctor_mod
 from . import run as run_mod
 from .daemon import (
     NOT_YOURS,
     MountRequest,
-    audit_path,
     check_id,
     choose_session,
     mount_owner,
@@ -40,7 +38,7 @@ from .daemon import (
     validate_project,
 )
 from .errors import UserError
-from .policy import Op, Trust, Zone
+from .policy import Trust
 
 UNMOUNT_WAIT = 10.0
 
@@ -175,40 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("mountpoint", type=Path, nargs="?", help="only this mount")
     status.add_argument("--json", action="store_true", help="a JSON list instead of a table")
 
-    audit = sub.add_parser("audit", help="show, verify or prune the audit log")
-    audit.add_argument("action", nargs="?", choices=["show", "verify", "prune"], default="show")
-    audit.add_argument(
-        "--project", type=Path, default=Path("."), help="project directory (default: .)"
-    )
-    audit.add_argument("--session")
-    audit.add_argument("--workspace")
-    audit.add_argument(
-        "--op",
-        choices=[
-            *(o.value for o in Op),
-            "rename",
-            "link",
-            "mount",
-            "unmount",
-            "run",
-            "net",
-            "error",
-            "recover",
-            "prune",
-        ],
-    )
-    audit.add_argument("--zone", choices=[z.value for z in Zone])
-    audit.add_argument("--trust", type=_trust)
-    allowed = audit.add_mutually_exclusive_group()
-    allowed.add_argument("--denied", action="store_true", help="only denials")
-    allowed.add_argument("--allowed", action="store_true", help="only allowed operations")
-    audit.add_argument("--since", type=_when, help="ISO time or age such as 10m, 2h, 7d")
-    audit.add_argument("--until", type=_when, help="ISO time or age such as 10m, 2h, 7d")
-    audit.add_argument("--pid", type=int)
-    audit.add_argument("--limit", type=_positive, help="only the last N matching entries")
-    audit.add_argument("--json", action="store_true", help="JSON lines instead of a table")
-    audit.add_argument("--follow", "-f", action="store_true", help="keep printing new entries")
-    audit.add_argument("--before", type=_when, help="with prune: drop entries older than this")
+    audit_cli.add_parser(sub, trust_type=_trust, when_type=_when, positive_type=_positive)
     return parser
 
 
@@ -557,58 +522,13 @@ def _status_cell(value: Any) -> str:
     return str(value or "")
 
 
-# ----- audit --------------------------------------------------------------------------------------
-
-
-def cmd_audit(args: argparse.Namespace) -> int:
-    project = validate_project(args.project)
-    path = audit_path(project)
-    if args.action == "verify":
-        result = audit_mod.verify(path)
-        print(result.message)
-        return 0 if result.ok else 1
-    if args.action == "prune":
-        if args.before is None:
-            raise UserError("audit prune needs --before T (ISO time or an age such as 30d)")
-        dropped = audit_mod.prune(path, args.before)
-        print(f"pruned {dropped} entries older than {args.before.isoformat()}")
-        return 0
-    query = audit_mod.AuditQuery(
-        session=args.session,
-        workspace=args.workspace,
-        op=args.op,
-        zone=args.zone,
-        trust=args.trust.value if args.trust else None,
-        allowed=False if args.denied else True if args.allowed else None,
-        since=args.since,
-        until=args.until,
-        pid=args.pid,
-        limit=args.limit,
-    )
-    start = path.stat().st_size if path.exists() else 0
-    entries = audit_mod.query(path, query)
-    if args.json:
-        for entry in entries:
-            print(json.dumps(entry, sort_keys=True))
-    elif entries or not args.follow:
-        print(audit_mod.format_table(entries) if entries else "no matching audit entries")
-    sys.stdout.flush()
-    if args.follow:
-        try:
-            shown = max((e["id"] for e in entries), default=0)
-            audit_mod.follow(path, query, sys.stdout, as_json=args.json, resume=(start, shown))
-        except KeyboardInterrupt:
-            return 0
-    return 0
-
-
 COMMANDS = {
     "mount": cmd_mount,
     "run": cmd_run,
     "doctor": cmd_doctor,
     "umount": cmd_umount,
     "status": cmd_status,
-    "audit": cmd_audit,
+    "audit": audit_cli.main,
 }
 
 

@@ -134,7 +134,7 @@ def test_table_shows_denials_with_path_and_process(history: History) -> None:
     result = sandboxfs("audit", "--project", history.project)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].split()[:3] == ["TIME", "OP", "RESULT"]
+    assert lines[0].split()[:4] == ["TIME", "(UTC)", "OP", "RESULT"]
     row = next(line for line in lines if "/repo/README.md" in line)
     assert "DENIED" in row
     assert f"cat[{history.cat_pid}]" in row
@@ -418,7 +418,7 @@ def test_verify_without_the_anchor_says_what_it_did_not_check(
 def test_prune_keeps_the_chain_verifiable(history: History, mount_at: Callable[..., Any]) -> None:
     every = history.entries
     cut = every[len(every) // 2]["ts"]
-    pruned = sandboxfs("audit", "prune", "--project", history.project, "--before", cut)
+    pruned = sandboxfs("audit", "prune", "--project", history.project, "--before", cut, "--yes")
     assert pruned.returncode == 0, pruned.stderr
     assert pruned.stdout.startswith("pruned ")
     assert _verify(history.project).returncode == 0
@@ -427,7 +427,7 @@ def test_prune_keeps_the_chain_verifiable(history: History, mount_at: Callable[.
     assert len(left) < len(every) + 1
 
     future = "2999-01-01T00:00:00Z"
-    gone = sandboxfs("audit", "prune", "--project", history.project, "--before", future)
+    gone = sandboxfs("audit", "prune", "--project", history.project, "--before", future, "--yes")
     assert gone.returncode == 0, gone.stderr
     after = _verify(history.project)
     assert after.returncode == 0, after.stdout
@@ -496,7 +496,7 @@ def test_follow_prints_new_denials(
 ) -> None:
     with mount_at("untrusted") as m:
         assert sh(f"echo x > {m.mnt}/repo/before.txt").returncode != 0
-        proc = follower("--json", "--denied")
+        proc = follower("--json", "--denied", "-n", "1")  # the last one, then new ones
         lines = _reader(proc.stdout)
         first = json.loads(_next_line(lines, lambda line: bool(line.strip()), 20))
         assert first["path"] == "/repo/before.txt"
