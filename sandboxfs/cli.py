@@ -20,7 +20,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import audit_cli, confine, netproxy
+from . import audit_cli, completion, confine, manpage, netproxy
 from . import config as config_mod
 from . import doctor as doctor_mod
 from . import run as run_mod
@@ -174,6 +174,21 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="a JSON list instead of a table")
 
     audit_cli.add_parser(sub, trust_type=_trust, when_type=_when, positive_type=_positive)
+    shell = sub.add_parser(
+        "completion",
+        help="print the bash or zsh completion script",
+        description="Print the shell completion script of sandboxfs, generated from its options. "
+        "bash: sandboxfs completion bash > ~/.local/share/bash-completion/completions/sandboxfs, "
+        'or eval "$(sandboxfs completion bash)" in ~/.bashrc. zsh: '
+        'eval "$(sandboxfs completion zsh)" in ~/.zshrc, after compinit.',
+    )
+    shell.add_argument("shell", choices=completion.SHELLS, help="the shell: %(choices)s")
+    sub.add_parser(
+        "man",
+        help="print the man page",
+        description="Print the sandboxfs(1) man page, in roff. Read it: sandboxfs man | man -l -; "
+        "install it: sandboxfs man > ~/.local/share/man/man1/sandboxfs.1",
+    )
     return parser
 
 
@@ -522,10 +537,22 @@ def _status_cell(value: Any) -> str:
     return str(value or "")
 
 
+def cmd_completion(args: argparse.Namespace) -> int:
+    print(completion.script(build_parser(), args.shell), end="")  # script() annotates its parser
+    return 0
+
+
+def cmd_man(args: argparse.Namespace) -> int:
+    print(manpage.render(build_parser(), _version()), end="")
+    return 0
+
+
 COMMANDS = {
     "mount": cmd_mount,
     "run": cmd_run,
     "doctor": cmd_doctor,
+    "completion": cmd_completion,
+    "man": cmd_man,
     "umount": cmd_umount,
     "status": cmd_status,
     "audit": audit_cli.main,
