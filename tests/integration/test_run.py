@@ -375,6 +375,26 @@ def escape_facts(project: Path, services: dict[str, Any], home: str) -> dict[str
     return {**services, "project": str(project), "home": home}
 
 
+def run_escape_probe(
+    project: Path, services: dict[str, Any], home: str, **options: Any
+) -> subprocess.CompletedProcess[str]:
+    """ESCAPE_PROBE inside `run` at trust full, the widest view."""
+    facts = json.dumps(escape_facts(project, services, home))
+    return sbx(
+        "run",
+        "--project",
+        project,
+        "--trust",
+        "full",
+        "--",
+        PY,
+        "-c",
+        ESCAPE_PROBE,
+        facts,
+        **options,
+    )
+
+
 def check_escapes(result: subprocess.CompletedProcess[str]) -> dict[str, str]:
     found = lines(result)
     assert len(found) >= 30, result.stdout + result.stderr
@@ -394,20 +414,8 @@ def test_escapes_fail(project: Path, tmp_path: Path) -> None:
     os.set_inheritable(leaked, True)
     try:
         with host_services(tmp_path) as services:
-            facts = escape_facts(project, services, os.path.expanduser("~"))
-            result = sbx(
-                "run",
-                "--project",
-                project,
-                "--trust",
-                "full",
-                "--",
-                PY,
-                "-c",
-                ESCAPE_PROBE,
-                json.dumps(facts),
-                env=env,
-                pass_fds=[leaked],
+            result = run_escape_probe(
+                project, services, os.path.expanduser("~"), env=env, pass_fds=[leaked]
             )
     finally:
         os.close(leaked)
@@ -864,20 +872,7 @@ def test_ordinary_user_matrix_and_escapes(nobody_home: Path) -> None:
     assert lines(result) == EXPECTED["untrusted"], result.stdout
     with host_services(nobody_home) as services:
         facts = escape_facts(project, services, env["HOME"])
-        result = sbx(
-            "run",
-            "--project",
-            project,
-            "--trust",
-            "full",
-            "--",
-            PY,
-            "-c",
-            ESCAPE_PROBE,
-            json.dumps(facts),
-            prefix=NOBODY,
-            env=env,
-        )
+        result = run_escape_probe(project, services, env["HOME"], prefix=NOBODY, env=env)
     assert result.returncode == 0, result.stderr
     found = check_escapes(result)
     assert found["host-home-ssh"] == "blocked ENOENT"
