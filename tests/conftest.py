@@ -58,6 +58,16 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: st
     return lines[0]
 
 
+def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
+    """Poll `predicate` until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def force_unmount(mountpoint: Path) -> None:
     subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
 

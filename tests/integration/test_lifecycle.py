@@ -26,6 +26,7 @@ from tests.conftest import (
     mounted,
     sandboxfs,
     sh,
+    wait_until,
 )
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -64,15 +65,6 @@ def wait_gone(pid: int, timeout: float = 15.0) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.02)
-    return True
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
     return True
 
 

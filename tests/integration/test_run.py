@@ -22,14 +22,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import SANDBOXFS, make_project
+from tests.conftest import SANDBOXFS, make_project, wait_until
 
 NOBODY_UID = 65534
 NOBODY = ["setpriv", f"--reuid={NOBODY_UID}", f"--regid={NOBODY_UID}", "--clear-groups", "--"]
@@ -591,15 +591,6 @@ def running(*args: str | Path) -> Iterator[subprocess.Popen[str]]:
             if proc.poll() is None:
                 proc.kill()
             proc.communicate()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def sleeping(marker: str) -> bool:
