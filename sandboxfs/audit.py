@@ -36,8 +36,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
-import trio
-
 from .audit_anchor import (
     Anchor,
     AnchorFile,
@@ -526,15 +524,6 @@ class AuditLog:
             )
             self._anchor_path = None  # once: not on every flush
         return True
-
-    async def run(self, interval: float = 0.05) -> None:
-        """Flush every `interval` seconds until cancelled, then flush what is left."""
-        try:
-            while True:
-                await trio.sleep(interval)
-                self.try_flush()
-        finally:
-            self.try_flush()  # synchronous, so cancellation cannot interrupt it
 
     def close(self) -> None:
         """Flush, make it durable and release the files; later calls do nothing."""

@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from . import audit as audit_mod
-from .daemon import audit_path, validate_project
+from .core.policy import BUILTIN_ZONES, Op, Trust
 from .errors import UserError
-from .policy import Op, Trust, Zone
+from .project import audit_path, validate_project
 
 P = TypeVar("P", bound=argparse.ArgumentParser)
 
@@ -185,9 +185,10 @@ def _show_options(
         add("--op", choices=OPS, metavar="OP", help="only this operation: %(choices)s"),
         add(
             "--zone",
-            choices=[z.value for z in Zone],
             metavar="ZONE",
-            help="only this zone: %(choices)s",
+            help="only this zone: "
+            + ", ".join(z.value for z in BUILTIN_ZONES)
+            + ", or one the project declares",
         ),
         add(
             "--trust",

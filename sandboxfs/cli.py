@@ -24,6 +24,7 @@ from . import audit_cli, completion, confine, manpage, netproxy
 from . import config as config_mod
 from . import doctor as doctor_mod
 from . import run as run_mod
+from .core.policy import Trust
 from .daemon import (
     NOT_YOURS,
     MountRequest,
@@ -35,10 +36,9 @@ from .daemon import (
     serve,
     spawn_daemon,
     validate_mountpoint,
-    validate_project,
 )
 from .errors import UserError
-from .policy import Trust
+from .project import validate_project
 
 UNMOUNT_WAIT = 10.0
 

@@ -22,8 +22,8 @@ from collections.abc import Iterator, Sequence
 
 import shtab
 
+from .core.policy import BUILTIN_ZONES, Trust
 from .manpage import walk
-from .policy import Trust
 
 SHELLS = ("bash", "zsh")
 
@@ -49,6 +49,7 @@ COMPLETE_BY_DEST: dict[str, _Complete] = {
     "mountpoint": shtab.DIRECTORY,
     "config": shtab.FILE,
     "trust": words([t.value for t in Trust]),
+    "zone": words([z.value for z in BUILTIN_ZONES]),  # a project's own zones are typed out
 }
 
 

@@ -9,15 +9,25 @@ could write it would choose its own policy for the next mount).
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from .core.limits import Quota, ZoneLimits
+from .core.policy import BUILTIN_ZONES, Matrix, Trust, Zone, ZoneAccess
 from .errors import UserError
-from .policy import Matrix, Trust, Zone, ZoneAccess
 
 PROJECT_CONFIG_NAME = "sandboxfs.yaml"
 # Protected at every trust level whatever a config says: the project's own config file.
@@ -66,8 +76,19 @@ DEFAULT_PERMISSIONS: dict[Trust, dict[Zone, str]] = {
         Zone.STAGED: "rwld",
         Zone.WORKERS: "rl",
     },
-    Trust.FULL: {zone: "rwld" for zone in Zone},
+    Trust.FULL: {zone: "rwld" for zone in BUILTIN_ZONES},
 }
+# What a project zone grants where its declaration says nothing: like /repo, nothing below
+# `workspace`.
+PROJECT_ZONE_DEFAULTS: dict[Trust, str] = {
+    Trust.UNTRUSTED: "",
+    Trust.SESSION: "",
+    Trust.WORKSPACE: "rl",
+    Trust.FULL: "rwld",
+}
+MAX_PROJECT_ZONES = 32
+_ZONE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+BUILTIN_NAMES = [z.value for z in BUILTIN_ZONES]
 
 
 def _check_permission(value: str) -> str:
@@ -110,15 +131,64 @@ class RunConfig(_Strict):
     allow_hosts: list[str] = Field(default_factory=list)
 
 
+class QuotaConfig(_Strict):
+    """A zone's quota: total bytes of its files and number of its entries (either optional)."""
+
+    bytes: int | None = Field(default=None, ge=0)
+    files: int | None = Field(default=None, ge=0)
+
+
+class LimitsConfig(_Strict):
+    """Limits of one zone (see sandboxfs.core.limits for what each means)."""
+
+    max_file_bytes: int | None = Field(default=None, ge=0)
+    suffixes: list[str] | None = None
+    quota: QuotaConfig | None = None
+
+    @field_validator("suffixes")
+    @classmethod
+    def _valid_suffixes(cls, value: list[str] | None) -> list[str] | None:
+        for suffix in value or ():
+            if not suffix.startswith(".") or len(suffix) < 2 or "/" in suffix or "\0" in suffix:
+                raise ValueError(
+                    f"invalid suffix {suffix!r}: a suffix starts with '.' and names no "
+                    f"directory, e.g. '.md' or '.tar.gz'"
+                )
+        return value
+
+    def limits(self) -> ZoneLimits:
+        quota = Quota(self.quota.bytes, self.quota.files) if self.quota is not None else None
+        return ZoneLimits.make(self.max_file_bytes, self.suffixes, quota)
+
+
+class ZoneConfig(_Strict):
+    """A project-defined zone: its backing directory and what each trust level may do there
+    (levels not given get PROJECT_ZONE_DEFAULTS)."""
+
+    path: str
+    permissions: dict[Trust, Permission] = Field(default_factory=dict)
+
+    @field_validator("path")
+    @classmethod
+    def _valid_path(cls, value: str) -> str:
+        if not value.strip() or "\0" in value:
+            raise ValueError("a zone path must name a directory")
+        return value
+
+
 class Config(_Strict):
     """The complete, validated configuration of one mount."""
 
     default_trust: Trust = Trust.SESSION
     deny: list[str] = Field(default_factory=lambda: list(DEFAULT_DENY))
     protect: list[str] = Field(default_factory=lambda: list(DEFAULT_PROTECT))
-    permissions: dict[Trust, dict[Zone, Permission]] = Field(
-        default_factory=lambda: {t: dict(row) for t, row in DEFAULT_PERMISSIONS.items()}
+    permissions: dict[Trust, dict[str, Permission]] = Field(
+        default_factory=lambda: {
+            t: {z.value: spec for z, spec in row.items()} for t, row in DEFAULT_PERMISSIONS.items()
+        }
     )
+    zones: dict[str, ZoneConfig] = Field(default_factory=dict)
+    limits: dict[str, LimitsConfig] = Field(default_factory=dict)
     cache: CacheConfig = CacheConfig()
     audit: AuditConfig = AuditConfig()
     daemon: DaemonConfig = DaemonConfig()
@@ -126,15 +196,59 @@ class Config(_Strict):
 
     @field_validator("permissions")
     @classmethod
-    def _complete_matrix(cls, value: dict[Trust, dict[Zone, str]]) -> dict[Trust, dict[Zone, str]]:
+    def _complete_matrix(cls, value: dict[Trust, dict[str, str]]) -> dict[Trust, dict[str, str]]:
         for trust in Trust:
             row = value.get(trust)
             if row is None:
                 raise ValueError(f"missing trust level {trust.value!r}")
-            for zone in Zone:
-                if zone not in row:
-                    raise ValueError(f"{trust.value}: missing zone {zone.value!r}")
+            for name in BUILTIN_NAMES:
+                if name not in row:
+                    raise ValueError(f"{trust.value}: missing zone {name!r}")
+            for name in row:
+                if name not in BUILTIN_NAMES:
+                    raise ValueError(
+                        f"unknown zone {name!r} under permissions.{trust.value}; accepted: "
+                        f"{', '.join(BUILTIN_NAMES)} (a project zone's permissions go in its "
+                        f"zones: entry)"
+                    )
         return value
+
+    @field_validator("zones")
+    @classmethod
+    def _valid_zone_names(cls, value: dict[str, ZoneConfig]) -> dict[str, ZoneConfig]:
+        if len(value) > MAX_PROJECT_ZONES:
+            raise ValueError(f"at most {MAX_PROJECT_ZONES} project zones")
+        for name in value:
+            if name in BUILTIN_NAMES:
+                raise ValueError(
+                    f"zone {name!r} clashes with a built-in zone ({', '.join(BUILTIN_NAMES)}); "
+                    f"choose another name"
+                )
+            if not _ZONE_NAME_RE.match(name):
+                raise ValueError(
+                    f"zone name {name!r} is not a plain name: use 1-32 lowercase letters, "
+                    f"digits, '_' or '-', starting with a letter or digit"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _limits_name_zones(self) -> Config:
+        known = [*BUILTIN_NAMES, *self.zones]
+        for name, limits in self.limits.items():
+            if name not in known:
+                raise ValueError(f"limits: unknown zone {name!r}; zones: {', '.join(known)}")
+            if name == Zone.WORKERS.value and limits.quota is not None:
+                raise ValueError(
+                    "limits: workers is a union of directories; a quota is not supported there"
+                )
+        return self
+
+    def zone_list(self) -> list[Zone]:
+        """The mount's zones in the order `/` lists them: the built-in ones, then the project's."""
+        return [*BUILTIN_ZONES, *(Zone(name) for name in self.zones)]
+
+    def zone_limits(self) -> dict[Zone, ZoneLimits]:
+        return {Zone(name): limits.limits() for name, limits in self.limits.items()}
 
     @field_validator("deny", "protect")
     @classmethod
@@ -150,10 +264,14 @@ class Config(_Strict):
         return value if ALWAYS_PROTECTED in value else [ALWAYS_PROTECTED, *value]
 
     def matrix(self) -> Matrix:
-        return {
-            trust: {zone: ZoneAccess.parse(spec) for zone, spec in row.items()}
-            for trust, row in self.permissions.items()
-        }
+        matrix: dict[Trust, dict[Zone, ZoneAccess]] = {}
+        for trust in Trust:
+            row = self.permissions[trust]
+            matrix[trust] = {zone: ZoneAccess.parse(row[zone.value]) for zone in BUILTIN_ZONES}
+            for name, zone in self.zones.items():
+                spec = zone.permissions.get(trust, PROJECT_ZONE_DEFAULTS[trust])
+                matrix[trust][Zone(name)] = ZoneAccess.parse(spec)
+        return matrix
 
 
 class ProjectConfig(_Strict):
@@ -164,7 +282,9 @@ class ProjectConfig(_Strict):
     inherit_deny: bool = True
     protect: list[str] = Field(default_factory=list)
     inherit_protect: bool = True
-    permissions: dict[Trust, dict[Zone, Permission]] = Field(default_factory=dict)
+    permissions: dict[Trust, dict[str, Permission]] = Field(default_factory=dict)
+    zones: dict[str, Any] = Field(default_factory=dict)
+    limits: dict[str, Any] = Field(default_factory=dict)
     cache: dict[str, Any] = Field(default_factory=dict)
     audit: dict[str, Any] = Field(default_factory=dict)
     daemon: dict[str, Any] = Field(default_factory=dict)
@@ -217,7 +337,9 @@ def _merge(base: Config, override: ProjectConfig) -> dict[str, Any]:
     merged["protect"] = protect
     for trust, row in override.permissions.items():
         for zone, spec in row.items():
-            merged["permissions"][trust.value][zone.value] = spec
+            merged["permissions"][trust.value][zone] = spec
+    merged["zones"].update(override.zones)
+    merged["limits"].update(override.limits)
     merged["cache"].update(override.cache)
     merged["audit"].update(override.audit)
     merged["daemon"].update(override.daemon)
@@ -253,6 +375,8 @@ def _describe(exc: ValidationError, model: type[BaseModel], source: str) -> str:
         expected = err.get("ctx", {}).get("expected", "")
         return f"{source}: {loc}: {err['input']!r} is not one of {expected}"
     message = err["msg"].removeprefix("Value error, ")
+    if isinstance(err["input"], dict | list):  # the whole section: the message names the part
+        return f"{source}: {loc}: {message}"
     return f"{source}: {loc}: {message} (got {err['input']!r})"
 
 

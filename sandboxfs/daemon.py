@@ -33,11 +33,22 @@ from . import request_wait
 from .audit import AuditLog
 from .audit_anchor import state_root
 from .config import Config
-from .errors import SandboxError, UserError
-from .operations import MountInfo, SandboxOperations, context_document
-from .policy import Policy, Trust, Zone
-from .store import CONTEXT_NAME, CONTROL_NAME, STATE_DIR_NAME, Store, ensure_dirs
-from .syscalls import CAP_SYS_RESOURCE, drop_effective_capability, make_undumpable
+from .core.context import context_document
+from .core.guard import MountInfo
+from .core.policy import Trust
+from .core.store import CONTEXT_NAME, CONTROL_NAME, STATE_DIR_NAME, Store, ensure_dirs
+from .core.syscalls import CAP_SYS_RESOURCE, drop_effective_capability, make_undumpable
+from .errors import UserError
+from .operations import SandboxOperations
+from .project import (
+    audit_path,
+    config_source,
+    make_guard,
+    prepare_zones,
+    session_dir,
+    state_dir,
+    worker_layers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,18 +71,6 @@ class MountRequest:
     config_file: Path | None = None
     command: tuple[str, ...] | None = None  # set by `sandboxfs run`: shown in context.json
     read_only: bool = False  # mounted `ro`: the kernel refuses every change
-
-
-def state_dir(project: Path) -> Path:
-    return project / STATE_DIR_NAME
-
-
-def audit_path(project: Path) -> Path:
-    return state_dir(project) / "audit.jsonl"
-
-
-def session_dir(project: Path, workspace: str, session: str) -> Path:
-    return state_dir(project) / "workspaces" / workspace / "sessions" / session
 
 
 def new_session_id() -> str:
@@ -147,14 +146,6 @@ def _live_contexts() -> list[tuple[str, dict[str, Any]]]:
         if isinstance(context, dict):
             found.append((mountpoint, context))
     return found
-
-
-def validate_project(project: Path) -> Path:
-    if not project.exists():
-        raise UserError(f"project directory {project} does not exist")
-    if not project.is_dir():
-        raise UserError(f"project {project} is not a directory")
-    return project.resolve()
 
 
 def validate_mountpoint(mountpoint: Path, project: Path) -> Path:
@@ -261,32 +252,15 @@ def lazy_unmount(mountpoint: Path) -> None:
     subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
 
 
-def worker_layers(project: Path) -> list[Path]:
-    layers = [project / ".workers"]
-    for entry in os.environ.get("SANDBOXFS_WORKERS_PATH", "").split(":"):
-        if entry:
-            layers.append(Path(entry).expanduser().resolve())
-    return layers
-
-
 def prepare_store(req: MountRequest) -> Store:
-    """Create the zone directories under the state dir and open every zone once."""
-    ws = ("workspaces", req.workspace)
-    try:
-        _ignore_in_git(ensure_dirs(req.project, STATE_DIR_NAME))
-        session = ensure_dirs(req.project, STATE_DIR_NAME, *ws, "sessions", req.session)
-        for name in ("inputs", "working", "outputs", "home"):
-            ensure_dirs(session, name, mode=0o755)
-        workspace = ensure_dirs(req.project, STATE_DIR_NAME, *ws, "workspace")
-        for sub in (("cache", "web"), ("cache", "pdfs"), ("cache", "attachments"), ("data",)):
-            ensure_dirs(workspace, *sub, mode=0o755)
-        staged = ensure_dirs(req.project, STATE_DIR_NAME, *ws, "staged")
-    except SandboxError as exc:
-        raise UserError(f"cannot create the state dir: {exc.reason}") from None
-    except OSError as exc:
-        raise UserError(
-            f"cannot create the state dir under {req.project}: {exc.strerror}"
-        ) from None
+    """Lay out the state dir for the session and open every zone once."""
+    dirs = prepare_zones(
+        req.project,
+        req.workspace,
+        req.session,
+        req.config,
+        config_source(req.project, req.config_file),
+    )
     # Hidden by identity, not by name: on case-folding storage `.SANDBOX` is the same
     # directory. The mountpoint is the directory under the mount (what a listing's d_ino
     # names); once mounted, lookups see a mount root, which is never entered anyway.
@@ -298,39 +272,7 @@ def prepare_store(req: MountRequest) -> Store:
         except FileNotFoundError:
             continue
         hidden.add((st.st_dev, st.st_ino))
-    dirs = {
-        Zone.SESSION: session,
-        Zone.WORKSPACE: workspace,
-        Zone.REPO: req.project,
-        Zone.STAGED: staged,
-    }
     return Store(dirs, worker_layers(req.project), hidden)
-
-
-def _ignore_in_git(state: Path) -> None:
-    """`.sandbox/.gitignore` of `*`: `git add -A` in the project never takes the audit log,
-    sessions or workspaces. Created without following a planted link, never rewritten."""
-    with contextlib.suppress(FileExistsError):
-        fd = os.open(
-            state / ".gitignore", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644
-        )
-        try:
-            os.write(fd, b"# sandboxfs state: sessions, workspaces, audit log. Not for git.\n*\n")
-        finally:
-            os.close(fd)
-
-
-def protected_patterns(req: MountRequest) -> list[str]:
-    """The config's protect list, plus the config file given with --config when it lies
-    inside the project (the mount must not let an agent choose its next policy)."""
-    patterns = list(req.config.protect)
-    if req.config_file is not None:
-        try:
-            inside = req.config_file.resolve().relative_to(req.project)
-        except ValueError:
-            return patterns
-        patterns.append("/" + inside.as_posix())
-    return patterns
 
 
 def _setup_logging(req: MountRequest) -> None:
@@ -367,17 +309,20 @@ def serve(
     drop_effective_capability(CAP_SYS_RESOURCE)
     store = prepare_store(req)
     _setup_logging(req)
-    policy = Policy(req.config.matrix(), req.config.deny, req.trust, protected_patterns(req))
     audit = AuditLog(audit_path(req.project), sync=req.audit_sync or req.config.audit.sync)
     info = MountInfo(req.session, req.workspace, str(req.project), str(req.mountpoint), req.command)
+    try:
+        guard = make_guard(req.project, req.config, req.config_file, req.trust, info, store, audit)
+    except BaseException:
+        audit.close()
+        store.close()
+        raise
     ops = SandboxOperations(
         store,
-        policy,
-        audit,
-        info,
+        guard,
         entry_timeout=req.config.cache.entry_timeout,
         attr_timeout=req.config.cache.attr_timeout,
-        context_json=context_document(policy, info, os.getpid()),
+        context_json=context_document(guard.policy, info, os.getpid(), guard.limits),
     )
     if req.debug:
         _log_requests(ops)
@@ -390,10 +335,10 @@ def serve(
     if req.debug:
         options.add("debug")
     pid = os.getpid()
-    comm = ops.process_names.get(pid)
+    comm = guard.process_names.get(pid)
 
     def lifecycle(op: str) -> None:
-        ops.record(op, "/", None, pid=pid, uid=os.getuid(), comm=comm, detail=str(req.mountpoint))
+        guard.record(op, "/", None, pid=pid, uid=os.getuid(), comm=comm, detail=str(req.mountpoint))
 
     try:
         pyfuse3.init(ops, str(req.mountpoint), options)
@@ -426,7 +371,7 @@ async def _main(
     req: MountRequest, audit: AuditLog, ready: Callable[[], None], lifeline: int | None
 ) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(audit.run, req.config.audit.flush_interval)
+        nursery.start_soon(_flush_audit, audit, req.config.audit.flush_interval)
         wait = request_wait.install(req.config.daemon.spin_us / 1e6)
         nursery.start_soon(_terminate_on_signal, wait)
         if lifeline is not None:
@@ -434,6 +379,16 @@ async def _main(
         nursery.start_soon(_report_ready, req.mountpoint, ready)
         await pyfuse3.main(min_tasks=1, max_tasks=1)
         nursery.cancel_scope.cancel()
+
+
+async def _flush_audit(audit: AuditLog, interval: float) -> None:
+    """Write queued audit entries every `interval` seconds until cancelled, then once more."""
+    try:
+        while True:
+            await trio.sleep(interval)
+            audit.try_flush()
+    finally:
+        audit.try_flush()  # synchronous, so cancellation cannot interrupt it
 
 
 async def _terminate_on_signal(wait: request_wait.RequestWait | None) -> None:

@@ -11,31 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import stat
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Concatenate, NoReturn, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import pyfuse3
 
-from .audit import AuditLog
-from .errors import SandboxError
-from .policy import (
-    CONTEXT_REASON,
-    ROOT_CREATE_REASON,
-    ZONE_ROOT_REASON,
-    Decision,
-    Op,
-    Policy,
-    Zone,
-    cross_zone_reason,
-)
-from .store import (
+from .core.errors import SandboxError
+from .core.guard import Guard, MountInfo
+from .core.policy import Op, Zone
+from .core.store import (
     CONTEXT_INO,
     CONTEXT_NAME,
     CONTROL_INO,
@@ -48,7 +37,9 @@ from .store import (
     StatLike,
     Store,
 )
-from .syscalls import Stat, fstat, renameat2, set_fs_ids
+from .core.syscalls import Stat, fstat, renameat2, set_fs_ids
+
+__all__ = ["FileHandle", "MountInfo", "SandboxOperations"]
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +51,6 @@ _KERNEL_STORE_LIMIT = 256 << 10
 # At most this many attribute replies are kept for listings to repeat (see _replayed).
 _GIVEN_LIMIT = 1 << 16
 _OPEN_STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_DIRECT
-_ZONE_NAMES = {zone.value.encode(): zone for zone in Zone}
-_WRITABLE_XATTR_PREFIX = b"user."
-_ACL_XATTRS = (b"system.posix_acl_access", b"system.posix_acl_default")
 _SECURITY_XATTR_PREFIX = b"security."
 
 # Callbacks that write an audit entry when they succeed: refused while the log is failing.
@@ -88,17 +76,6 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-@dataclass(frozen=True, slots=True)
-class MountInfo:
-    """Who this mount is for; copied into every audit entry and into context.json."""
-
-    session: str
-    workspace: str
-    project: str
-    mountpoint: str
-    command: tuple[str, ...] | None = None  # what `sandboxfs run` started on this mount
-
-
 @dataclass(slots=True)
 class FileHandle:
     fd: int
@@ -115,6 +92,8 @@ class FileHandle:
     partial_pages: bool = False
     # A write ended inside a page (a file's tail): one page the kernel will read back.
     ragged_end: bool = False
+    # Writes must check the file's size first (max_file_bytes or a quota in its zone).
+    sized: bool = False
 
 
 @dataclass(slots=True)
@@ -136,7 +115,8 @@ def _guarded(
     audited = fn.__name__ in _AUDITED_CALLBACKS
 
     async def wrapper(self: SandboxOperations, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        if audited and self.audit.failing and not self.audit.try_flush():
+        audit = self.guard.audit
+        if audited and audit.failing and not audit.try_flush():
             # Fail closed: nothing that would be audited happens while the log cannot be
             # written (its refusals wait in memory; see AuditLog.failing).
             raise pyfuse3.FUSEError(errno.ENOSPC)
@@ -150,7 +130,7 @@ def _guarded(
             raise
         except Exception as exc:
             log.exception("internal error in %s", fn.__name__)
-            self.audit_internal_error(fn.__name__, exc)
+            self.guard.internal_error(fn.__name__, exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     wrapper.__name__ = fn.__name__
@@ -170,9 +150,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     def __init__(
         self,
         store: Store,
-        policy: Policy,
-        audit: AuditLog,
-        info: MountInfo,
+        guard: Guard,
         *,
         entry_timeout: float,
         attr_timeout: float,
@@ -180,9 +158,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     ) -> None:
         super().__init__()
         self.store = store
-        self.policy = policy
-        self.audit = audit
-        self.info = info
+        self.guard = guard
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
         self.context_json = context_json
@@ -193,94 +169,12 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self._handles: dict[int, FileHandle | BlobHandle] = {}
         self._dirs: dict[int, DirHandle] = {}
         self._next_fh = 1
-        self.process_names = ProcessNames()
         # pyfuse3.notify_store once the mount is up: (inode, offset, data) into the page cache.
         self.kernel_store: Callable[[int, int, bytes], None] | None = None
         # inode -> (monotonic time until which the kernel may use them, attributes): the last
         # attributes given to the kernel for each inode, which a listing may repeat.
         self._given: dict[int, tuple[float, pyfuse3.EntryAttributes]] = {}
-        self._base_entry = {
-            "session": info.session,
-            "workspace": info.workspace,
-            "trust": policy.trust.value,
-        }
-
-    # ----- auditing -------------------------------------------------------------------------------
-
-    def record(
-        self,
-        op: str,
-        path: str | None,
-        zone: Zone | None,
-        *,
-        pid: int,
-        uid: int,
-        comm: str | None = None,
-        allowed: bool | None = True,
-        reason: str | None = None,
-        err: int | None = None,
-        dest: str | None = None,
-        nbytes: int | None = None,
-        detail: str | None = None,
-    ) -> None:
-        entry: dict[str, Any] = {
-            "op": op,
-            "path": path,
-            "dest": dest,
-            "zone": zone.value if zone else None,
-            **self._base_entry,
-            "allowed": allowed,
-            "reason": reason,
-            "errno": errno.errorcode.get(err, str(err)) if err else None,
-            "pid": pid,
-            "uid": uid,
-            "comm": comm if comm is not None else self.process_names.get(pid),
-            "bytes": nbytes,
-        }
-        if detail is not None:
-            entry["detail"] = detail
-        self.audit.record(entry)
-
-    def refuse(
-        self,
-        ctx: Any,
-        op: str,
-        path: str,
-        zone: Zone | None,
-        decision: Decision,
-        dest: str | None = None,
-    ) -> SandboxError:
-        """Audit a denial (the entry is written before this returns) and build its error."""
-        self.record(
-            op,
-            path,
-            zone,
-            pid=ctx.pid,
-            uid=ctx.uid,
-            allowed=False,
-            reason=decision.reason,
-            err=decision.errno,
-            dest=dest,
-        )
-        return SandboxError(decision.errno, decision.reason)
-
-    def check(self, ctx: Any, op: Op, node: Node, child: bytes | None = None) -> None:
-        assert node.zone is not None
-        decision = self.policy.decide(node.zone, op)
-        if not decision.allowed:
-            raise self.refuse(ctx, op.value, node.vpath(child), node.zone, decision)
-
-    def audit_internal_error(self, callback: str, exc: BaseException) -> None:
-        self.record(
-            "error",
-            None,
-            None,
-            pid=0,
-            uid=0,
-            allowed=False,
-            reason=f"internal error in {callback}: {type(exc).__name__}: {exc}",
-            err=errno.EIO,
-        )
+        self._zone_names = {zone.value.encode(): zone for zone in guard.policy.zones}
 
     # ----- attributes -----------------------------------------------------------------------------
 
@@ -350,7 +244,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     def virtual_attrs(self, node: Node) -> pyfuse3.EntryAttributes:
         """Attributes of `/`, the zone roots and `/.sandboxfs`: modes that let requests reach
         the daemon, so every refusal is decided and audited here rather than by the kernel."""
-        if node.zone is not None and node.key is not None and self._readable(node.zone):
+        if node.zone is not None and node.key is not None and self.guard.readable(node.zone):
             st = self.store.stat_node(node)
             entry = self.attrs(node, st)
             entry.st_mode = stat.S_IFDIR | 0o755
@@ -373,10 +267,6 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             entry.st_nlink = 2
         entry.st_blksize = 4096
         return entry
-
-    def _readable(self, zone: Zone) -> bool:
-        ops = self.policy.access(zone).ops
-        return Op.READ in ops or Op.LIST in ops
 
     @contextlib.contextmanager
     def _as_caller(self, uid: int, gid: int) -> Iterator[None]:
@@ -420,49 +310,29 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     def _lookup_root(self, name: bytes) -> Node:
         if name == CONTROL_NAME:
             return self.store.control
-        zone = _ZONE_NAMES.get(name)
+        zone = self._zone_names.get(name)
         if zone is None:
             raise SandboxError(errno.ENOENT)
         return self.store.zone_roots[zone]
 
     def _lookup_zone(self, parent: Node, name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
-        """LOOKUP answers "absent" for every name this level may not know about: deny-listed
-        names, sandboxfs's own state, other mounts, everything in a zone the level cannot
-        access, and existing files of a create-only zone that this mount did not create. The
-        answer is the same whether the name exists or not, so it tells the caller nothing;
-        when the name exists the refusal is audited as `read` (the caller was reaching for
-        it). A CREATE, MKDIR, SYMLINK, MKNOD or LINK that follows a refused lookup reaches
-        its own callback and is refused and audited there as `write`.
-        """
+        """LOOKUP: the guard decides whether the name is visible (see Guard.visible); a
+        CREATE, MKDIR, SYMLINK, MKNOD or LINK that follows a refused lookup reaches its own
+        callback and is refused and audited there as `write`."""
         zone = parent.zone
         assert zone is not None
-        vpath = parent.vpath(name)
         found = self._find(ctx, Op.READ, parent, name)
         st, layer = found if found is not None else (None, 0)
-        if not self.policy.access(zone).any:
-            if st is None:
-                return self._negative_entry()
-            decision = self.policy.decide(zone, Op.READ)
-            raise self.refuse(ctx, Op.READ.value, vpath, zone, _absent(decision))
-        is_dir = st is None or stat.S_ISDIR(st.st_mode)
-        pattern = self._denied_pattern(parent, name, is_dir)
-        if pattern is not None:
-            if st is None:
-                return self._negative_entry()
-            decision = self.policy.deny_list_decision(vpath, pattern, errno.ENOENT)
-            raise self.refuse(ctx, Op.READ.value, vpath, zone, decision)
-        if st is None:
+        created_here = False
+        if st is not None:
+            known = self.store.by_key.get((zone, st.st_dev, st.st_ino))
+            created_here = (
+                known is not None
+                and known.created_here
+                and (not known.birth_ns or known.birth_ns == st.st_birthtime_ns)
+            )
+        if not self.guard.visible(ctx, parent, name, st, created_here) or st is None:
             return self._negative_entry()
-        key = (zone, st.st_dev, st.st_ino)
-        known = self.store.by_key.get(key)
-        created_here = (
-            known is not None
-            and known.created_here
-            and (not known.birth_ns or known.birth_ns == st.st_birthtime_ns)
-        )
-        decision = self.policy.decide_lookup(zone, stat.S_ISDIR(st.st_mode), created_here)
-        if not decision.allowed:
-            raise self.refuse(ctx, Op.READ.value, vpath, zone, _absent(decision))
         node = self.store.remember(parent, name, st, layer)
         return self.attrs(node, st)
 
@@ -472,10 +342,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         try:
             return self.store.find(parent, name)
         except HiddenEntry as exc:
-            err = errno.ENOENT if op is Op.READ else errno.EACCES
-            reason = f"{parent.vpath(name)}: {exc.reason}"
-            decision = Decision(False, err, reason)
-            raise self.refuse(ctx, op.value, parent.vpath(name), parent.zone, decision) from None
+            raise self.guard.hidden(ctx, op, parent, name, exc.reason) from None
 
     def _negative_entry(self) -> pyfuse3.EntryAttributes:
         # st_ino 0 lets the kernel cache "does not exist" for entry_timeout.
@@ -483,55 +350,6 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         entry.st_ino = 0
         entry.entry_timeout = self.entry_timeout
         return entry
-
-    def _denied_pattern(self, parent: Node, name: bytes, is_dir: bool) -> str | None:
-        """The deny pattern that parent/name matches (with its type as given), if any."""
-        text = name.decode("utf-8", "surrogateescape")
-        relpath = ""
-        if self.policy.has_path_patterns:
-            relpath = _relpath(parent, name)
-        return self.policy.denied_name(text, relpath, is_dir)
-
-    def _reject_denied_name(
-        self, ctx: Any, parent: Node, name: bytes, is_dir: bool, op: Op | str
-    ) -> None:
-        pattern = self._denied_pattern(parent, name, is_dir)
-        if pattern is not None:
-            vpath = parent.vpath(name)
-            decision = self.policy.deny_list_decision(vpath, pattern)
-            raise self.refuse(ctx, str(op), vpath, parent.zone, decision)
-
-    def _reject_protected(
-        self,
-        ctx: Any,
-        op: Op | str,
-        parent: Node,
-        name: bytes,
-        is_dir: bool,
-        dest: str | None = None,
-    ) -> None:
-        """Protected paths (and everything inside a protected directory) are never changed."""
-        if parent.zone is None or not self._may_protect(parent):
-            return
-        pattern = self.policy.protect.match_within(_relpath(parent, name), is_dir)
-        if pattern is not None:
-            vpath = parent.vpath(name)
-            decision = self.policy.protect_decision(vpath, pattern)
-            raise self.refuse(ctx, str(op), vpath, parent.zone, decision, dest=dest)
-
-    def _may_protect(self, directory: Node) -> bool:
-        """Whether a protect pattern could match inside `directory`, remembered on the node
-        until any known path changes (Store.moves)."""
-        moves, may = directory.protect_memo
-        if moves != self.store.moves:
-            rel = directory.relpath().decode("utf-8", "surrogateescape")
-            may = self.policy.protect.may_match_under(rel)
-            directory.protect_memo = (self.store.moves, may)
-        return may
-
-    def _reject_protected_node(self, ctx: Any, op: Op | str, node: Node) -> None:
-        if node.parent is not None and node.zone is not None:
-            self._reject_protected(ctx, op, node.parent, node.name, node.is_dir)
 
     @_guarded
     def getattr(self, inode: int, ctx: Any) -> pyfuse3.EntryAttributes:
@@ -544,7 +362,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         node = self.store.get(inode)
         handle = self._handles.get(fh) if fh is not None else None
         creating = isinstance(handle, FileHandle) and handle.created
-        self._check_change(ctx, node, allow_created=creating or not fields.update_size)
+        self.guard.may_change(ctx, node, allow_created=creating or not fields.update_size)
         self._changing(node)
         fd = handle.fd if isinstance(handle, FileHandle) else None
         changes: list[str] = []
@@ -553,8 +371,14 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             writable = handle is not None and handle.writable  # type: ignore[union-attr]
             wfd = fd if fd is not None and writable else self._reopen(node, os.O_WRONLY)
             try:
-                with self._as_caller(ctx.uid, ctx.gid):  # growing a file allocates blocks
-                    os.truncate(wfd, attr.st_size)
+                old_size = os.fstat(wfd).st_size
+                self.guard.may_resize(ctx, node, old_size, attr.st_size)
+                try:
+                    with self._as_caller(ctx.uid, ctx.gid):  # growing a file allocates blocks
+                        os.truncate(wfd, attr.st_size)
+                except BaseException:
+                    self.guard.freed(node.zone, attr.st_size - old_size, 0)
+                    raise
             finally:
                 if wfd != fd:
                     os.close(wfd)
@@ -586,14 +410,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             os.utime(target, ns=(atime, mtime), **how)
             changes.append("times")
         if changes:
-            self.record(
-                Op.WRITE.value,
-                node.vpath(),
-                node.zone,
-                pid=ctx.pid,
-                uid=ctx.uid,
-                detail="setattr " + " ".join(changes),
-            )
+            self.guard.did(ctx, Op.WRITE, node, detail="setattr " + " ".join(changes))
         attrs = self.node_attrs(node)
         if keeps_cache:
             node.cache_stamp = (attrs.st_mtime_ns, attrs.st_size)
@@ -614,50 +431,12 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             return os.open(f"/proc/self/fd/{node.open_fds[-1]}", flags | os.O_CLOEXEC)
         return self.store.open_file(node, flags)
 
-    def _check_change(self, ctx: Any, node: Node, allow_created: bool = True) -> None:
-        """Writes to an existing entry: never to `/`, a zone root or /.sandboxfs.
-
-        In a create-only zone, entries this mount created may still get their mode, times and
-        xattrs set (tar and cp -p do that after writing), but only their creating handle may
-        change their size.
-        """
-        if node.ino < FIRST_DYNAMIC_INO:
-            reason = (
-                CONTEXT_REASON if node.zone is None and node.ino != ROOT_INO else ZONE_ROOT_REASON
-            )
-            raise self.refuse(
-                ctx, Op.WRITE.value, node.vpath(), node.zone, Decision(False, errno.EACCES, reason)
-            )
-        assert node.zone is not None
-        self._reject_protected_node(ctx, Op.WRITE, node)
-        if allow_created and node.created_here and self.policy.access(node.zone).create_only:
-            return
-        self.check(ctx, Op.WRITE, node)
-        self._check_layer(ctx, node, Op.WRITE)
-
-    def _link_decision(self, node: Node) -> Decision:
-        """A second name for an existing file changes it (its link count, and every later
-        write through either name): write access, which create-only does not give."""
-        assert node.zone is not None
-        return self.policy.decide(node.zone, Op.WRITE)
-
-    def _check_layer(self, ctx: Any, node: Node, op: Op | str, child: bytes | None = None) -> None:
-        """Only the first workers directory (<project>/.workers) can be changed."""
-        if node.zone is Zone.WORKERS and node.layer > 0:
-            reason = (
-                f"{node.vpath(child)} comes from SANDBOXFS_WORKERS_PATH, which is read-only; "
-                f"only <project>/.workers can be changed"
-            )
-            raise self.refuse(
-                ctx, str(op), node.vpath(child), node.zone, Decision(False, errno.EROFS, reason)
-            )
-
     @_guarded
     def readlink(self, inode: int, ctx: Any) -> bytes:
         node = self.store.get(inode)
         if node.zone is None:
             raise SandboxError(errno.EINVAL)
-        self.check(ctx, Op.READ, node)
+        self.guard.may_read_link(ctx, node)
         self._changing(node)  # the kernel stops trusting a read link's atime
         return os.readlink(node.name, dir_fd=self.store.parent_fd(node))
 
@@ -679,9 +458,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         node = self.store.get(inode)
         if not node.is_dir:
             raise SandboxError(errno.ENOTDIR)
-        if node.zone is not None:
-            self.check(ctx, Op.LIST, node)
-            self.record(Op.LIST.value, node.vpath(), node.zone, pid=ctx.pid, uid=ctx.uid)
+        self.guard.may_list(ctx, node)
         fh = self._next_fh
         self._next_fh += 1
         self._dirs[fh] = DirHandle(node)
@@ -740,15 +517,6 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             if not pyfuse3.readdir_reply(token, name, attrs, index + 1):
                 return
 
-    def _denied_entry(self, node: Node, name: bytes, is_dir: bool) -> bool:
-        """Whether the deny list hides a listed entry (its type as the directory gives it)."""
-        text = name.decode("utf-8", "surrogateescape")
-        relpath = ""
-        if self.policy.has_path_patterns:
-            rel = node.relpath()
-            relpath = (rel + b"/" + name if rel else name).decode("utf-8", "surrogateescape")
-        return self.policy.denied_name(text, relpath, is_dir) is not None
-
     def _entry_stat(
         self, node: Node, name: bytes, dir_fd: int, listed_as_dir: bool
     ) -> StatLike | None:
@@ -764,7 +532,11 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             return None
         if st is None:
             return None
-        if stat.S_ISDIR(st.st_mode) and not listed_as_dir and self._denied_entry(node, name, True):
+        if (
+            stat.S_ISDIR(st.st_mode)
+            and not listed_as_dir
+            and not self.guard.listed(node, name, True)
+        ):
             return None
         return st
 
@@ -778,7 +550,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     def _dir_entries(self, node: Node) -> list[Listed]:
         dots: list[Listed] = [(b".", 0, 0, True), (b"..", 0, 0, True)]
         if node.ino == ROOT_INO:
-            zones: list[Listed] = [(zone.value.encode(), 0, 0, True) for zone in Zone]
+            zones: list[Listed] = [(name, 0, 0, True) for name in self._zone_names]
             return dots + zones + [(CONTROL_NAME, 0, 0, True)]
         if node.ino == CONTROL_INO:
             return [*dots, (CONTEXT_NAME, 0, 0, False)]
@@ -787,7 +559,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         return dots + [
             entry
             for entry in self.store.list_entries(node)
-            if not self._denied_entry(node, entry[0], entry[3])
+            if self.guard.listed(node, entry[0], entry[3])
         ]
 
     def _virtual_child(self, node: Node, name: bytes) -> Node:
@@ -820,35 +592,31 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         wants_write = accmode != os.O_RDONLY or bool(flags & os.O_TRUNC)
         if node.ino == CONTEXT_INO:
             if wants_write:
-                raise self.refuse(
-                    ctx,
-                    Op.WRITE.value,
-                    node.vpath(),
-                    None,
-                    Decision(False, errno.EACCES, CONTEXT_REASON),
-                )
+                self.guard.may_write_context(ctx, node)
             # Not audited: the mount's public description, which `sandboxfs status` and
             # `mount` read to tell a live mount from a dead one.
             return self._new_handle(BlobHandle(self.context_json), keep_cache=False)
         if node.zone is None or node.is_dir:
             raise SandboxError(errno.EISDIR)
-        if accmode != os.O_WRONLY:
-            self.check(ctx, Op.READ, node)
-        if wants_write:
-            self._reject_protected_node(ctx, Op.WRITE, node)
-            self.check(ctx, Op.WRITE, node)
-            self._check_layer(ctx, node, Op.WRITE)
+        self.guard.may_open(ctx, node, read=accmode != os.O_WRONLY, write=wants_write)
+        limits = self.guard.zone_limits(node.zone)
+        old_size = -1
         if flags & os.O_TRUNC:
             self._changing(node)
+            if limits.has_quota:
+                old_size = self.store.stat_node(node).st_size
         fd = self.store.open_file(node, flags & ~_OPEN_STRIP)
         st = os.stat(fd)
+        if old_size > st.st_size:
+            self.guard.freed(node.zone, old_size - st.st_size, 0)
         stamp = (st.st_mtime_ns, st.st_size)
         keep_cache = node.cache_stamp == stamp and not flags & os.O_TRUNC
         node.cache_stamp = stamp
-        comm = self.process_names.get(ctx.pid)
+        comm = self.guard.process_names.get(ctx.pid)
         if not wants_write:
-            self.record(Op.READ.value, node.vpath(), node.zone, pid=ctx.pid, uid=ctx.uid, comm=comm)
+            self.guard.did(ctx, Op.READ, node, comm=comm)
         handle = FileHandle(fd, node, wants_write, False, ctx.pid, ctx.uid, ctx.gid, comm)
+        handle.sized = limits.sizes_matter
         node.open_fds = (*node.open_fds, fd)
         return self._new_handle(handle, keep_cache=keep_cache, direct_io=bool(flags & os.O_DIRECT))
 
@@ -874,8 +642,30 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if not isinstance(handle, FileHandle) or not handle.writable:
             raise SandboxError(errno.EBADF)
         self._changing(handle.node)
+        if handle.sized:
+            return self._sized_write(handle, off, buf)
         with self._as_caller(handle.uid, handle.gid):
             written = os.pwrite(handle.fd, buf, off)
+        handle.bytes_written += written
+        if off % _PAGE_SIZE:
+            handle.partial_pages = True
+        elif (off + written) % _PAGE_SIZE:
+            handle.ragged_end = True
+        return written
+
+    def _sized_write(self, handle: FileHandle, off: int, buf: bytes) -> int:
+        """A write in a zone with max_file_bytes or a quota: checked and charged first."""
+        old_size = os.fstat(handle.fd).st_size
+        new_size = max(old_size, off + len(buf))
+        self.guard.may_resize(handle, handle.node, old_size, new_size)
+        try:
+            with self._as_caller(handle.uid, handle.gid):
+                written = os.pwrite(handle.fd, buf, off)
+        except BaseException:
+            self.guard.freed(handle.node.zone, new_size - old_size, 0)
+            raise
+        if written < len(buf):
+            self.guard.freed(handle.node.zone, new_size - max(old_size, off + written), 0)
         handle.bytes_written += written
         if off % _PAGE_SIZE:
             handle.partial_pages = True
@@ -907,7 +697,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 self._release(fh)
             except OSError as exc:
                 log.warning("closing handle %d on unmount: %s", fh, exc.strerror)
-        self.process_names.close()
+        self.guard.close()
 
     def _release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)
@@ -929,15 +719,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         finally:
             os.close(handle.fd)
         if handle.writable or handle.created:
-            self.record(
-                Op.WRITE.value,
-                node.vpath(),
-                node.zone,
-                pid=handle.pid,
-                uid=handle.uid,
-                comm=handle.comm,
-                nbytes=handle.bytes_written,
-                detail="create" if handle.created else None,
+            detail = "create" if handle.created else None
+            self.guard.did(
+                handle, Op.WRITE, node, comm=handle.comm, nbytes=handle.bytes_written, detail=detail
             )
 
     def _complete_kernel_copy(self, node: Node, fd: int) -> tuple[int, int] | None:
@@ -952,7 +736,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         """
         if self.kernel_store is None or node.open_fds or node.zone is None:
             return None
-        if not self.policy.decide(node.zone, Op.READ).allowed:
+        if not self.guard.may_cache(node.zone):
             return None  # nobody may read it here (a create-only zone): nothing to cache
         try:
             rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
@@ -974,22 +758,6 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
     # ----- creating entries -----------------------------------------------------------------------
 
-    def _creatable_parent(self, ctx: Any, parent: Node, name: bytes) -> Zone:
-        """Checks for a new name in `parent`; returns its zone."""
-        if parent.zone is None:
-            reason = ROOT_CREATE_REASON if parent.ino == ROOT_INO else CONTEXT_REASON
-            raise self.refuse(
-                ctx, Op.WRITE.value, parent.vpath(name), None, Decision(False, errno.EACCES, reason)
-            )
-        zone = parent.zone
-        self._reject_denied_name(ctx, parent, name, True, Op.WRITE)
-        self._reject_protected(ctx, Op.WRITE, parent, name, True)
-        decision = self.policy.decide_create(zone)
-        if not decision.allowed:
-            raise self.refuse(ctx, Op.WRITE.value, parent.vpath(name), zone, decision)
-        self._check_layer(ctx, parent, Op.WRITE, name)
-        return zone
-
     def _own(self, path_fd: int, name: bytes, ctx: Any) -> None:
         """Give a new entry to the caller, as the kernel would on a local filesystem."""
         if self.running_as_root and (ctx.uid != 0 or ctx.gid != 0):
@@ -1000,25 +768,24 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         parent = self.store.get(parent_inode)
-        zone = self._creatable_parent(ctx, parent, name)
+        zone = self.guard.may_create(ctx, parent, name)
         self._changing(parent)
-        dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
         open_flags = flags & ~(os.O_NOCTTY | os.O_DIRECT)
-        create_only = self.policy.access(zone).create_only
-        if create_only:
+        if self.guard.create_only(zone):
             open_flags |= os.O_EXCL  # never reopen an existing file through "create"
         try:
+            dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
             with self._as_caller(ctx.uid, ctx.gid):
                 fd = self.store.create_file(dfd, name, open_flags, stat.S_IMODE(mode) & ~_SUID_SGID)
-        except OSError as exc:
-            if exc.errno in (errno.EEXIST, errno.EISDIR, errno.EXDEV):
+        except BaseException as exc:
+            self.guard.freed(zone, 0, 1)
+            err = exc.errno if isinstance(exc, OSError) else None
+            if err in (errno.EEXIST, errno.EISDIR, errno.EXDEV):
                 self._find(ctx, Op.WRITE, parent, name)  # sandboxfs's state, a mount: EACCES
-            if exc.errno == errno.EEXIST:
-                self._refuse_existing(ctx, parent, name, zone)
-            if exc.errno == errno.EXDEV:  # the name is the root of another mount
-                reason = f"{parent.vpath(name)} is the root of another mount"
-                decision = Decision(False, errno.EACCES, reason)
-                raise self.refuse(ctx, Op.WRITE.value, parent.vpath(name), zone, decision) from None
+            if err == errno.EEXIST:
+                self.guard.refuse_existing(ctx, parent, name, zone)
+            if err == errno.EXDEV:  # the name is the root of another mount
+                self.guard.refuse_mount_root(ctx, parent, name, zone)
             raise
         try:
             if self.running_as_root and (ctx.uid != 0 or ctx.gid != 0):
@@ -1031,44 +798,35 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         node.created_here = True
         node.cache_stamp = (st.st_mtime_ns, st.st_size)
         node.open_fds = (*node.open_fds, fd)
-        comm = self.process_names.get(ctx.pid)
+        comm = self.guard.process_names.get(ctx.pid)
         handle = FileHandle(fd, node, True, True, ctx.pid, ctx.uid, ctx.gid, comm)
+        handle.sized = self.guard.zone_limits(zone).sizes_matter
         info = self._new_handle(handle, keep_cache=True, direct_io=bool(flags & os.O_DIRECT))
         return info, self.attrs(node, st)
 
     def _make_entry(
-        self, ctx: Any, parent: Node, name: bytes, detail: str, make: Callable[[int], None]
+        self,
+        ctx: Any,
+        parent: Node,
+        name: bytes,
+        detail: str,
+        make: Callable[[int], None],
+        mode: int = 0,
     ) -> pyfuse3.EntryAttributes:
         """mkdir, symlink and mknod: checks, the backing call as the caller, the new node."""
-        zone = self._creatable_parent(ctx, parent, name)
+        zone = self.guard.may_create(ctx, parent, name, detail, mode)
         self._changing(parent)
-        dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
         try:
+            dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
             with self._as_caller(ctx.uid, ctx.gid):
                 make(dfd)
-        except OSError as exc:
-            if exc.errno in (errno.EEXIST, errno.EADDRINUSE):
+        except BaseException as exc:
+            self.guard.freed(zone, 0, 1)
+            if isinstance(exc, OSError) and exc.errno in (errno.EEXIST, errno.EADDRINUSE):
                 # Only a creation that failed can have met sandboxfs's state or a mount.
                 self._find(ctx, Op.WRITE, parent, name)
-                self._refuse_existing(ctx, parent, name, zone)
+                self.guard.refuse_existing(ctx, parent, name, zone)
             raise
-        return self._finish_new(ctx, parent, name, detail)
-
-    def _refuse_existing(self, ctx: Any, parent: Node, name: bytes, zone: Zone) -> None:
-        """A name that exists where lookup answered "absent" (create-only zones): refused as
-        the write it is, like every other refused creation, rather than EEXIST."""
-        if not self.policy.access(zone).create_only:
-            return
-        vpath = parent.vpath(name)
-        reason = (
-            f"{vpath} exists, and {zone.value} is create-only at trust level "
-            f"{self.policy.trust.value}: existing entries cannot be replaced"
-        )
-        raise self.refuse(ctx, Op.WRITE.value, vpath, zone, Decision(False, errno.EACCES, reason))
-
-    def _finish_new(
-        self, ctx: Any, parent: Node, name: bytes, detail: str
-    ) -> pyfuse3.EntryAttributes:
         dfd = self.store.child_dir_fd(parent, 0)
         self._own(dfd, name, ctx)
         st = self.store.lstat(dfd, name)
@@ -1076,9 +834,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             raise SandboxError(errno.ENOENT, "the new entry vanished")
         node = self.store.remember(parent, name, st, 0)
         node.created_here = True
-        self.record(
-            Op.WRITE.value, node.vpath(), node.zone, pid=ctx.pid, uid=ctx.uid, detail=detail
-        )
+        self.guard.did(ctx, Op.WRITE, node, detail=detail)
         return self.attrs(node, st)
 
     @_guarded
@@ -1106,22 +862,11 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any
     ) -> pyfuse3.EntryAttributes:
         parent = self.store.get(parent_inode)
-        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
-            reason = (
-                "only regular files, FIFOs and sockets can be created; device nodes are refused"
-            )
-            raise self.refuse(
-                ctx,
-                Op.WRITE.value,
-                parent.vpath(name),
-                parent.zone,
-                Decision(False, errno.EPERM, reason),
-            )
 
         def make(dfd: int) -> None:
             os.mknod(name, stat.S_IFMT(mode) | (stat.S_IMODE(mode) & ~_SUID_SGID), dir_fd=dfd)
 
-        return self._make_entry(ctx, parent, name, "mknod", make)
+        return self._make_entry(ctx, parent, name, "mknod", make, mode)
 
     @_guarded
     def link(
@@ -1129,39 +874,14 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     ) -> pyfuse3.EntryAttributes:
         node = self.store.get(inode)
         parent = self.store.get(new_parent_inode)
-        src = node.vpath()
-        if node.zone is None or node.ino < FIRST_DYNAMIC_INO:
-            raise self.refuse(
-                ctx,
-                "link",
-                src,
-                node.zone,
-                Decision(False, errno.EPERM, ZONE_ROOT_REASON),
-                dest=parent.vpath(new_name),
-            )
-        if parent.zone is not node.zone:
-            self._cross_zone("link", ctx, src, parent.vpath(new_name), node.zone, parent.zone)
-        dest = parent.vpath(new_name)
-        if node.parent is None:
-            raise SandboxError(errno.ENOENT, "the entry was removed")
-        # The source is judged by its current path, whatever name the kernel used for it: a
-        # second name for a deny-listed or protected file would carry it out from under its
-        # pattern (writing through a hard link writes the protected file).
-        self._reject_denied_name(ctx, node.parent, node.name, node.is_dir, "link")
-        self._reject_protected(ctx, "link", node.parent, node.name, node.is_dir, dest=dest)
-        self._reject_denied_name(ctx, parent, new_name, False, "link")
-        self._reject_protected(ctx, "link", parent, new_name, False, dest=dest)
-        assert parent.zone is not None
-        for decision in (self.policy.decide_create(parent.zone), self._link_decision(node)):
-            if not decision.allowed:
-                raise self.refuse(ctx, "link", src, parent.zone, decision, dest=dest)
+        src, dest = node.vpath(), parent.vpath(new_name)
+        self.guard.may_link(ctx, node, parent, new_name)
         try:
             self.store.stat_child(parent, new_name, 0)
         except HiddenEntry as exc:  # never onto sandboxfs's state or another mount
-            decision = Decision(False, errno.EACCES, f"{dest}: {exc.reason}")
-            raise self.refuse(ctx, "link", src, parent.zone, decision, dest=dest) from None
-        self._check_layer(ctx, parent, "link", new_name)
-        self._check_layer(ctx, node, "link")
+            raise self.guard.hidden_target(
+                ctx, "link", src, parent.zone, dest, exc.reason
+            ) from None
         self._changing(node, parent)
         dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
         src_fd = self.store.parent_fd(node, checked=True)
@@ -1172,7 +892,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if st is None:
             raise SandboxError(errno.ENOENT, "the new link vanished")
         self.store.remember(parent, new_name, st, 0)
-        self.record("link", src, node.zone, pid=ctx.pid, uid=ctx.uid, dest=parent.vpath(new_name))
+        self.guard.did(ctx, "link", node, path=src, dest=dest)
         return self.attrs(node, st)
 
     # ----- removing and renaming ------------------------------------------------------------------
@@ -1182,23 +902,12 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     ) -> tuple[Zone, int, StatLike]:
         """Checks for deleting parent/name; returns its zone, the backing directory fd and the
         entry's lstat."""
-        if parent.zone is None:
-            reason = ZONE_ROOT_REASON if parent.ino == ROOT_INO else CONTEXT_REASON
-            raise self.refuse(
-                ctx, op_name, parent.vpath(name), None, Decision(False, errno.EACCES, reason)
-            )
-        zone = parent.zone
-        self._reject_denied_name(ctx, parent, name, True, Op.DELETE)
-        self.check(ctx, Op.DELETE, parent, name)
+        zone = self.guard.may_remove_in(ctx, parent, name, op_name)
         found = self._find(ctx, Op.DELETE, parent, name)
         if found is None:
             raise SandboxError(errno.ENOENT)
         st, layer = found
-        self._reject_protected(ctx, Op.DELETE, parent, name, stat.S_ISDIR(st.st_mode))
-        if zone is Zone.WORKERS and layer > 0:
-            vpath = parent.vpath(name)
-            reason = f"{vpath} comes from SANDBOXFS_WORKERS_PATH, which is read-only"
-            raise self.refuse(ctx, op_name, vpath, zone, Decision(False, errno.EROFS, reason))
+        self.guard.may_remove(ctx, parent, name, stat.S_ISDIR(st.st_mode), layer, op_name)
         return zone, self.store.child_dir_fd(parent, layer, checked=True), st
 
     def _remove(self, ctx: Any, parent_inode: int, name: bytes, rmdir: bool) -> None:
@@ -1207,9 +916,10 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         node = self.store.by_key.get((zone, st.st_dev, st.st_ino))
         self._changing(parent, node)
         (os.rmdir if rmdir else os.unlink)(name, dir_fd=dfd)
+        self.guard.removed(zone, st)
         if node is not None:
             self.store.detach(node, parent, name, st.st_nlink - 1 if not rmdir else 0)
-        self.record(
+        self.guard.record(
             Op.DELETE.value,
             parent.vpath(name),
             zone,
@@ -1239,50 +949,32 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         old_parent = self.store.get(parent_inode_old)
         new_parent = self.store.get(parent_inode_new)
         src, dst = old_parent.vpath(name_old), new_parent.vpath(name_new)
-        if old_parent.zone is None or new_parent.zone is None:
-            reason = ZONE_ROOT_REASON if old_parent.zone is None else ROOT_CREATE_REASON
-            raise self.refuse(
-                ctx, "rename", src, old_parent.zone, Decision(False, errno.EACCES, reason), dest=dst
-            )
-        if old_parent.zone is not new_parent.zone:
-            self._cross_zone("rename", ctx, src, dst, old_parent.zone, new_parent.zone)
-        zone = old_parent.zone
-        if flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE):
-            reason = "only the RENAME_NOREPLACE and RENAME_EXCHANGE flags are supported"
-            decision = Decision(False, errno.EINVAL, reason)
-            raise self.refuse(ctx, "rename", src, old_parent.zone, decision, dest=dst)
+        flags_ok = not flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE)
+        zone = self.guard.may_rename_in(ctx, old_parent, name_old, new_parent, name_new, flags_ok)
         exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
-        for parent, name in ((old_parent, name_old), (new_parent, name_new)):
-            self._reject_denied_name(ctx, parent, name, True, "rename")
-        for decision in (self.policy.decide(zone, Op.DELETE), self.policy.decide(zone, Op.WRITE)):
-            if not decision.allowed:
-                raise self.refuse(ctx, "rename", src, zone, decision, dest=dst)
         found_old = self._find(ctx, Op.WRITE, old_parent, name_old)
         if found_old is None:
             raise SandboxError(errno.ENOENT)
         src_st, src_layer = found_old
-        if zone is Zone.WORKERS and src_layer > 0:
-            reason = f"{src} comes from SANDBOXFS_WORKERS_PATH, which is read-only"
-            raise self.refuse(
-                ctx, "rename", src, zone, Decision(False, errno.EROFS, reason), dest=dst
-            )
-        self._check_layer(ctx, new_parent, Op.WRITE, name_new)
+        self.guard.may_rename_from(ctx, old_parent, name_old, src_layer, dst)
+        self.guard.may_rename_to(ctx, new_parent, name_new)
         try:
             dst_st = self.store.stat_child(new_parent, name_new, 0)
         except HiddenEntry as exc:  # never onto sandboxfs's state or another mount
-            decision = Decision(False, errno.EACCES, f"{dst}: {exc.reason}")
-            raise self.refuse(ctx, "rename", src, zone, decision, dest=dst) from None
+            raise self.guard.hidden_target(ctx, "rename", src, zone, dst, exc.reason) from None
         moving = [(old_parent, name_old, src_st, new_parent, name_new)]
         if exchange and dst_st is not None:
             moving.append((new_parent, name_new, dst_st, old_parent, name_old))
         for parent, name, st, to_parent, to_name in moving:
-            self._check_move(ctx, parent, name, st, to_parent, to_name, src, dst)
+            self.guard.may_move(ctx, parent, name, st, to_parent, to_name, src, dst)
         src_fd = self.store.child_dir_fd(old_parent, src_layer, checked=True)
         dst_fd = self.store.child_dir_fd(new_parent, 0, create=True, checked=True)
         src_node = self.store.by_key.get((zone, src_st.st_dev, src_st.st_ino))
         dst_node = self.store.by_key.get((zone, dst_st.st_dev, dst_st.st_ino)) if dst_st else None
         self._changing(old_parent, new_parent, src_node, dst_node)
         renameat2(src_fd, name_old, dst_fd, name_new, flags)
+        if dst_st is not None and not exchange and dst_st.st_ino != src_st.st_ino:
+            self.guard.removed(zone, dst_st)
         if dst_node is not None and dst_node is not src_node:
             if exchange:
                 self.store.moved(dst_node, new_parent, name_new, old_parent, name_old)
@@ -1293,55 +985,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             self.store.moved(src_node, old_parent, name_old, new_parent, name_new)
             if new_parent.zone is Zone.WORKERS and new_parent.parent is self.store.root:
                 src_node.layer = 0
-        self.record("rename", src, zone, pid=ctx.pid, uid=ctx.uid, dest=dst)
-
-    def _check_move(
-        self,
-        ctx: Any,
-        parent: Node,
-        name: bytes,
-        st: StatLike,
-        to_parent: Node,
-        to_name: bytes,
-        src: str,
-        dst: str,
-    ) -> None:
-        """Patterns survive renames: nothing protected is moved away or onto, and no directory
-        is moved while a deny or protect path pattern could match something inside it (it
-        would carry that entry out from under its pattern)."""
-        is_dir = stat.S_ISDIR(st.st_mode)
-        self._reject_protected(ctx, "rename", parent, name, is_dir, dest=dst)
-        self._reject_protected(ctx, "rename", to_parent, to_name, is_dir, dest=dst)
-        if not is_dir:
-            return
-        for patterns, decide, rel in (
-            (self.policy.deny, self.policy.deny_list_decision, _relpath(parent, name)),
-            (self.policy.protect, self.policy.protect_decision, _relpath(parent, name)),
-            (self.policy.protect, self.policy.protect_decision, _relpath(to_parent, to_name)),
-        ):
-            pattern = patterns.match_below(rel)
-            if pattern is not None:
-                decision = decide(f"{parent.vpath(name)}/...", pattern)
-                raise self.refuse(ctx, "rename", src, parent.zone, decision, dest=dst)
-
-    def _cross_zone(
-        self, what: str, ctx: Any, src: str, dst: str, zone: Zone | None, to: Zone | None
-    ) -> NoReturn:
-        """EXDEV for a rename or link across zones. Not a policy refusal (`mv` then copies
-        and deletes, each checked on its own), so it is recorded without `allowed: false`."""
-        reason = cross_zone_reason(f"{what}s" if what == "rename" else "hard links", zone, to)
-        self.record(
-            what,
-            src,
-            zone,
-            pid=ctx.pid,
-            uid=ctx.uid,
-            allowed=None,
-            reason=reason,
-            err=errno.EXDEV,
-            dest=dst,
-        )
-        raise SandboxError(errno.EXDEV, reason)
+        self.guard.record("rename", src, zone, pid=ctx.pid, uid=ctx.uid, dest=dst)
 
     # ----- extended attributes and statfs ---------------------------------------------------------
 
@@ -1378,7 +1022,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             # ls remember the answer for the whole mount instead of asking for every file.
             raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
         node = self.store.get(inode)
-        if not self._xattrs_visible(ctx, node):
+        if not self.guard.xattrs_visible(ctx, node):
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
 
         def get(path: str) -> bytes:
@@ -1393,32 +1037,11 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
         node = self.store.get(inode)
         empty: list[str] = []
-        if not self._xattrs_visible(ctx, node):
+        if not self.guard.xattrs_visible(ctx, node):
             return []
         names = self._with_xattr_path(node, os.listxattr, empty)
         encoded = (n.encode("utf-8", "surrogateescape") for n in names)
         return [n for n in encoded if not n.startswith(_SECURITY_XATTR_PREFIX)]
-
-    def _xattrs_visible(self, ctx: Any, node: Node) -> bool:
-        """Whether node's extended attributes may be read (refusals are audited). A zone root
-        the level cannot read or list shows none, like the empty directory it looks like."""
-        if node.zone is None:
-            return True
-        if node.ino < FIRST_DYNAMIC_INO:
-            return self._readable(node.zone)
-        self.check(ctx, Op.READ, node)
-        return True
-
-    def _check_xattr_change(self, ctx: Any, node: Node, name: bytes) -> None:
-        self._check_change(ctx, node)
-        if not name.startswith(_WRITABLE_XATTR_PREFIX) and name not in _ACL_XATTRS:
-            reason = (
-                "only user.* extended attributes and POSIX ACLs can be set or removed "
-                "through sandboxfs"
-            )
-            raise self.refuse(
-                ctx, Op.WRITE.value, node.vpath(), node.zone, Decision(False, errno.EPERM, reason)
-            )
 
     @_guarded
     def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
@@ -1445,7 +1068,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     ) -> None:
         """Set or remove one xattr after the write check; symlinks carry none."""
         node = self.store.get(inode)
-        self._check_xattr_change(ctx, node, name)
+        self.guard.may_change_xattr(ctx, node, name)
         self._changing(node)
 
         def apply(path: str) -> bool:
@@ -1454,10 +1077,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
         if not self._with_xattr_path(node, apply, False):
             raise SandboxError(symlink_errno, "symlinks cannot carry extended attributes")
-        detail = f"{what} {name.decode('utf-8', 'replace')}"
-        self.record(
-            Op.WRITE.value, node.vpath(), node.zone, pid=ctx.pid, uid=ctx.uid, detail=detail
-        )
+        self.guard.did(ctx, Op.WRITE, node, detail=f"{what} {name.decode('utf-8', 'replace')}")
 
     @_guarded
     def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
@@ -1478,17 +1098,6 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         return data
 
 
-def _absent(decision: Decision) -> Decision:
-    """A refusal answered as ENOENT: the name looks absent to the caller."""
-    return Decision(False, errno.ENOENT, decision.reason)
-
-
-def _relpath(parent: Node, name: bytes) -> str:
-    """parent/name relative to its zone root, as text for pattern matching."""
-    rel = parent.relpath()
-    return (rel + b"/" + name if rel else name).decode("utf-8", "surrogateescape")
-
-
 def _dot_attrs(node: Node) -> pyfuse3.EntryAttributes:
     """Listing attributes of `.` and `..`: the kernel takes only their inode number and type
     (it never makes dentries or counts lookups for them), so no stat is needed."""
@@ -1496,80 +1105,3 @@ def _dot_attrs(node: Node) -> pyfuse3.EntryAttributes:
     entry.st_ino = node.ino
     entry.st_mode = stat.S_IFDIR
     return entry
-
-
-def _read_comm(fd: int) -> str:
-    return os.pread(fd, 64, 0).rstrip(b"\n").decode("utf-8", "replace")
-
-
-class ProcessNames:
-    """`comm` of recent callers, read through a descriptor kept open per pid.
-
-    Opening /proc/<pid>/comm is most of the cost of reading it, and the same few processes
-    make most requests. A descriptor stays bound to the process it was opened for: once that
-    process is gone, reading fails (ESRCH) even if its pid has been reused, and the pid is
-    looked up afresh. A name changed by exec or prctl shows on the next read.
-    """
-
-    def __init__(self, capacity: int = 64) -> None:
-        self._capacity = capacity
-        self._fds: OrderedDict[int, int] = OrderedDict()
-
-    def get(self, pid: int) -> str | None:
-        fd = self._fds.get(pid)
-        if fd is not None:
-            try:
-                name = _read_comm(fd)
-            except OSError:
-                del self._fds[pid]
-                os.close(fd)
-            else:
-                self._fds.move_to_end(pid)
-                return name
-        if pid <= 0:
-            return None
-        try:
-            fd = os.open(f"/proc/{pid}/comm", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            name = _read_comm(fd)
-        except OSError:
-            os.close(fd)
-            return None
-        self._fds[pid] = fd
-        if len(self._fds) > self._capacity:
-            _, oldest = self._fds.popitem(last=False)
-            os.close(oldest)
-        return name
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
-def context_document(policy: Policy, info: MountInfo, pid: int) -> bytes:
-    """The security context shown at /.sandboxfs/context.json."""
-    zones = {}
-    for zone in Zone:
-        access = policy.access(zone)
-        zones[zone.value] = {
-            "read": Op.READ in access.ops,
-            "write": Op.WRITE in access.ops,
-            "list": Op.LIST in access.ops,
-            "delete": Op.DELETE in access.ops,
-            "create_only": access.create_only,
-        }
-    doc = {
-        "trust": policy.trust.value,
-        "session": info.session,
-        "workspace": info.workspace,
-        "project": info.project,
-        "mountpoint": info.mountpoint,
-        "pid": pid,
-        **({"command": list(info.command)} if info.command is not None else {}),
-        "zones": zones,
-        "deny": list(policy.deny_patterns),
-    }
-    return (json.dumps(doc, indent=2) + "\n").encode()

@@ -36,17 +36,17 @@ from . import confine, doctor, seccomp
 from .audit import AuditLog
 from .audit_anchor import state_root
 from .config import Config
+from .core.policy import Op, Policy, Trust, Zone
+from .core.syscalls import make_undumpable, set_dumpable
 from .daemon import (
     MountRequest,
-    audit_path,
     lazy_unmount,
     sandboxfs_mounts,
     spawn_daemon,
 )
 from .errors import UserError
 from .netproxy import Allowlist, HostRule, NetDecision, Proxy
-from .policy import Op, Policy, Trust, Zone
-from .syscalls import make_undumpable, set_dumpable
+from .project import audit_path
 
 EXIT_SETUP = 125  # as `docker run`: the sandbox could not be set up, CMD never ran
 STOP_GRACE = 10.0  # seconds between a forwarded SIGTERM/SIGHUP and killing the sandbox

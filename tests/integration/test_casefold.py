@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from sandboxfs.syscalls import lstat_at
+from sandboxfs.core.syscalls import lstat_at
 from tests.conftest import SANDBOXFS
 from tests.integration.test_isolation import (
     EACCES_TEXT,

@@ -30,6 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sandboxfs.audit as audit_mod
+from sandboxfs import daemon
 from sandboxfs.audit import (
     GENESIS,
     TAMPER_OP,
@@ -776,7 +777,7 @@ async def test_run_flushes_periodically_and_when_cancelled(tmp_path: Path) -> No
     path = tmp_path / "audit.jsonl"
     log = AuditLog(path)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(log.run, 0.01)
+        nursery.start_soon(daemon._flush_audit, log, 0.01)
         log.record(_entry(path="/periodic"))
         with trio.fail_after(10):
             while b"/periodic" not in path.read_bytes():

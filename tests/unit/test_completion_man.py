@@ -15,7 +15,7 @@ import pytest
 
 from sandboxfs import completion, manpage
 from sandboxfs.cli import build_parser
-from sandboxfs.policy import Trust
+from sandboxfs.core.policy import Trust
 
 LEVELS = [t.value for t in Trust]
 ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C.UTF-8", "HOME": "/nonexistent"}

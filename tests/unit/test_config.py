@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from sandboxfs import config
+from sandboxfs.core.policy import BUILTIN_ZONES, Trust, Zone, ZoneAccess
 from sandboxfs.errors import UserError
-from sandboxfs.policy import Trust, Zone, ZoneAccess
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO_ROOT / "config").glob("example-*.yaml"))
@@ -67,7 +67,7 @@ def test_defaults_match_spec() -> None:
     assert defaults.cache.entry_timeout == defaults.cache.attr_timeout == 10.0
     assert set(defaults.permissions) == set(Trust)
     for row in defaults.permissions.values():
-        assert set(row) == set(Zone)
+        assert set(row) == {z.value for z in BUILTIN_ZONES}
 
 
 def test_repo_copy_of_defaults_is_identical() -> None:
@@ -115,7 +115,7 @@ def test_defaults_matrix_is_parsed() -> None:
     assert matrix[Trust.UNTRUSTED][Zone.STAGED] == ZoneAccess(create_only=True)
     assert matrix[Trust.UNTRUSTED][Zone.REPO] == ZoneAccess()
     assert matrix[Trust.WORKSPACE][Zone.REPO] == ZoneAccess.parse("rl")
-    assert all(matrix[Trust.FULL][z] == ZoneAccess.parse("rwld") for z in Zone)
+    assert all(matrix[Trust.FULL][z] == ZoneAccess.parse("rwld") for z in BUILTIN_ZONES)
 
 
 # --- project overrides -----------------------------------------------------------------------
@@ -153,8 +153,8 @@ def test_project_overrides_keep_other_defaults(tmp_path: Path) -> None:
     assert loaded.audit == defaults.audit
     assert loaded.deny == defaults.deny
     for trust in Trust:
-        for zone in Zone:
-            expected = "r" if (trust, zone) == (Trust.WORKSPACE, Zone.REPO) else None
+        for zone in (z.value for z in BUILTIN_ZONES):
+            expected = "r" if (trust, zone) == (Trust.WORKSPACE, "repo") else None
             assert loaded.permissions[trust][zone] == (
                 expected or defaults.permissions[trust][zone]
             ), (trust, zone)
@@ -223,8 +223,8 @@ def test_example_contents_take_effect(tmp_path: Path) -> None:
     fast = config.load(tmp_path, config_file=examples / "example-fast-cache.yaml")
     assert (fast.cache.entry_timeout, fast.cache.attr_timeout) == (300, 300)
     readonly = config.load(tmp_path, config_file=examples / "example-readonly-workspace.yaml")
-    assert readonly.permissions[Trust.WORKSPACE][Zone.REPO] == "r"
-    assert readonly.permissions[Trust.WORKSPACE][Zone.STAGED] == "create-only"
+    assert readonly.permissions[Trust.WORKSPACE]["repo"] == "r"
+    assert readonly.permissions[Trust.WORKSPACE]["staged"] == "create-only"
     agent = config.load(tmp_path, config_file=examples / "example-untrusted-agent.yaml")
     assert agent.default_trust is Trust.UNTRUSTED
     assert agent.deny == [*DEFAULT_DENY, "secrets/", "*.sqlite", "config/production.yaml"]

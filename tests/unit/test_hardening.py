@@ -14,8 +14,8 @@ from collections.abc import Callable
 import pytest
 
 from sandboxfs.config import ALWAYS_PROTECTED, ProjectConfig, _merge, defaults
-from sandboxfs.policy import Patterns, Policy, Trust, Zone, fold
-from sandboxfs.store import ZONE_INO
+from sandboxfs.core.policy import Patterns, Policy, Trust, Zone, fold
+from sandboxfs.core.store import ZONE_INO
 
 from .test_operations import CTX, Ctx, Harness, fails, make, no_mounts_left_behind
 
@@ -127,7 +127,7 @@ async def test_path_deny_patterns_survive_renames_and_links(
     (h.project / "config" / "production.yaml").write_text("secret: 1\n")
     (h.project / "config" / "dev.yaml").write_text("dev: 1\n")
     config = defaults()
-    h.ops.policy = Policy(
+    h.ops.guard.policy = Policy(
         config.matrix(), [*config.deny, "config/production.yaml"], Trust.FULL, config.protect
     )
     repo = ZONE_INO[Zone.REPO]
@@ -138,9 +138,9 @@ async def test_path_deny_patterns_survive_renames_and_links(
     assert "config/production.yaml" in entry["reason"] and entry["dest"] == "/repo/cfg"
     assert (h.project / "config" / "production.yaml").exists()
     # A node the kernel still holds is judged by its current path when linked.
-    h.ops.policy = Policy(config.matrix(), config.deny, Trust.FULL, config.protect)
+    h.ops.guard.policy = Policy(config.matrix(), config.deny, Trust.FULL, config.protect)
     secret = await h.ino("/repo/config/production.yaml")
-    h.ops.policy = Policy(
+    h.ops.guard.policy = Policy(
         config.matrix(), [*config.deny, "config/production.yaml"], Trust.FULL, config.protect
     )
     await fails(h.ops.link(secret, repo, b"kept.yaml", CTX), errno.EACCES)

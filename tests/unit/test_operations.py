@@ -27,9 +27,10 @@ import pytest
 from sandboxfs import operations
 from sandboxfs.audit import AuditLog, read_entries
 from sandboxfs.config import defaults
-from sandboxfs.operations import MountInfo, SandboxOperations, context_document
-from sandboxfs.policy import Policy, Trust, Zone
-from sandboxfs.store import (
+from sandboxfs.core.context import context_document
+from sandboxfs.core.guard import Guard, MountInfo, ProcessNames
+from sandboxfs.core.policy import Policy, Trust, Zone
+from sandboxfs.core.store import (
     CONTEXT_INO,
     CONTROL_INO,
     FIRST_DYNAMIC_INO,
@@ -37,6 +38,7 @@ from sandboxfs.store import (
     ZONE_INO,
     Store,
 )
+from sandboxfs.operations import SandboxOperations
 from tests.conftest import make_project
 
 COMM = Path("/proc/self/comm").read_text().strip()
@@ -127,11 +129,10 @@ class Harness:
         self.log_path = state / "audit.jsonl"
         self.audit = AuditLog(self.log_path)
         info = MountInfo(SESSION_ID, WORKSPACE_ID, str(self.project), str(self.mountpoint))
+        self.guard = Guard(self.policy, self.audit, info, moves=lambda: self.store.moves)
         self.ops = SandboxOperations(
             self.store,
-            self.policy,
-            self.audit,
-            info,
+            self.guard,
             entry_timeout=1.0,
             attr_timeout=1.0,
             context_json=context_document(self.policy, info, os.getpid()),
@@ -1521,7 +1522,7 @@ async def test_unexpected_error_becomes_eio_and_is_audited(
 # ----- process names ------------------------------------------------------------------------------
 
 
-def eventually_named(names: operations.ProcessNames, pid: int, name: str) -> bool:
+def eventually_named(names: ProcessNames, pid: int, name: str) -> bool:
     """Whether `pid` shows `name` within 10 s (a child's comm changes only once exec is done)."""
     deadline = time.monotonic() + 10
     while names.get(pid) != name:
@@ -1532,7 +1533,7 @@ def eventually_named(names: operations.ProcessNames, pid: int, name: str) -> boo
 
 
 def test_process_names_follow_exec_and_forget_dead_processes() -> None:
-    names = operations.ProcessNames(capacity=2)
+    names = ProcessNames(capacity=2)
     proc = subprocess.Popen(["sh", "-c", "read line; exec sleep 30"], stdin=subprocess.PIPE)
     try:
         assert names.get(proc.pid) == "sh"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from .errors import SandboxError
-from .policy import Zone
+from .policy import BUILTIN_ZONES, Zone
 from .syscalls import (
     RESOLVE_BENEATH,
     RESOLVE_NO_MAGICLINKS,
@@ -37,8 +37,9 @@ from .syscalls import (
 ROOT_INO = 1
 CONTROL_INO = 2
 CONTEXT_INO = 3
-ZONE_INO = {zone: 4 + i for i, zone in enumerate(Zone)}
-FIRST_DYNAMIC_INO = 16
+# The built-in zone roots; project zones follow (up to FIRST_DYNAMIC_INO - 1).
+ZONE_INO = {zone: 4 + i for i, zone in enumerate(BUILTIN_ZONES)}
+FIRST_DYNAMIC_INO = 64
 
 CONTROL_NAME = b".sandboxfs"
 CONTEXT_NAME = b"context.json"
@@ -187,8 +188,9 @@ class Store:
         # names found moved): what is remembered about a path is valid until it changes.
         self.moves = 0
         self._next_ino = FIRST_DYNAMIC_INO
-        for zone in Zone:
-            node = Node(ZONE_INO[zone], zone, self.root, zone.value.encode(), True)
+        zones = [*BUILTIN_ZONES, *(z for z in zone_dirs if z not in ZONE_INO)]
+        for index, zone in enumerate(zones):
+            node = Node(4 + index, zone, self.root, zone.value.encode(), True)
             if zone is Zone.WORKERS:
                 self.layer_fds = [_open_dir_or_missing(p) for p in worker_layers]
             else:
@@ -456,6 +458,43 @@ class Store:
         if parent.zone is Zone.WORKERS and parent.parent is self.root:
             return self.layer_fd(layer, create)
         return self.checked_dir_fd(parent) if checked else self.dir_fd(parent)
+
+    def usage(self, zone: Zone) -> tuple[int, int]:
+        """(bytes of regular files, entries) below a zone's root, each inode once, never
+        crossing into another mount or sandboxfs's own state (for quotas)."""
+        root = self.zone_roots[zone]
+        seen: set[tuple[int, int]] = set()
+        nbytes = 0
+        pending = [os.open(b".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root.fd)]
+        while pending:
+            fd = pending.pop()
+            try:
+                dev = os.fstat(fd).st_dev
+                with os.scandir(b"/proc/self/fd/%d" % fd) as entries:
+                    for entry in entries:
+                        st = entry.stat(follow_symlinks=False)
+                        key = (st.st_dev, st.st_ino)
+                        if st.st_dev != dev or key in self.hidden or key in seen:
+                            continue
+                        seen.add(key)
+                        if stat.S_ISREG(st.st_mode):
+                            nbytes += st.st_size
+                        elif stat.S_ISDIR(st.st_mode):
+                            with contextlib.suppress(OSError):
+                                pending.append(
+                                    openat2(
+                                        fd,
+                                        entry.name,
+                                        os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC,
+                                        0,
+                                        _RESOLVE,
+                                    )
+                                )
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        return nbytes, len(seen)
 
     def list_entries(self, node: Node) -> list[Listed]:
         """The entries of a directory node, sorted by name, with their layer; for the workers

@@ -1,0 +1,16 @@
+"""The error every refused or failed filesystem operation raises inside the core."""
+
+from __future__ import annotations
+
+
+class SandboxError(Exception):
+    """An operation refused by policy or failed in the store, with its errno and reason.
+
+    The FUSE adapter turns it into `FUSEError` in one place; the Python API into one of its
+    typed exceptions (sandboxfs.api.errors).
+    """
+
+    def __init__(self, errno: int, reason: str = "") -> None:
+        super().__init__(errno, reason)
+        self.errno = errno
+        self.reason = reason

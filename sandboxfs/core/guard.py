@@ -1,0 +1,742 @@
+"""The guard: every rule of SPEC §3-§4 and every audit entry, for every front end.
+
+Each method takes the caller, what it asks for and where (store nodes: a parent and a name,
+or an existing node), and either returns (allowed) or audits the refusal and raises
+`SandboxError` with the errno and a reason written for the agent that was refused. Allowed
+operations are recorded through `record` once they happened. The FUSE adapter and the Python
+API call the same methods, so a rule lives here once; approvals and live promotion hook in
+here too.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn, Protocol
+
+from .errors import SandboxError
+from .limits import Tally, ZoneLimits
+from .policy import (
+    CONTEXT_REASON,
+    ZONE_ROOT_REASON,
+    Decision,
+    Op,
+    Policy,
+    Zone,
+    cross_zone_reason,
+)
+from .store import FIRST_DYNAMIC_INO, ROOT_INO, Node, StatLike
+
+_WRITABLE_XATTR_PREFIX = b"user."
+_ACL_XATTRS = (b"system.posix_acl_access", b"system.posix_acl_default")
+_NO_LIMITS = ZoneLimits()
+
+
+class Caller(Protocol):
+    """Who asks: pyfuse3's RequestContext, or the API's own."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def uid(self) -> int: ...
+    @property
+    def gid(self) -> int: ...
+
+
+class AuditSink(Protocol):
+    """Where entries go (sandboxfs.audit.AuditLog)."""
+
+    @property
+    def failing(self) -> bool: ...
+    def record(self, entry: dict[str, Any]) -> None: ...
+    def try_flush(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MountInfo:
+    """Who this mount or sandbox is for; copied into every audit entry and context.json."""
+
+    session: str
+    workspace: str
+    project: str
+    mountpoint: str
+    command: tuple[str, ...] | None = None  # what `sandboxfs run` started on this mount
+    via: str | None = None  # "api" for the Python API; absent for the mount
+
+
+class Guard:
+    """The policy of one mount or sandbox, applied to nodes, with its audit entries."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        audit: AuditSink,
+        info: MountInfo,
+        *,
+        moves: Callable[[], int] = lambda: 0,
+        limits: Mapping[Zone, ZoneLimits] | None = None,
+        tallies: Mapping[Zone, Tally] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.audit = audit
+        self.info = info
+        self.limits = dict(limits or {})
+        self.tallies = dict(tallies or {})
+        self.process_names = ProcessNames()
+        self._moves = moves
+        self._base_entry = {
+            "session": info.session,
+            "workspace": info.workspace,
+            "trust": policy.trust.value,
+        }
+        self._via = {"via": info.via} if info.via else {}
+
+    def close(self) -> None:
+        self.process_names.close()
+        for tally in self.tallies.values():
+            tally.close()
+
+    # ----- audit entries --------------------------------------------------------------------------
+
+    def record(
+        self,
+        op: str,
+        path: str | None,
+        zone: Zone | None,
+        *,
+        pid: int,
+        uid: int,
+        comm: str | None = None,
+        allowed: bool | None = True,
+        reason: str | None = None,
+        err: int | None = None,
+        dest: str | None = None,
+        nbytes: int | None = None,
+        detail: str | None = None,
+    ) -> None:
+        """The one place an audit entry is built."""
+        entry: dict[str, Any] = {
+            "op": op,
+            "path": path,
+            "dest": dest,
+            "zone": zone.value if zone else None,
+            **self._base_entry,
+            "allowed": allowed,
+            "reason": reason,
+            "errno": errno.errorcode.get(err, str(err)) if err else None,
+            "pid": pid,
+            "uid": uid,
+            "comm": comm if comm is not None else self.process_names.get(pid),
+            "bytes": nbytes,
+            **self._via,
+        }
+        if detail is not None:
+            entry["detail"] = detail
+        self.audit.record(entry)
+
+    def did(
+        self,
+        caller: Caller,
+        op: Op | str,
+        node: Node,
+        *,
+        path: str | None = None,
+        dest: str | None = None,
+        detail: str | None = None,
+        comm: str | None = None,
+        nbytes: int | None = None,
+    ) -> None:
+        """Record an allowed operation on node (at `path`, if its name changed since)."""
+        self.record(
+            str(op),
+            path if path is not None else node.vpath(),
+            node.zone,
+            pid=caller.pid,
+            uid=caller.uid,
+            comm=comm,
+            dest=dest,
+            nbytes=nbytes,
+            detail=detail,
+        )
+
+    def refuse(
+        self,
+        caller: Caller,
+        op: Op | str,
+        path: str,
+        zone: Zone | None,
+        decision: Decision,
+        dest: str | None = None,
+    ) -> SandboxError:
+        """Audit a denial (the entry is written before this returns) and build its error."""
+        self.record(
+            str(op),
+            path,
+            zone,
+            pid=caller.pid,
+            uid=caller.uid,
+            allowed=False,
+            reason=decision.reason,
+            err=decision.errno,
+            dest=dest,
+        )
+        return SandboxError(decision.errno, decision.reason)
+
+    def internal_error(self, callback: str, exc: BaseException) -> None:
+        self.record(
+            "error",
+            None,
+            None,
+            pid=0,
+            uid=0,
+            allowed=False,
+            reason=f"internal error in {callback}: {type(exc).__name__}: {exc}",
+            err=errno.EIO,
+        )
+
+    def cross_zone(
+        self, what: str, caller: Caller, src: str, dst: str, zone: Zone | None, to: Zone | None
+    ) -> NoReturn:
+        """EXDEV for a rename or link across zones. Not a policy refusal (`mv` then copies
+        and deletes, each checked on its own), so it is recorded without `allowed: false`."""
+        reason = cross_zone_reason(f"{what}s" if what == "rename" else "hard links", zone, to)
+        self.record(
+            what,
+            src,
+            zone,
+            pid=caller.pid,
+            uid=caller.uid,
+            allowed=None,
+            reason=reason,
+            err=errno.EXDEV,
+            dest=dst,
+        )
+        raise SandboxError(errno.EXDEV, reason)
+
+    # ----- the matrix -----------------------------------------------------------------------------
+
+    def check(self, caller: Caller, op: Op, node: Node, child: bytes | None = None) -> None:
+        assert node.zone is not None
+        decision = self.policy.decide(node.zone, op)
+        if not decision.allowed:
+            raise self.refuse(caller, op, node.vpath(child), node.zone, decision)
+
+    def readable(self, zone: Zone) -> bool:
+        ops = self.policy.access(zone).ops
+        return Op.READ in ops or Op.LIST in ops
+
+    def create_only(self, zone: Zone) -> bool:
+        return self.policy.access(zone).create_only
+
+    def may_cache(self, zone: Zone) -> bool:
+        """Whether file contents may be handed to the kernel's cache (someone may read them)."""
+        return self.policy.decide(zone, Op.READ).allowed
+
+    # ----- resolving names ------------------------------------------------------------------------
+
+    def visible(
+        self, caller: Caller, parent: Node, name: bytes, st: StatLike | None, created_here: bool
+    ) -> bool:
+        """Whether parent/name (st: its lstat, None when absent) may be resolved.
+
+        Answers False ("absent") for every absent name, and refuses as absent (ENOENT,
+        audited as `read`: the caller was reaching for it) every existing name this level may
+        not know about: deny-listed names, everything in a zone the level cannot access, and
+        existing files of a create-only zone that this mount did not create. The answer is the
+        same whether the name exists or not, so it tells the caller nothing.
+        """
+        zone = parent.zone
+        assert zone is not None
+        if not self.policy.access(zone).any:
+            if st is None:
+                return False
+            decision = self.policy.decide(zone, Op.READ)
+            raise self.refuse(caller, Op.READ, parent.vpath(name), zone, _absent(decision))
+        is_dir = st is None or stat.S_ISDIR(st.st_mode)
+        pattern = self.denied_pattern(parent, name, is_dir)
+        if pattern is not None:
+            if st is None:
+                return False
+            vpath = parent.vpath(name)
+            decision = self.policy.deny_list_decision(vpath, pattern, errno.ENOENT)
+            raise self.refuse(caller, Op.READ, vpath, zone, decision)
+        if st is None:
+            return False
+        decision = self.policy.decide_lookup(zone, stat.S_ISDIR(st.st_mode), created_here)
+        if not decision.allowed:
+            raise self.refuse(caller, Op.READ, parent.vpath(name), zone, _absent(decision))
+        return True
+
+    def hidden(self, caller: Caller, op: Op, parent: Node, name: bytes, why: str) -> SandboxError:
+        """An entry that is never part of a zone (sandboxfs's state, another mount): absent
+        to a reader, refused to a writer."""
+        err = errno.ENOENT if op is Op.READ else errno.EACCES
+        vpath = parent.vpath(name)
+        return self.refuse(caller, op, vpath, parent.zone, Decision(False, err, f"{vpath}: {why}"))
+
+    def denied_pattern(self, parent: Node, name: bytes, is_dir: bool) -> str | None:
+        """The deny pattern that parent/name matches (with its type as given), if any."""
+        text = name.decode("utf-8", "surrogateescape")
+        relpath = ""
+        if self.policy.has_path_patterns:
+            relpath = relpath_of(parent, name)
+        return self.policy.denied_name(text, relpath, is_dir)
+
+    def listed(self, parent: Node, name: bytes, is_dir: bool) -> bool:
+        """Whether a directory listing shows parent/name (the deny list hides it otherwise)."""
+        return self.denied_pattern(parent, name, is_dir) is None
+
+    def _reject_denied(
+        self, caller: Caller, parent: Node, name: bytes, is_dir: bool, op: Op | str
+    ) -> None:
+        pattern = self.denied_pattern(parent, name, is_dir)
+        if pattern is not None:
+            vpath = parent.vpath(name)
+            decision = self.policy.deny_list_decision(vpath, pattern)
+            raise self.refuse(caller, op, vpath, parent.zone, decision)
+
+    # ----- protected paths ------------------------------------------------------------------------
+
+    def _reject_protected(
+        self,
+        caller: Caller,
+        op: Op | str,
+        parent: Node,
+        name: bytes,
+        is_dir: bool,
+        dest: str | None = None,
+    ) -> None:
+        """Protected paths (and everything inside a protected directory) are never changed."""
+        if parent.zone is None or not self._may_protect(parent):
+            return
+        pattern = self.policy.protect.match_within(relpath_of(parent, name), is_dir)
+        if pattern is not None:
+            vpath = parent.vpath(name)
+            decision = self.policy.protect_decision(vpath, pattern)
+            raise self.refuse(caller, op, vpath, parent.zone, decision, dest=dest)
+
+    def _may_protect(self, directory: Node) -> bool:
+        """Whether a protect pattern could match inside `directory`, remembered on the node
+        until any known path changes (Store.moves)."""
+        moves = self._moves()
+        memo_moves, may = directory.protect_memo
+        if memo_moves != moves:
+            rel = directory.relpath().decode("utf-8", "surrogateescape")
+            may = self.policy.protect.may_match_under(rel)
+            directory.protect_memo = (moves, may)
+        return may
+
+    def _reject_protected_node(self, caller: Caller, op: Op | str, node: Node) -> None:
+        if node.parent is not None and node.zone is not None:
+            self._reject_protected(caller, op, node.parent, node.name, node.is_dir)
+
+    # ----- reading and changing existing entries --------------------------------------------------
+
+    def may_open(self, caller: Caller, node: Node, read: bool, write: bool) -> None:
+        """Opening an existing file to read and/or to write (or truncate)."""
+        assert node.zone is not None
+        if read:
+            self.check(caller, Op.READ, node)
+        if write:
+            self._reject_protected_node(caller, Op.WRITE, node)
+            self.check(caller, Op.WRITE, node)
+            self._check_layer(caller, node, Op.WRITE)
+        limits = self.limits.get(node.zone)
+        if limits is not None and not limits.suffix_allowed(node.name.decode("utf-8", "replace")):
+            op = Op.WRITE if write else Op.READ
+            decision = limits.suffix_decision(node.vpath(), node.zone.value, "opening")
+            raise self.refuse(caller, op, node.vpath(), node.zone, decision)
+
+    def may_read_link(self, caller: Caller, node: Node) -> None:
+        self.check(caller, Op.READ, node)
+
+    def may_change(self, caller: Caller, node: Node, allow_created: bool = True) -> None:
+        """Writes to an existing entry (setattr, xattrs): never to `/`, a zone root or
+        /.sandboxfs.
+
+        In a create-only zone, entries this mount created may still get their mode, times and
+        xattrs set (tar and cp -p do that after writing), but only their creating handle may
+        change their size.
+        """
+        if node.ino < FIRST_DYNAMIC_INO:
+            reason = (
+                CONTEXT_REASON if node.zone is None and node.ino != ROOT_INO else ZONE_ROOT_REASON
+            )
+            raise self.refuse(
+                caller, Op.WRITE, node.vpath(), node.zone, Decision(False, errno.EACCES, reason)
+            )
+        assert node.zone is not None
+        self._reject_protected_node(caller, Op.WRITE, node)
+        if allow_created and node.created_here and self.policy.access(node.zone).create_only:
+            return
+        self.check(caller, Op.WRITE, node)
+        self._check_layer(caller, node, Op.WRITE)
+
+    def may_write_context(self, caller: Caller, node: Node) -> NoReturn:
+        decision = Decision(False, errno.EACCES, CONTEXT_REASON)
+        raise self.refuse(caller, Op.WRITE, node.vpath(), None, decision)
+
+    def may_change_xattr(self, caller: Caller, node: Node, name: bytes) -> None:
+        self.may_change(caller, node)
+        if not name.startswith(_WRITABLE_XATTR_PREFIX) and name not in _ACL_XATTRS:
+            reason = (
+                "only user.* extended attributes and POSIX ACLs can be set or removed "
+                "through sandboxfs"
+            )
+            raise self.refuse(
+                caller, Op.WRITE, node.vpath(), node.zone, Decision(False, errno.EPERM, reason)
+            )
+
+    def xattrs_visible(self, caller: Caller, node: Node) -> bool:
+        """Whether node's extended attributes may be read (refusals are audited). A zone root
+        the level cannot read or list shows none, like the empty directory it looks like."""
+        if node.zone is None:
+            return True
+        if node.ino < FIRST_DYNAMIC_INO:
+            return self.readable(node.zone)
+        self.check(caller, Op.READ, node)
+        return True
+
+    def may_list(self, caller: Caller, node: Node) -> None:
+        """Opening a directory to list it; allowed listings are audited at once."""
+        if node.zone is not None:
+            self.check(caller, Op.LIST, node)
+            self.did(caller, Op.LIST, node)
+
+    def _check_layer(
+        self, caller: Caller, node: Node, op: Op | str, child: bytes | None = None
+    ) -> None:
+        """Only the first workers directory (<project>/.workers) can be changed."""
+        if node.zone is Zone.WORKERS and node.layer > 0:
+            vpath = node.vpath(child)
+            reason = (
+                f"{vpath} comes from SANDBOXFS_WORKERS_PATH, which is read-only; "
+                f"only <project>/.workers can be changed"
+            )
+            raise self.refuse(caller, op, vpath, node.zone, Decision(False, errno.EROFS, reason))
+
+    # ----- sizes and quotas -----------------------------------------------------------------------
+
+    def zone_limits(self, zone: Zone | None) -> ZoneLimits:
+        return self.limits.get(zone, _NO_LIMITS) if zone is not None else _NO_LIMITS
+
+    def may_resize(self, caller: Caller, node: Node, old_size: int, new_size: int) -> None:
+        """A write or truncate taking node's file from old_size to new_size bytes: within
+        max_file_bytes and the zone's quota (charged here; `resized` gives back)."""
+        zone = node.zone
+        assert zone is not None
+        limits = self.limits.get(zone)
+        if limits is None:
+            return
+        limit = limits.max_file_bytes
+        if limit is not None and new_size > limit and new_size > old_size:
+            decision = limits.size_decision(node.vpath(), zone.value, new_size)
+            raise self.refuse(caller, Op.WRITE, node.vpath(), zone, decision)
+        tally = self.tallies.get(zone)
+        if tally is not None and new_size != old_size:
+            refused = tally.charge(new_size - old_size, 0, node.vpath())
+            if refused is not None:
+                raise self.refuse(caller, Op.WRITE, node.vpath(), zone, refused)
+
+    def freed(self, zone: Zone | None, nbytes: int, nfiles: int) -> None:
+        """Give back to the zone's quota what a failed change or a removal no longer uses."""
+        tally = self.tallies.get(zone) if zone is not None else None
+        if tally is not None:
+            tally.credit(nbytes, nfiles)
+
+    # ----- creating entries -----------------------------------------------------------------------
+
+    def may_create(
+        self, caller: Caller, parent: Node, name: bytes, kind: str = "file", mode: int = 0
+    ) -> Zone:
+        """Checks for a new name in `parent` (kind: file, mkdir, symlink, mknod); returns its
+        zone. Charges one entry to the zone's quota: `freed` gives it back if creating fails."""
+        if parent.zone is None:
+            reason = self.policy.root_create_reason if parent.ino == ROOT_INO else CONTEXT_REASON
+            raise self.refuse(
+                caller, Op.WRITE, parent.vpath(name), None, Decision(False, errno.EACCES, reason)
+            )
+        zone = parent.zone
+        if kind == "mknod" and not (
+            stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+        ):
+            reason = (
+                "only regular files, FIFOs and sockets can be created; device nodes are refused"
+            )
+            raise self.refuse(
+                caller, Op.WRITE, parent.vpath(name), zone, Decision(False, errno.EPERM, reason)
+            )
+        self._reject_denied(caller, parent, name, True, Op.WRITE)
+        self._reject_protected(caller, Op.WRITE, parent, name, True)
+        decision = self.policy.decide_create(zone)
+        if not decision.allowed:
+            raise self.refuse(caller, Op.WRITE, parent.vpath(name), zone, decision)
+        self._check_layer(caller, parent, Op.WRITE, name)
+        limits = self.limits.get(zone)
+        if limits is not None:
+            if kind != "mkdir":
+                self._check_suffix(caller, limits, parent, name, Op.WRITE, "creating")
+            tally = self.tallies.get(zone)
+            if tally is not None:
+                refused = tally.charge(0, 1, parent.vpath(name))
+                if refused is not None:
+                    raise self.refuse(caller, Op.WRITE, parent.vpath(name), zone, refused)
+        return zone
+
+    def _check_suffix(
+        self,
+        caller: Caller,
+        limits: ZoneLimits,
+        parent: Node,
+        name: bytes,
+        op: Op | str,
+        what: str,
+        dest: str | None = None,
+        src: str | None = None,
+    ) -> None:
+        if not limits.suffix_allowed(name.decode("utf-8", "replace")):
+            assert parent.zone is not None
+            vpath = parent.vpath(name)
+            decision = limits.suffix_decision(vpath, parent.zone.value, what)
+            raise self.refuse(caller, op, src or vpath, parent.zone, decision, dest=dest)
+
+    def refuse_existing(self, caller: Caller, parent: Node, name: bytes, zone: Zone) -> None:
+        """A name that exists where lookup answered "absent" (create-only zones): refused as
+        the write it is, like every other refused creation, rather than EEXIST."""
+        if not self.policy.access(zone).create_only:
+            return
+        vpath = parent.vpath(name)
+        reason = (
+            f"{vpath} exists, and {zone.value} is create-only at trust level "
+            f"{self.policy.trust.value}: existing entries cannot be replaced"
+        )
+        raise self.refuse(caller, Op.WRITE, vpath, zone, Decision(False, errno.EACCES, reason))
+
+    def refuse_mount_root(self, caller: Caller, parent: Node, name: bytes, zone: Zone) -> NoReturn:
+        vpath = parent.vpath(name)
+        reason = f"{vpath} is the root of another mount"
+        raise self.refuse(caller, Op.WRITE, vpath, zone, Decision(False, errno.EACCES, reason))
+
+    def may_link(self, caller: Caller, node: Node, parent: Node, new_name: bytes) -> None:
+        """A second name for node at parent/new_name."""
+        src = node.vpath()
+        dest = parent.vpath(new_name)
+        if node.zone is None or node.ino < FIRST_DYNAMIC_INO:
+            decision = Decision(False, errno.EPERM, ZONE_ROOT_REASON)
+            raise self.refuse(caller, "link", src, node.zone, decision, dest=dest)
+        if parent.zone is not node.zone:
+            self.cross_zone("link", caller, src, dest, node.zone, parent.zone)
+        if node.parent is None:
+            raise SandboxError(errno.ENOENT, "the entry was removed")
+        # The source is judged by its current path, whatever name the kernel used for it: a
+        # second name for a deny-listed or protected file would carry it out from under its
+        # pattern (writing through a hard link writes the protected file).
+        self._reject_denied(caller, node.parent, node.name, node.is_dir, "link")
+        self._reject_protected(caller, "link", node.parent, node.name, node.is_dir, dest=dest)
+        self._reject_denied(caller, parent, new_name, False, "link")
+        self._reject_protected(caller, "link", parent, new_name, False, dest=dest)
+        assert parent.zone is not None
+        # A second name for an existing file changes it (its link count, and every later
+        # write through either name): write access, which create-only does not give.
+        for decision in (
+            self.policy.decide_create(parent.zone),
+            self.policy.decide(node.zone, Op.WRITE),
+        ):
+            if not decision.allowed:
+                raise self.refuse(caller, "link", src, parent.zone, decision, dest=dest)
+        limits = self.limits.get(parent.zone)
+        if limits is not None:
+            self._check_suffix(caller, limits, parent, new_name, "link", "linking", dest, src)
+        self._check_layer(caller, parent, "link", new_name)
+        self._check_layer(caller, node, "link")
+
+    def hidden_target(
+        self, caller: Caller, op: str, src: str, zone: Zone | None, dest: str, why: str
+    ) -> SandboxError:
+        """A link or rename onto sandboxfs's state or another mount."""
+        decision = Decision(False, errno.EACCES, f"{dest}: {why}")
+        return self.refuse(caller, op, src, zone, decision, dest=dest)
+
+    # ----- removing and renaming ------------------------------------------------------------------
+
+    def may_remove_in(self, caller: Caller, parent: Node, name: bytes, op: str) -> Zone:
+        """Checks on parent/name before it is looked up for deletion; returns its zone."""
+        if parent.zone is None:
+            reason = ZONE_ROOT_REASON if parent.ino == ROOT_INO else CONTEXT_REASON
+            raise self.refuse(
+                caller, op, parent.vpath(name), None, Decision(False, errno.EACCES, reason)
+            )
+        self._reject_denied(caller, parent, name, True, Op.DELETE)
+        self.check(caller, Op.DELETE, parent, name)
+        return parent.zone
+
+    def may_remove(
+        self, caller: Caller, parent: Node, name: bytes, is_dir: bool, layer: int, op: str
+    ) -> None:
+        """Checks on the entry found at parent/name (in workers layer `layer`)."""
+        zone = parent.zone
+        assert zone is not None
+        self._reject_protected(caller, Op.DELETE, parent, name, is_dir)
+        if zone is Zone.WORKERS and layer > 0:
+            vpath = parent.vpath(name)
+            reason = f"{vpath} comes from SANDBOXFS_WORKERS_PATH, which is read-only"
+            raise self.refuse(caller, op, vpath, zone, Decision(False, errno.EROFS, reason))
+
+    def removed(self, zone: Zone, st: StatLike) -> None:
+        """A name was unlinked or replaced: its inode's bytes and entry leave the quota when it
+        was the last name."""
+        if stat.S_ISDIR(st.st_mode):
+            self.freed(zone, 0, 1)
+        elif st.st_nlink <= 1:
+            self.freed(zone, st.st_size if stat.S_ISREG(st.st_mode) else 0, 1)
+
+    def may_rename_in(
+        self,
+        caller: Caller,
+        old_parent: Node,
+        name_old: bytes,
+        new_parent: Node,
+        name_new: bytes,
+        flags_ok: bool,
+    ) -> Zone:
+        """Checks on a rename before either name is looked up; returns the zone."""
+        src, dst = old_parent.vpath(name_old), new_parent.vpath(name_new)
+        if old_parent.zone is None or new_parent.zone is None:
+            reason = ZONE_ROOT_REASON if old_parent.zone is None else self.policy.root_create_reason
+            raise self.refuse(
+                caller,
+                "rename",
+                src,
+                old_parent.zone,
+                Decision(False, errno.EACCES, reason),
+                dest=dst,
+            )
+        if old_parent.zone is not new_parent.zone:
+            self.cross_zone("rename", caller, src, dst, old_parent.zone, new_parent.zone)
+        zone = old_parent.zone
+        if not flags_ok:
+            reason = "only the RENAME_NOREPLACE and RENAME_EXCHANGE flags are supported"
+            decision = Decision(False, errno.EINVAL, reason)
+            raise self.refuse(caller, "rename", src, zone, decision, dest=dst)
+        for parent, name in ((old_parent, name_old), (new_parent, name_new)):
+            self._reject_denied(caller, parent, name, True, "rename")
+        for decision in (self.policy.decide(zone, Op.DELETE), self.policy.decide(zone, Op.WRITE)):
+            if not decision.allowed:
+                raise self.refuse(caller, "rename", src, zone, decision, dest=dst)
+        return zone
+
+    def may_rename_from(
+        self, caller: Caller, old_parent: Node, name_old: bytes, layer: int, dest: str
+    ) -> None:
+        zone = old_parent.zone
+        src = old_parent.vpath(name_old)
+        if zone is Zone.WORKERS and layer > 0:
+            reason = f"{src} comes from SANDBOXFS_WORKERS_PATH, which is read-only"
+            raise self.refuse(
+                caller, "rename", src, zone, Decision(False, errno.EROFS, reason), dest=dest
+            )
+
+    def may_rename_to(self, caller: Caller, new_parent: Node, name_new: bytes) -> None:
+        self._check_layer(caller, new_parent, Op.WRITE, name_new)
+
+    def may_move(
+        self,
+        caller: Caller,
+        parent: Node,
+        name: bytes,
+        st: StatLike,
+        to_parent: Node,
+        to_name: bytes,
+        src: str,
+        dst: str,
+    ) -> None:
+        """Patterns survive renames: nothing protected is moved away or onto, and no directory
+        is moved while a deny or protect path pattern could match something inside it (it
+        would carry that entry out from under its pattern). Suffixes too: a file keeps an
+        allowed suffix, and one without can only be deleted."""
+        is_dir = stat.S_ISDIR(st.st_mode)
+        self._reject_protected(caller, "rename", parent, name, is_dir, dest=dst)
+        self._reject_protected(caller, "rename", to_parent, to_name, is_dir, dest=dst)
+        if not is_dir:
+            limits = self.limits.get(parent.zone) if parent.zone is not None else None
+            if limits is not None:
+                self._check_suffix(caller, limits, parent, name, "rename", "renaming", dst, src)
+                self._check_suffix(
+                    caller, limits, to_parent, to_name, "rename", "renaming to", dst, src
+                )
+            return
+        for patterns, decide, rel in (
+            (self.policy.deny, self.policy.deny_list_decision, relpath_of(parent, name)),
+            (self.policy.protect, self.policy.protect_decision, relpath_of(parent, name)),
+            (self.policy.protect, self.policy.protect_decision, relpath_of(to_parent, to_name)),
+        ):
+            pattern = patterns.match_below(rel)
+            if pattern is not None:
+                decision = decide(f"{parent.vpath(name)}/...", pattern)
+                raise self.refuse(caller, "rename", src, parent.zone, decision, dest=dst)
+
+
+def _absent(decision: Decision) -> Decision:
+    """A refusal answered as ENOENT: the name looks absent to the caller."""
+    return Decision(False, errno.ENOENT, decision.reason)
+
+
+def relpath_of(parent: Node, name: bytes) -> str:
+    """parent/name relative to its zone root, as text for pattern matching."""
+    rel = parent.relpath()
+    return (rel + b"/" + name if rel else name).decode("utf-8", "surrogateescape")
+
+
+def _read_comm(fd: int) -> str:
+    return os.pread(fd, 64, 0).rstrip(b"\n").decode("utf-8", "replace")
+
+
+class ProcessNames:
+    """`comm` of recent callers, read through a descriptor kept open per pid.
+
+    Opening /proc/<pid>/comm is most of the cost of reading it, and the same few processes
+    make most requests. A descriptor stays bound to the process it was opened for: once that
+    process is gone, reading fails (ESRCH) even if its pid has been reused, and the pid is
+    looked up afresh. A name changed by exec or prctl shows on the next read.
+    """
+
+    def __init__(self, capacity: int = 64) -> None:
+        self._capacity = capacity
+        self._fds: OrderedDict[int, int] = OrderedDict()
+
+    def get(self, pid: int) -> str | None:
+        fd = self._fds.get(pid)
+        if fd is not None:
+            try:
+                name = _read_comm(fd)
+            except OSError:
+                del self._fds[pid]
+                os.close(fd)
+            else:
+                self._fds.move_to_end(pid)
+                return name
+        if pid <= 0:
+            return None
+        try:
+            fd = os.open(f"/proc/{pid}/comm", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            name = _read_comm(fd)
+        except OSError:
+            os.close(fd)
+            return None
+        self._fds[pid] = fd
+        if len(self._fds) > self._capacity:
+            _, oldest = self._fds.popitem(last=False)
+            os.close(oldest)
+        return name
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
