@@ -10,7 +10,8 @@ class SandboxError(Exception):
     typed exceptions (sandboxfs.api.errors).
     """
 
-    def __init__(self, errno: int, reason: str = "") -> None:
+    def __init__(self, errno: int, reason: str = "", rule: str = "") -> None:
         super().__init__(errno, reason)
         self.errno = errno
         self.reason = reason
+        self.rule = rule  # see Decision.rule

@@ -184,7 +184,7 @@ class Guard:
             err=decision.errno,
             dest=dest,
         )
-        return SandboxError(decision.errno, decision.reason)
+        return SandboxError(decision.errno, decision.reason, decision.rule)
 
     def internal_error(self, callback: str, exc: BaseException) -> None:
         self.record(

@@ -84,6 +84,7 @@ class ZoneLimits:
             errno.EACCES,
             f"{vpath}: {what} a file whose name does not end with an allowed suffix is refused "
             f"in {zone}; allowed suffixes: {listed}",
+            "suffix",
         )
 
     def size_decision(self, vpath: str, zone: str, size: int) -> Decision:
@@ -91,6 +92,7 @@ class ZoneLimits:
             errno.EFBIG,
             f"{vpath} would be {size} bytes; files in {zone} may be at most "
             f"{self.max_file_bytes} bytes (max_file_bytes)",
+            "size",
         )
 
 
@@ -146,6 +148,7 @@ class Tally:
             errno.EDQUOT,
             f"{vpath}: the quota of {self.zone} is exhausted: {what}; delete files in "
             f"{self.zone} to make room",
+            "quota",
         )
 
     def credit(self, nbytes: int, nfiles: int) -> None:

@@ -145,13 +145,16 @@ class Decision:
     allowed: bool
     errno: int = 0
     reason: str = ""
+    # Which rule refused, for front ends that name it (the API's exception types): "" for the
+    # matrix, else "deny", "protect", "suffix", "size" or "quota".
+    rule: str = ""
 
 
 ALLOW = Decision(True)
 
 
-def deny(err: int, reason: str) -> Decision:
-    return Decision(False, err, reason)
+def deny(err: int, reason: str, rule: str = "") -> Decision:
+    return Decision(False, err, reason, rule)
 
 
 Matrix = Mapping[Trust, Mapping[Zone, ZoneAccess]]
@@ -318,6 +321,7 @@ class Policy:
             err,
             f"{vpath} matches the deny pattern {pattern!r}; deny-listed names are "
             f"inaccessible at every trust level",
+            "deny",
         )
 
     def protect_decision(self, vpath: str, pattern: str) -> Decision:
@@ -326,6 +330,7 @@ class Policy:
             f"{vpath} is protected by the pattern {pattern!r}: it can be read where the trust "
             f"level allows, but never created, changed, renamed, linked or deleted through "
             f"sandboxfs",
+            "protect",
         )
 
     @property
