@@ -37,7 +37,7 @@ from .core.store import (
     StatLike,
     Store,
 )
-from .core.syscalls import Stat, fstat, renameat2, set_fs_ids
+from .core.syscalls import Stat, fstat, set_fs_ids
 
 __all__ = ["FileHandle", "MountInfo", "SandboxOperations"]
 
@@ -366,10 +366,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self._changing(node)
         fd = handle.fd if isinstance(handle, FileHandle) else None
         changes: list[str] = []
-        target, how = self._meta_target(node)
         if fields.update_size:
             writable = handle is not None and handle.writable  # type: ignore[union-attr]
-            wfd = fd if fd is not None and writable else self._reopen(node, os.O_WRONLY)
+            wfd = fd if fd is not None and writable else self.store.reopen(node, os.O_WRONLY)
             try:
                 old_size = os.fstat(wfd).st_size
                 self.guard.may_resize(ctx, node, old_size, attr.st_size)
@@ -383,15 +382,16 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 if wfd != fd:
                     os.close(wfd)
             changes.append(f"size={attr.st_size}")
+        mode = owner = times = None
         if fields.update_mode:
             mode = stat.S_IMODE(attr.st_mode) & ~_SUID_SGID
-            os.chmod(target, mode, **how)
             changes.append(f"mode={mode:o}")
         if fields.update_uid or fields.update_gid:
-            uid = attr.st_uid if fields.update_uid else -1
-            gid = attr.st_gid if fields.update_gid else -1
-            os.chown(target, uid, gid, **how)
-            changes.append(f"owner={uid}:{gid}")
+            owner = (
+                attr.st_uid if fields.update_uid else -1,
+                attr.st_gid if fields.update_gid else -1,
+            )
+            changes.append(f"owner={owner[0]}:{owner[1]}")
         # A new mtime alone leaves the kernel's cached pages valid (`tar` sets it after
         # writing): carry the cache stamp over, if it held up to now.
         keeps_cache = False
@@ -407,29 +407,16 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 current = current or self.store.stat_node(node)
                 atime = attr.st_atime_ns if fields.update_atime else current.st_atime_ns
                 mtime = attr.st_mtime_ns if fields.update_mtime else current.st_mtime_ns
-            os.utime(target, ns=(atime, mtime), **how)
+            times = (atime, mtime)
             changes.append("times")
+        if mode is not None or owner is not None or times is not None:
+            self.store.change_meta(node, mode, owner, times)
         if changes:
             self.guard.did(ctx, Op.WRITE, node, detail="setattr " + " ".join(changes))
         attrs = self.node_attrs(node)
         if keeps_cache:
             node.cache_stamp = (attrs.st_mtime_ns, attrs.st_size)
         return attrs
-
-    def _meta_target(self, node: Node) -> tuple[int | bytes, dict[str, Any]]:
-        """What to pass to os.chmod/chown/utime for node: an open descriptor when there is
-        one (it still works after the name was unlinked or replaced), else parent + name."""
-        if node.open_fds:
-            return node.open_fds[-1], {}
-        parent_fd = self.store.parent_fd(node, checked=True)
-        self.store.stat_node(node)  # the name must still be node's (ESTALE otherwise)
-        return node.name, {"dir_fd": parent_fd, "follow_symlinks": False}
-
-    def _reopen(self, node: Node, flags: int) -> int:
-        """A new descriptor of node's file, through an open one if there is one."""
-        if node.open_fds:
-            return os.open(f"/proc/self/fd/{node.open_fds[-1]}", flags | os.O_CLOEXEC)
-        return self.store.open_file(node, flags)
 
     @_guarded
     def readlink(self, inode: int, ctx: Any) -> bytes:
@@ -438,7 +425,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             raise SandboxError(errno.EINVAL)
         self.guard.may_read_link(ctx, node)
         self._changing(node)  # the kernel stops trusting a read link's atime
-        return os.readlink(node.name, dir_fd=self.store.parent_fd(node))
+        return self.store.readlink(node)
 
     def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         """Drop what the kernel no longer references. Synchronous on purpose: pyfuse3 awaits
@@ -575,13 +562,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     def fsyncdir(self, fh: int, datasync: bool) -> None:
         node = self._dirs[fh].node
         if node.zone is not None and node.key is not None:
-            fd = os.open(
-                ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.store.dir_fd(node)
-            )
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            self.store.fsync_dir(node)
 
     # ----- files ----------------------------------------------------------------------------------
 
@@ -738,22 +719,14 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             return None
         if not self.guard.may_cache(node.zone):
             return None  # nobody may read it here (a create-only zone): nothing to cache
+        whole = self.store.read_whole(fd, _KERNEL_STORE_LIMIT)
+        if whole is None:
+            return None
+        data, st = whole
         try:
-            rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return None  # e.g. a write-only file the daemon may not read
-        try:
-            st = os.fstat(rfd)
-            if st.st_size > _KERNEL_STORE_LIMIT:
-                return None
-            data = os.pread(rfd, st.st_size, 0)
-            if len(data) != st.st_size:
-                return None
             self.kernel_store(node.ino, 0, data)
         except OSError:
             return None
-        finally:
-            os.close(rfd)
         return (st.st_mtime_ns, st.st_size)
 
     # ----- creating entries -----------------------------------------------------------------------
@@ -761,7 +734,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     def _own(self, path_fd: int, name: bytes, ctx: Any) -> None:
         """Give a new entry to the caller, as the kernel would on a local filesystem."""
         if self.running_as_root and (ctx.uid != 0 or ctx.gid != 0):
-            os.chown(name, ctx.uid, ctx.gid, dir_fd=path_fd, follow_symlinks=False)
+            self.store.give(path_fd, name, ctx.uid, ctx.gid)
 
     @_guarded
     def create(
@@ -842,7 +815,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         parent = self.store.get(parent_inode)
 
         def make(dfd: int) -> None:
-            os.mkdir(name, stat.S_IMODE(mode) & ~_SUID_SGID, dir_fd=dfd)
+            self.store.make_dir(dfd, name, stat.S_IMODE(mode) & ~_SUID_SGID)
 
         return self._make_entry(ctx, parent, name, "mkdir", make)
 
@@ -853,7 +826,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         parent = self.store.get(parent_inode)
 
         def make(dfd: int) -> None:
-            os.symlink(target, name, dir_fd=dfd)
+            self.store.make_symlink(dfd, name, target)
 
         return self._make_entry(ctx, parent, name, "symlink", make)
 
@@ -864,7 +837,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         parent = self.store.get(parent_inode)
 
         def make(dfd: int) -> None:
-            os.mknod(name, stat.S_IFMT(mode) | (stat.S_IMODE(mode) & ~_SUID_SGID), dir_fd=dfd)
+            self.store.make_node(dfd, name, stat.S_IFMT(mode) | (stat.S_IMODE(mode) & ~_SUID_SGID))
 
         return self._make_entry(ctx, parent, name, "mknod", make, mode)
 
@@ -884,10 +857,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             ) from None
         self._changing(node, parent)
         dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
-        src_fd = self.store.parent_fd(node, checked=True)
-        self.store.stat_node(node)  # the name must still be node's (ESTALE otherwise)
         with self._as_caller(ctx.uid, ctx.gid):
-            os.link(node.name, new_name, src_dir_fd=src_fd, dst_dir_fd=dfd, follow_symlinks=False)
+            self.store.link(node, dfd, new_name)
         st = self.store.lstat(dfd, new_name)
         if st is None:
             raise SandboxError(errno.ENOENT, "the new link vanished")
@@ -915,7 +886,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         zone, dfd, st = self._removable(ctx, parent, name, Op.DELETE.value)
         node = self.store.by_key.get((zone, st.st_dev, st.st_ino))
         self._changing(parent, node)
-        (os.rmdir if rmdir else os.unlink)(name, dir_fd=dfd)
+        self.store.remove(dfd, name, rmdir)
         self.guard.removed(zone, st)
         if node is not None:
             self.store.detach(node, parent, name, st.st_nlink - 1 if not rmdir else 0)
@@ -972,7 +943,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         src_node = self.store.by_key.get((zone, src_st.st_dev, src_st.st_ino))
         dst_node = self.store.by_key.get((zone, dst_st.st_dev, dst_st.st_ino)) if dst_st else None
         self._changing(old_parent, new_parent, src_node, dst_node)
-        renameat2(src_fd, name_old, dst_fd, name_new, flags)
+        self.store.rename(src_fd, name_old, dst_fd, name_new, flags)
         if dst_st is not None and not exchange and dst_st.st_ino != src_st.st_ino:
             self.guard.removed(zone, dst_st)
         if dst_node is not None and dst_node is not src_node:
@@ -989,29 +960,6 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
     # ----- extended attributes and statfs ---------------------------------------------------------
 
-    def _xattr_target(self, node: Node) -> tuple[str, int] | None:
-        """A /proc path to node (via an O_PATH descriptor); None for symlinks and virtual nodes."""
-        if node.zone is None or (node.key is None and node.ino < FIRST_DYNAMIC_INO):
-            return None
-        if node.open_fds:
-            return f"/proc/self/fd/{node.open_fds[-1]}", -1
-        fd = self.store.dir_fd(node) if node.is_dir else self.store.open_path_fd(node)
-        if not node.is_dir and stat.S_ISLNK(os.stat(fd).st_mode):
-            os.close(fd)
-            return None
-        return f"/proc/self/fd/{fd}", (-1 if node.is_dir else fd)
-
-    def _with_xattr_path(self, node: Node, fn: Callable[[str], R], missing: R) -> R:
-        target = self._xattr_target(node)
-        if target is None:
-            return missing
-        path, fd = target
-        try:
-            return fn(path)
-        finally:
-            if fd >= 0:
-                os.close(fd)
-
     @_guarded
     def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
         if name.startswith(_SECURITY_XATTR_PREFIX):
@@ -1025,10 +973,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if not self.guard.xattrs_visible(ctx, node):
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
 
-        def get(path: str) -> bytes:
-            return os.getxattr(path, name)
-
-        value = self._with_xattr_path(node, get, None)
+        value = self.store.get_xattr(node, name)
         if value is None:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         return value
@@ -1036,52 +981,35 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     @_guarded
     def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
         node = self.store.get(inode)
-        empty: list[str] = []
         if not self.guard.xattrs_visible(ctx, node):
             return []
-        names = self._with_xattr_path(node, os.listxattr, empty)
+        names = self.store.list_xattrs(node)
         encoded = (n.encode("utf-8", "surrogateescape") for n in names)
         return [n for n in encoded if not n.startswith(_SECURITY_XATTR_PREFIX)]
 
     @_guarded
     def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
-        def put(path: str) -> None:
-            os.setxattr(path, name, value)
-
-        self._change_xattr(ctx, inode, name, put, "setxattr", errno.EPERM)
+        node = self._changing_xattr(ctx, inode, name)
+        if not self.store.set_xattr(node, name, value):
+            raise SandboxError(errno.EPERM, "symlinks cannot carry extended attributes")
+        self.guard.did(ctx, Op.WRITE, node, detail=f"setxattr {_text(name)}")
 
     @_guarded
     def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
-        def remove(path: str) -> None:
-            os.removexattr(path, name)
+        node = self._changing_xattr(ctx, inode, name)
+        if not self.store.remove_xattr(node, name):
+            raise SandboxError(pyfuse3.ENOATTR, "symlinks cannot carry extended attributes")
+        self.guard.did(ctx, Op.WRITE, node, detail=f"removexattr {_text(name)}")
 
-        self._change_xattr(ctx, inode, name, remove, "removexattr", pyfuse3.ENOATTR)
-
-    def _change_xattr(
-        self,
-        ctx: Any,
-        inode: int,
-        name: bytes,
-        change: Callable[[str], None],
-        what: str,
-        symlink_errno: int,
-    ) -> None:
-        """Set or remove one xattr after the write check; symlinks carry none."""
+    def _changing_xattr(self, ctx: Any, inode: int, name: bytes) -> Node:
         node = self.store.get(inode)
         self.guard.may_change_xattr(ctx, node, name)
         self._changing(node)
-
-        def apply(path: str) -> bool:
-            change(path)
-            return True
-
-        if not self._with_xattr_path(node, apply, False):
-            raise SandboxError(symlink_errno, "symlinks cannot carry extended attributes")
-        self.guard.did(ctx, Op.WRITE, node, detail=f"{what} {name.decode('utf-8', 'replace')}")
+        return node
 
     @_guarded
     def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
-        st = os.statvfs(self.store.zone_roots[Zone.REPO].fd)
+        st = self.store.statvfs(Zone.REPO)
         data = pyfuse3.StatvfsData()
         for attr in (
             "f_bsize",
@@ -1096,6 +1024,10 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         ):
             setattr(data, attr, getattr(st, attr))
         return data
+
+
+def _text(name: bytes) -> str:
+    return name.decode("utf-8", "replace")
 
 
 def _dot_attrs(node: Node) -> pyfuse3.EntryAttributes:

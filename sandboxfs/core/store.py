@@ -17,9 +17,10 @@ import errno
 import os
 import stat
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from .errors import SandboxError
 from .policy import BUILTIN_ZONES, Zone
@@ -32,7 +33,10 @@ from .syscalls import (
     caches_attributes,
     lstat_at,
     openat2,
+    renameat2,
 )
+
+R = TypeVar("R")
 
 ROOT_INO = 1
 CONTROL_INO = 2
@@ -577,6 +581,142 @@ class Store:
             os.close(fd)
             raise
         return fd
+
+    # ----- changing entries: every backing call a front end makes once the guard allowed it --
+
+    def reopen(self, node: Node, flags: int) -> int:
+        """A new descriptor of node's file, through an open one if there is one."""
+        if node.open_fds:
+            return os.open(f"/proc/self/fd/{node.open_fds[-1]}", flags | os.O_CLOEXEC)
+        return self.open_file(node, flags)
+
+    def change_meta(
+        self,
+        node: Node,
+        mode: int | None = None,
+        owner: tuple[int, int] | None = None,
+        times: tuple[int, int] | None = None,
+    ) -> None:
+        """chmod, chown and utime of node: through an open descriptor when there is one (it
+        still works after the name was unlinked or replaced), else by parent + name, checked
+        to still be node's."""
+        target: int | bytes
+        how: dict[str, Any] = {}
+        if node.open_fds:
+            target = node.open_fds[-1]
+        else:
+            how = {"dir_fd": self.parent_fd(node, checked=True), "follow_symlinks": False}
+            self.stat_node(node)  # the name must still be node's (ESTALE otherwise)
+            target = node.name
+        if mode is not None:
+            os.chmod(target, mode, **how)
+        if owner is not None:
+            os.chown(target, *owner, **how)
+        if times is not None:
+            os.utime(target, ns=times, **how)
+
+    def readlink(self, node: Node) -> bytes:
+        return os.readlink(node.name, dir_fd=self.parent_fd(node))
+
+    def give(self, dir_fd: int, name: bytes, uid: int, gid: int) -> None:
+        """Make a new entry the caller's, as the kernel would on a local filesystem."""
+        os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+
+    def make_dir(self, dir_fd: int, name: bytes, mode: int) -> None:
+        os.mkdir(name, mode, dir_fd=dir_fd)
+
+    def make_symlink(self, dir_fd: int, name: bytes, target: bytes) -> None:
+        os.symlink(target, name, dir_fd=dir_fd)
+
+    def make_node(self, dir_fd: int, name: bytes, mode: int) -> None:
+        os.mknod(name, mode, dir_fd=dir_fd)
+
+    def link(self, node: Node, dir_fd: int, new_name: bytes) -> None:
+        """A second name for node's backing file, checked to still be node's."""
+        src_fd = self.parent_fd(node, checked=True)
+        self.stat_node(node)  # the name must still be node's (ESTALE otherwise)
+        os.link(node.name, new_name, src_dir_fd=src_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+
+    def remove(self, dir_fd: int, name: bytes, is_dir: bool) -> None:
+        (os.rmdir if is_dir else os.unlink)(name, dir_fd=dir_fd)
+
+    def rename(self, src_fd: int, old: bytes, dst_fd: int, new: bytes, flags: int) -> None:
+        renameat2(src_fd, old, dst_fd, new, flags)
+
+    def fsync_dir(self, node: Node) -> None:
+        fd = os.open(b".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.dir_fd(node))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def statvfs(self, zone: Zone) -> os.statvfs_result:
+        return os.statvfs(self.zone_roots[zone].fd)
+
+    def read_whole(self, fd: int, limit: int) -> tuple[bytes, os.stat_result] | None:
+        """The whole content of an open file of at most `limit` bytes, read through a new
+        read-only descriptor; None when it is larger, unreadable or changed while read."""
+        try:
+            rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None  # e.g. a write-only file the daemon may not read
+        try:
+            st = os.fstat(rfd)
+            if st.st_size > limit:
+                return None
+            data = os.pread(rfd, st.st_size, 0)
+            return (data, st) if len(data) == st.st_size else None
+        except OSError:
+            return None
+        finally:
+            os.close(rfd)
+
+    # ----- extended attributes ------------------------------------------------------------
+
+    def get_xattr(self, node: Node, name: bytes) -> bytes | None:
+        """node's attribute `name`; None for symlinks and virtual nodes, which carry none."""
+        return self._with_xattr_path(node, lambda path: os.getxattr(path, name), None)
+
+    def list_xattrs(self, node: Node) -> list[str]:
+        return self._with_xattr_path(node, os.listxattr, [])
+
+    def set_xattr(self, node: Node, name: bytes, value: bytes) -> bool:
+        """False for a node that carries no attributes (a symlink)."""
+
+        def put(path: str) -> bool:
+            os.setxattr(path, name, value)
+            return True
+
+        return self._with_xattr_path(node, put, False)
+
+    def remove_xattr(self, node: Node, name: bytes) -> bool:
+        def remove(path: str) -> bool:
+            os.removexattr(path, name)
+            return True
+
+        return self._with_xattr_path(node, remove, False)
+
+    def _with_xattr_path(self, node: Node, fn: Callable[[str], R], missing: R) -> R:
+        """fn of a /proc path to node (via an O_PATH descriptor), or `missing` for symlinks
+        and virtual nodes."""
+        if node.zone is None or (node.key is None and node.ino < FIRST_DYNAMIC_INO):
+            return missing
+        fd = -1
+        if node.open_fds:
+            path = f"/proc/self/fd/{node.open_fds[-1]}"
+        elif node.is_dir:
+            path = f"/proc/self/fd/{self.dir_fd(node)}"
+        else:
+            fd = self.open_path_fd(node)
+            if stat.S_ISLNK(os.stat(fd).st_mode):
+                os.close(fd)
+                return missing
+            path = f"/proc/self/fd/{fd}"
+        try:
+            return fn(path)
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
 
 def _is(node: Node, st: StatLike) -> bool:
