@@ -20,7 +20,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import audit_cli, completion, confine, manpage, netproxy
+from . import audit_cli, completion, confine, control, manpage, netproxy
 from . import config as config_mod
 from . import doctor as doctor_mod
 from . import run as run_mod
@@ -172,6 +172,21 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="list sandboxfs mounts")
     status.add_argument("mountpoint", type=Path, nargs="?", help="only this mount")
     status.add_argument("--json", action="store_true", help="a JSON list instead of a table")
+
+    for name, verb in (("promote", "raise"), ("demote", "lower")):
+        change = sub.add_parser(
+            name,
+            help=f"{verb} the trust level of a running mount or run, at once",
+            description=f"{verb.capitalize()} the trust level of a live mount (or of the mount "
+            "of a `sandboxfs run`, listed by `sandboxfs status`) through its control socket. "
+            "It takes effect for the next operation: the kernel's cached names, attributes and "
+            "file pages are dropped, and open files and directories are checked again.",
+        )
+        change.add_argument("mountpoint", type=Path, help="the mount, as `sandboxfs status` shows")
+        change.add_argument(
+            "--trust", type=_trust, required=True, metavar="LEVEL", help="the new trust level"
+        )
+        change.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
 
     audit_cli.add_parser(sub, trust_type=_trust, when_type=_when, positive_type=_positive)
     shell = sub.add_parser(
@@ -531,6 +546,39 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trust(args: argparse.Namespace) -> int:
+    """promote and demote: one request on the mount's control socket."""
+    mountpoint = Path(os.path.abspath(args.mountpoint))
+    if str(mountpoint) not in sandboxfs_mounts():
+        raise UserError(f"{args.mountpoint} is not a sandboxfs mount (see 'sandboxfs status')")
+    context = read_context(mountpoint, timeout=5.0)
+    if not isinstance(context, dict):
+        why = "it is another user's mount" if context == NOT_YOURS else f"it is {context}"
+        raise UserError(f"cannot change the trust level of {args.mountpoint}: {why}", exit_code=1)
+    levels = list(Trust)
+    current, wanted = Trust(str(context.get("trust"))), args.trust
+    promote = args.command == "promote"
+    if wanted == current:
+        raise UserError(f"{args.mountpoint} is at trust level {current.value} already", exit_code=1)
+    if (levels.index(wanted) > levels.index(current)) != promote:
+        other = "demote" if promote else "promote"
+        raise UserError(
+            f"{wanted.value} is {'below' if promote else 'above'} the current level "
+            f"{current.value}: use sandboxfs {other} {args.mountpoint} --trust {wanted.value}"
+        )
+    path = context.get("control")
+    if not isinstance(path, str):
+        raise UserError(f"{args.mountpoint} has no control socket (mounted by an older sandboxfs)")
+    answer = control.request(Path(path), {"op": "trust", "trust": wanted.value})
+    if args.json:
+        print(json.dumps(answer))
+    if not answer.get("ok"):
+        raise UserError(f"the daemon refused: {answer.get('error')}", exit_code=1)
+    if not args.json:
+        print(f"{args.mountpoint}: trust {answer.get('old')} -> {answer.get('new')}")
+    return 0
+
+
 def _status_cell(value: Any) -> str:
     if isinstance(value, list):
         return shlex.join(str(v) for v in value)
@@ -555,6 +603,8 @@ COMMANDS = {
     "man": cmd_man,
     "umount": cmd_umount,
     "status": cmd_status,
+    "promote": cmd_trust,
+    "demote": cmd_trust,
     "audit": audit_cli.main,
 }
 

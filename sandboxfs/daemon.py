@@ -18,6 +18,7 @@ import secrets
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -29,7 +30,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from . import request_wait
+from . import control, request_wait
 from .audit import AuditLog
 from .audit_anchor import state_root
 from .config import Config
@@ -310,9 +311,19 @@ def serve(
     store = prepare_store(req)
     _setup_logging(req)
     audit = AuditLog(audit_path(req.project), sync=req.audit_sync or req.config.audit.sync)
-    info = MountInfo(req.session, req.workspace, str(req.project), str(req.mountpoint), req.command)
+    pid = os.getpid()
+    control_path = control.socket_path(pid)
+    info = MountInfo(
+        req.session,
+        req.workspace,
+        str(req.project),
+        str(req.mountpoint),
+        req.command,
+        control=str(control_path),
+    )
     try:
         guard = make_guard(req.project, req.config, req.config_file, req.trust, info, store, audit)
+        listener = control.bind(control_path)
     except BaseException:
         audit.close()
         store.close()
@@ -334,7 +345,6 @@ def serve(
         options.add("ro")
     if req.debug:
         options.add("debug")
-    pid = os.getpid()
     comm = guard.process_names.get(pid)
 
     def lifecycle(op: str) -> None:
@@ -343,6 +353,8 @@ def serve(
     try:
         pyfuse3.init(ops, str(req.mountpoint), options)
     except RuntimeError as exc:
+        listener.close()
+        control_path.unlink(missing_ok=True)
         audit.close()
         store.close()
         raise UserError(f"cannot mount {req.mountpoint}: {exc}", exit_code=1) from None
@@ -350,7 +362,7 @@ def serve(
     lifecycle("mount")
     log.info("mounted %s (trust %s, session %s)", req.mountpoint, req.trust.value, req.session)
     try:
-        trio.run(_main, req, audit, ready, lifeline)
+        trio.run(_main, req, audit, ready, lifeline, Control(ops, info, listener))
     except BaseException:
         log.exception("the daemon stopped on an unexpected error")
         raise
@@ -358,6 +370,8 @@ def serve(
         ops.kernel_store = None  # the session goes away with close()
         with contextlib.suppress(Exception):
             pyfuse3.close(unmount=True)
+        listener.close()
+        control_path.unlink(missing_ok=True)
         ops.release_all()
         lifecycle("unmount")
         audit.close()
@@ -368,10 +382,15 @@ def serve(
 
 
 async def _main(
-    req: MountRequest, audit: AuditLog, ready: Callable[[], None], lifeline: int | None
+    req: MountRequest,
+    audit: AuditLog,
+    ready: Callable[[], None],
+    lifeline: int | None,
+    ctl: Control,
 ) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_flush_audit, audit, req.config.audit.flush_interval)
+        nursery.start_soon(ctl.serve)
         wait = request_wait.install(req.config.daemon.spin_us / 1e6)
         nursery.start_soon(_terminate_on_signal, wait)
         if lifeline is not None:
@@ -379,6 +398,73 @@ async def _main(
         nursery.start_soon(_report_ready, req.mountpoint, ready)
         await pyfuse3.main(min_tasks=1, max_tasks=1)
         nursery.cancel_scope.cancel()
+
+
+@dataclass
+class Control:
+    """The daemon's side of the control channel (see sandboxfs.control): requests are
+    handled between two FUSE requests, in the daemon's only thread that touches its state."""
+
+    ops: SandboxOperations
+    info: MountInfo
+    listener: socket.socket
+
+    async def serve(self) -> None:
+        listener = trio.socket.from_stdlib_socket(self.listener)
+        while True:
+            conn, _ = await listener.accept()
+            with conn:
+                try:
+                    with trio.move_on_after(10):
+                        await conn.send(await self._answer(conn))
+                except OSError as exc:
+                    log.warning("control connection: %s", exc)
+
+    async def _answer(self, conn: trio.socket.SocketType) -> bytes:
+        peer = control.peer_of(conn)  # type: ignore[arg-type]
+        why = control.refusal(peer, os.getuid())
+        if why is not None:
+            log.warning("control request from pid %d (uid %d) refused: %s", peer.pid, peer.uid, why)
+            return control.reply(False, error=f"refused: {why}")
+        data = b""
+        while not data.endswith(b"\n") and len(data) <= control.MAX_REQUEST:
+            chunk = await conn.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        if len(data) > control.MAX_REQUEST:
+            return control.reply(False, error=f"request larger than {control.MAX_REQUEST} bytes")
+        try:
+            request = control.parse_request(data)
+        except control.BadRequest as exc:
+            return control.reply(False, error=str(exc))
+        guard = self.ops.guard
+        if request["op"] == "status":
+            return control.reply(True, trust=guard.policy.trust.value, session=self.info.session)
+        trust: Trust = request["trust"]
+        old = self.ops.set_trust(trust, peer.pid, peer.uid, self._context)
+        inodes, names = self.ops.kernel_caches()
+        await trio.to_thread.run_sync(_invalidate, inodes, names)
+        log.info(
+            "trust %s -> %s, asked by pid %d (uid %d)", old.value, trust.value, peer.pid, peer.uid
+        )
+        return control.reply(True, old=old.value, new=trust.value)
+
+    def _context(self) -> bytes:
+        guard = self.ops.guard
+        return context_document(guard.policy, self.info, os.getpid(), guard.limits)
+
+
+def _invalidate(inodes: list[int], names: list[tuple[int, bytes]]) -> None:
+    """Make the kernel forget every name, attribute and cached page it holds for the mount,
+    so the next request of every kind reaches the daemon and the new trust level.
+    In a worker thread: the kernel may wait for a request the daemon has yet to answer."""
+    for parent, name in names:
+        with contextlib.suppress(OSError):
+            pyfuse3.invalidate_entry(parent, name)
+    for inode in inodes:
+        with contextlib.suppress(OSError):
+            pyfuse3.invalidate_inode(inode, attr_only=False)
 
 
 async def _flush_audit(audit: AuditLog, interval: float) -> None:

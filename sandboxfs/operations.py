@@ -23,7 +23,7 @@ import pyfuse3
 
 from .core.errors import SandboxError
 from .core.guard import Guard, MountInfo
-from .core.policy import Op, Zone
+from .core.policy import Op, Trust, Zone
 from .core.store import (
     CONTEXT_INO,
     CONTEXT_NAME,
@@ -94,12 +94,17 @@ class FileHandle:
     ragged_end: bool = False
     # Writes must check the file's size first (max_file_bytes or a quota in its zone).
     sized: bool = False
+    readable: bool = True
+    # The guard's generation when the handle was opened (or last checked again).
+    generation: int = 0
 
 
 @dataclass(slots=True)
 class DirHandle:
     node: Node
     entries: list[Listed] | None = None
+    generation: int = 0
+    caller: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass(slots=True)
@@ -353,7 +358,10 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_guarded
     def getattr(self, inode: int, ctx: Any) -> pyfuse3.EntryAttributes:
-        return self.node_attrs(self.store.get(inode))
+        node = self.store.get(inode)
+        if self.guard.generation:
+            self.guard.may_stat(ctx, node)
+        return self.node_attrs(node)
 
     @_guarded
     def setattr(
@@ -448,13 +456,17 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self.guard.may_list(ctx, node)
         fh = self._next_fh
         self._next_fh += 1
-        self._dirs[fh] = DirHandle(node)
+        self._dirs[fh] = DirHandle(node, None, self.guard.generation, (ctx.pid, ctx.uid, ctx.gid))
         return fh
 
     @_guarded
     def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         handle = self._dirs[fh]
         node = handle.node
+        if handle.generation != self.guard.generation:
+            if node.zone is not None:
+                self.guard.check(_Caller(*handle.caller), Op.LIST, node)
+            handle.generation = self.guard.generation
         if handle.entries is None or start_id == 0:
             handle.entries = self._dir_entries(node)
             self._changing(node)  # the kernel stops trusting a listed directory's atime
@@ -598,6 +610,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             self.guard.did(ctx, Op.READ, node, comm=comm)
         handle = FileHandle(fd, node, wants_write, False, ctx.pid, ctx.uid, ctx.gid, comm)
         handle.sized = limits.sizes_matter
+        handle.readable = accmode != os.O_WRONLY
+        handle.generation = self.guard.generation
         node.open_fds = (*node.open_fds, fd)
         return self._new_handle(handle, keep_cache=keep_cache, direct_io=bool(flags & os.O_DIRECT))
 
@@ -614,6 +628,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         handle = self._handles[fh]
         if isinstance(handle, BlobHandle):
             return handle.data[off : off + size]
+        if handle.generation != self.guard.generation:
+            self._check_again(handle)
         self._changing(handle.node)  # the kernel stops trusting a read file's atime
         return os.pread(handle.fd, size, off)
 
@@ -622,6 +638,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         handle = self._handles[fh]
         if not isinstance(handle, FileHandle) or not handle.writable:
             raise SandboxError(errno.EBADF)
+        if handle.generation != self.guard.generation:
+            self._check_again(handle)
         self._changing(handle.node)
         if handle.sized:
             return self._sized_write(handle, off, buf)
@@ -633,6 +651,33 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         elif (off + written) % _PAGE_SIZE:
             handle.ragged_end = True
         return written
+
+    def _check_again(self, handle: FileHandle) -> None:
+        """The trust level changed since the handle was opened: what it may do is decided
+        again, by the new level (refusals are audited as they would be at open)."""
+        self.guard.may_keep(handle, handle.node, handle.readable, handle.writable, handle.created)
+        handle.generation = self.guard.generation
+
+    def set_trust(self, trust: Trust, pid: int, uid: int, context: Callable[[], bytes]) -> Trust:
+        """Switch the mount to another trust level between two requests; returns the old one.
+        The caller then has the kernel forget what it cached (see kernel_caches)."""
+        old = self.guard.set_trust(trust)
+        self.context_json = context()
+        self._given.clear()
+        detail = f"{old.value} -> {trust.value}"
+        self.guard.record("trust", None, None, pid=pid, uid=uid, detail=detail)
+        self.guard.audit.try_flush()
+        return old
+
+    def kernel_caches(self) -> tuple[list[int], list[tuple[int, bytes]]]:
+        """Every inode and every name the kernel may hold, for invalidation."""
+        inodes = list(self.store.nodes)
+        names: list[tuple[int, bytes]] = []
+        for node in self.store.nodes.values():
+            if node.parent is not None:
+                names.append((node.parent.ino, node.name))
+            names.extend((parent.ino, name) for parent, name in node.links)
+        return inodes, names
 
     def _sized_write(self, handle: FileHandle, off: int, buf: bytes) -> int:
         """A write in a zone with max_file_bytes or a quota: checked and charged first."""
@@ -774,6 +819,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         comm = self.guard.process_names.get(ctx.pid)
         handle = FileHandle(fd, node, True, True, ctx.pid, ctx.uid, ctx.gid, comm)
         handle.sized = self.guard.zone_limits(zone).sizes_matter
+        handle.readable = flags & os.O_ACCMODE != os.O_WRONLY
+        handle.generation = self.guard.generation
         info = self._new_handle(handle, keep_cache=True, direct_io=bool(flags & os.O_DIRECT))
         return info, self.attrs(node, st)
 
@@ -1024,6 +1071,13 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         ):
             setattr(data, attr, getattr(st, attr))
         return data
+
+
+@dataclass(frozen=True, slots=True)
+class _Caller:
+    pid: int
+    uid: int
+    gid: int
 
 
 def _text(name: bytes) -> str:

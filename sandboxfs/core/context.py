@@ -46,6 +46,7 @@ def context(
         "pid": pid,
         **({"command": list(info.command)} if info.command is not None else {}),
         **({"via": info.via} if info.via is not None else {}),
+        **({"control": info.control} if info.control is not None else {}),
         "zones": zones,
         "deny": list(policy.deny_patterns),
     }

@@ -26,6 +26,7 @@ from .policy import (
     Decision,
     Op,
     Policy,
+    Trust,
     Zone,
     cross_zone_reason,
 )
@@ -66,6 +67,7 @@ class MountInfo:
     mountpoint: str
     command: tuple[str, ...] | None = None  # what `sandboxfs run` started on this mount
     via: str | None = None  # "api" for the Python API; absent for the mount
+    control: str | None = None  # the mount's control socket (see sandboxfs.control)
 
 
 class Guard:
@@ -94,6 +96,17 @@ class Guard:
             "trust": policy.trust.value,
         }
         self._via = {"via": info.via} if info.via else {}
+        # Counts trust changes: what was allowed under an older level is checked again.
+        self.generation = 0
+
+    def set_trust(self, trust: Trust) -> Trust:
+        """Switch to another trust level (live promotion or demotion); returns the old one.
+        Takes effect for the next check: the policy is rebuilt for the new level."""
+        old = self.policy
+        self.policy = Policy(old.matrix, old.deny_patterns, trust, old.protect_patterns)
+        self._base_entry["trust"] = trust.value
+        self.generation += 1
+        return old.trust
 
     def close(self) -> None:
         self.process_names.close()
@@ -350,6 +363,27 @@ class Guard:
             op = Op.WRITE if write else Op.READ
             decision = limits.suffix_decision(node.vpath(), node.zone.value, "opening")
             raise self.refuse(caller, op, node.vpath(), node.zone, decision)
+
+    def may_keep(self, caller: Caller, node: Node, read: bool, write: bool, created: bool) -> None:
+        """A handle opened under an earlier trust level, used again: what it does must be
+        allowed now (a handle that created its file keeps the right to create there)."""
+        assert node.zone is not None
+        if not created:
+            self.may_open(caller, node, read, write)
+            return
+        decision = self.policy.decide_create(node.zone)
+        if not decision.allowed:
+            raise self.refuse(caller, Op.WRITE, node.vpath(), node.zone, decision)
+
+    def may_stat(self, caller: Caller, node: Node) -> None:
+        """Attributes of a known entry after the trust level changed: only what the new level
+        may resolve (the kernel forgot its names, but open descriptors still ask)."""
+        zone = node.zone
+        if zone is None or node.ino < FIRST_DYNAMIC_INO:
+            return
+        decision = self.policy.decide_lookup(zone, node.is_dir, node.created_here)
+        if not decision.allowed:
+            raise self.refuse(caller, Op.READ, node.vpath(), zone, _absent(decision))
 
     def may_read_link(self, caller: Caller, node: Node) -> None:
         self.check(caller, Op.READ, node)
