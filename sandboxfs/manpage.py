@@ -163,7 +163,9 @@ def _metavar(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
 def _synopsis_item(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     """One argument of a synopsis, unbreakable: `--trust TRUST`, `-f`, `mountpoint`."""
     if isinstance(action, argparse._SubParsersAction):  # `{a,b,c} ...`: may break before ...
-        return _metavar_roff(_metavar(parser, action), literal=True).replace("\\ ", " ")
+        # ... and after each comma (\: is a break point that prints nothing)
+        text = _metavar_roff(_metavar(parser, action), literal=True).replace("\\ ", " ")
+        return text.replace(",", ",\\:")
     if not action.option_strings:
         return _metavar_roff(_metavar(parser, action))
     item = _bold(action.option_strings[0])

@@ -168,7 +168,28 @@ def make_guard(
                 quotas = ensure_dirs(project, STATE_DIR_NAME, "quota")
                 path = quotas / f"{zone.value}-{root.key[1]}-{root.key[2]}"
                 tallies[zone] = Tally(zone.value, zone_limits.quota, path, _usage(store, zone))
-    return Guard(policy, audit, info, moves=lambda: store.moves, limits=limits, tallies=tallies)
+    return Guard(
+        policy,
+        audit,
+        info,
+        moves=lambda: store.moves,
+        limits=limits,
+        tallies=tallies,
+        frozen=_under_review(review_dir(project, info.workspace)),
+    )
+
+
+def review_dir(project: Path, workspace: str) -> Path:
+    """Where the user's review of staged commits is kept (sandboxfs.staging): beside the
+    staged zone's directory, in no zone."""
+    return state_dir(project) / "workspaces" / workspace / "review"
+
+
+def _under_review(review: Path) -> Callable[[str], bool]:
+    def frozen(commit_id: str) -> bool:
+        return commit_id not in ("", ".", "..") and (review / commit_id / "state.json").exists()
+
+    return frozen
 
 
 def _usage(store: Store, zone: Zone) -> Callable[[], tuple[int, int]]:

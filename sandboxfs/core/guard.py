@@ -82,6 +82,7 @@ class Guard:
         moves: Callable[[], int] = lambda: 0,
         limits: Mapping[Zone, ZoneLimits] | None = None,
         tallies: Mapping[Zone, Tally] | None = None,
+        frozen: Callable[[str], bool] | None = None,
     ) -> None:
         self.policy = policy
         self.audit = audit
@@ -90,6 +91,8 @@ class Guard:
         self.tallies = dict(tallies or {})
         self.process_names = ProcessNames()
         self._moves = moves
+        # Whether the staged commit of that name is under review (frozen: see sandboxfs.staging).
+        self._frozen = frozen
         self._base_entry = {
             "session": info.session,
             "workspace": info.workspace,
@@ -312,6 +315,30 @@ class Guard:
             decision = self.policy.deny_list_decision(vpath, pattern)
             raise self.refuse(caller, op, vpath, parent.zone, decision)
 
+    # ----- staged commits under review ------------------------------------------------------------
+
+    def _reject_frozen(
+        self, caller: Caller, op: Op | str, parent: Node, name: bytes, dest: str | None = None
+    ) -> None:
+        """A staged commit the user has shown for review no longer changes: what was reviewed
+        is what lands."""
+        if parent.zone is not Zone.STAGED or self._frozen is None:
+            return
+        top = relpath_of(parent, name).split("/", 1)[0]
+        if self._frozen(top):
+            vpath = parent.vpath(name)
+            reason = (
+                f"{vpath}: the staged commit {top} is under review and can no longer change; "
+                f"stage a new commit (a new directory in /staged) instead"
+            )
+            raise self.refuse(
+                caller, op, vpath, parent.zone, Decision(False, errno.EACCES, reason), dest=dest
+            )
+
+    def _reject_frozen_node(self, caller: Caller, op: Op | str, node: Node) -> None:
+        if node.parent is not None and node.zone is Zone.STAGED:
+            self._reject_frozen(caller, op, node.parent, node.name)
+
     # ----- protected paths ------------------------------------------------------------------------
 
     def _reject_protected(
@@ -358,6 +385,7 @@ class Guard:
             self._reject_protected_node(caller, Op.WRITE, node)
             self.check(caller, Op.WRITE, node)
             self._check_layer(caller, node, Op.WRITE)
+            self._reject_frozen_node(caller, Op.WRITE, node)
         limits = self.limits.get(node.zone)
         if limits is not None and not limits.suffix_allowed(node.name.decode("utf-8", "replace")):
             op = Op.WRITE if write else Op.READ
@@ -374,6 +402,8 @@ class Guard:
         decision = self.policy.decide_create(node.zone)
         if not decision.allowed:
             raise self.refuse(caller, Op.WRITE, node.vpath(), node.zone, decision)
+        if write:
+            self._reject_frozen_node(caller, Op.WRITE, node)
 
     def may_stat(self, caller: Caller, node: Node) -> None:
         """Attributes of a known entry after the trust level changed: only what the new level
@@ -405,6 +435,7 @@ class Guard:
             )
         assert node.zone is not None
         self._reject_protected_node(caller, Op.WRITE, node)
+        self._reject_frozen_node(caller, Op.WRITE, node)
         if allow_created and node.created_here and self.policy.access(node.zone).create_only:
             return
         self.check(caller, Op.WRITE, node)
@@ -506,6 +537,7 @@ class Guard:
             )
         self._reject_denied(caller, parent, name, True, Op.WRITE)
         self._reject_protected(caller, Op.WRITE, parent, name, True)
+        self._reject_frozen(caller, Op.WRITE, parent, name)
         decision = self.policy.decide_create(zone)
         if not decision.allowed:
             raise self.refuse(caller, Op.WRITE, parent.vpath(name), zone, decision)
@@ -573,6 +605,7 @@ class Guard:
         self._reject_protected(caller, "link", node.parent, node.name, node.is_dir, dest=dest)
         self._reject_denied(caller, parent, new_name, False, "link")
         self._reject_protected(caller, "link", parent, new_name, False, dest=dest)
+        self._reject_frozen(caller, "link", parent, new_name, dest=dest)
         assert parent.zone is not None
         # A second name for an existing file changes it (its link count, and every later
         # write through either name): write access, which create-only does not give.
@@ -615,6 +648,7 @@ class Guard:
         zone = parent.zone
         assert zone is not None
         self._reject_protected(caller, Op.DELETE, parent, name, is_dir)
+        self._reject_frozen(caller, Op.DELETE, parent, name)
         if zone is Zone.WORKERS and layer > 0:
             vpath = parent.vpath(name)
             reason = f"{vpath} comes from SANDBOXFS_WORKERS_PATH, which is read-only"
@@ -695,6 +729,8 @@ class Guard:
         is_dir = stat.S_ISDIR(st.st_mode)
         self._reject_protected(caller, "rename", parent, name, is_dir, dest=dst)
         self._reject_protected(caller, "rename", to_parent, to_name, is_dir, dest=dst)
+        self._reject_frozen(caller, "rename", parent, name, dest=dst)
+        self._reject_frozen(caller, "rename", to_parent, to_name, dest=dst)
         if not is_dir:
             limits = self.limits.get(parent.zone) if parent.zone is not None else None
             if limits is not None:
