@@ -1,5 +1,10 @@
-"""The pyfuse3 adapter: each callback maps onto a policy operation (SPEC §4), the store, and
-an audit entry.
+"""The pyfuse3 adapter: a translator between FUSE callbacks and the core.
+
+Each callback resolves inodes to store nodes, asks the guard (sandboxfs.core.guard) whether the
+caller may do what it asks (the guard decides and audits refusals), has the store make the
+backing call, tells the guard what happened (the guard writes the entry), and answers the
+kernel: attribute replies (sandboxfs.replies), handles, lookup counts, the kernel's page cache.
+It decides nothing and builds no audit entry itself.
 
 Handlers do their work synchronously between awaits, so the inode table never changes under
 a running callback. One guard (`_guarded`) turns `SandboxError` and `OSError` into
@@ -29,7 +34,6 @@ from .core.store import (
     CONTEXT_NAME,
     CONTROL_INO,
     CONTROL_NAME,
-    FIRST_DYNAMIC_INO,
     ROOT_INO,
     HiddenEntry,
     Listed,
@@ -38,6 +42,7 @@ from .core.store import (
     Store,
 )
 from .core.syscalls import Stat, fstat, set_fs_ids
+from .replies import Replies, dot_attrs
 
 __all__ = ["FileHandle", "MountInfo", "SandboxOperations"]
 
@@ -48,8 +53,6 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 # Files up to this size are handed to the kernel's page cache whole after a write that left
 # pages partly written (see _release); larger ones are re-read by the next reader instead.
 _KERNEL_STORE_LIMIT = 256 << 10
-# At most this many attribute replies are kept for listings to repeat (see _replayed).
-_GIVEN_LIMIT = 1 << 16
 _OPEN_STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_DIRECT
 _SECURITY_XATTR_PREFIX = b"security."
 
@@ -164,114 +167,23 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         super().__init__()
         self.store = store
         self.guard = guard
-        self.entry_timeout = entry_timeout
-        self.attr_timeout = attr_timeout
         self.context_json = context_json
         self.running_as_root = os.geteuid() == 0
         session_root = os.stat(store.zone_roots[Zone.SESSION].fd)
-        self.owner = (session_root.st_uid, session_root.st_gid)
-        self.mounted_ns = time.time_ns()
+        self.replies = Replies(
+            store,
+            guard.readable,
+            lambda: len(self.context_json),
+            entry_timeout=entry_timeout,
+            attr_timeout=attr_timeout,
+            owner=(session_root.st_uid, session_root.st_gid),
+        )
         self._handles: dict[int, FileHandle | BlobHandle] = {}
         self._dirs: dict[int, DirHandle] = {}
         self._next_fh = 1
         # pyfuse3.notify_store once the mount is up: (inode, offset, data) into the page cache.
         self.kernel_store: Callable[[int, int, bytes], None] | None = None
-        # inode -> (monotonic time until which the kernel may use them, attributes): the last
-        # attributes given to the kernel for each inode, which a listing may repeat.
-        self._given: dict[int, tuple[float, pyfuse3.EntryAttributes]] = {}
         self._zone_names = {zone.value.encode(): zone for zone in guard.policy.zones}
-
-    # ----- attributes -----------------------------------------------------------------------------
-
-    def attrs(self, node: Node, st: StatLike) -> pyfuse3.EntryAttributes:
-        entry = pyfuse3.EntryAttributes()
-        entry.st_ino = node.ino
-        entry.generation = 0
-        entry.entry_timeout = self.entry_timeout
-        entry.attr_timeout = self.attr_timeout
-        entry.st_mode = st.st_mode
-        entry.st_nlink = st.st_nlink
-        entry.st_uid = st.st_uid
-        entry.st_gid = st.st_gid
-        entry.st_rdev = st.st_rdev
-        entry.st_size = st.st_size
-        entry.st_blksize = st.st_blksize
-        entry.st_blocks = st.st_blocks
-        entry.st_atime_ns = st.st_atime_ns
-        entry.st_mtime_ns = st.st_mtime_ns
-        entry.st_ctime_ns = st.st_ctime_ns
-        if node.ino >= FIRST_DYNAMIC_INO:
-            given = self._given
-            if len(given) >= _GIVEN_LIMIT:
-                given.clear()
-            given[node.ino] = (time.monotonic() + self.attr_timeout, entry)
-        return entry
-
-    def _changing(self, *nodes: Node | None) -> None:
-        """Forget the attributes last given for nodes about to change through the mount (or
-        whose atime the kernel stops trusting), so that no listing repeats them."""
-        given = self._given
-        for node in nodes:
-            if node is not None:
-                given.pop(node.ino, None)
-
-    def _replayed(
-        self, parent: Node, name: bytes, ino: int, is_dir: bool, now: float
-    ) -> pyfuse3.EntryAttributes | None:
-        """The attributes last given to the kernel for the inode listed as parent/name, if
-        the kernel may still use them and nothing changed them through the mount since.
-
-        READDIRPLUS needs attributes for every entry; a `git status` lists every directory of
-        a tree whose attributes the kernel holds anyway. Repeating them, with only the
-        validity they have left, tells the kernel nothing it does not already know, and saves
-        an lstat and a reply build per entry. Only for an inode already known under exactly
-        this name whose backing inode number the directory still lists; anything else is
-        stat'ed.
-        """
-        assert parent.zone is not None and parent.key is not None
-        node = self.store.by_key.get((parent.zone, parent.key[1], ino))
-        if node is None or node.is_dir != is_dir:
-            return None
-        if not (node.parent is parent and node.name == name) and (parent, name) not in node.links:
-            return None
-        given = self._given.get(node.ino)
-        if given is None:
-            return None
-        until, entry = given
-        left = until - now
-        if left <= 0:
-            return None
-        entry.attr_timeout = left
-        entry.entry_timeout = self.entry_timeout
-        node.lookups += 1
-        return entry
-
-    def virtual_attrs(self, node: Node) -> pyfuse3.EntryAttributes:
-        """Attributes of `/`, the zone roots and `/.sandboxfs`: modes that let requests reach
-        the daemon, so every refusal is decided and audited here rather than by the kernel."""
-        if node.zone is not None and node.key is not None and self.guard.readable(node.zone):
-            st = self.store.stat_node(node)
-            entry = self.attrs(node, st)
-            entry.st_mode = stat.S_IFDIR | 0o755
-            return entry
-        # `/`, /.sandboxfs, and a zone root the level cannot read or list: it looks like an
-        # empty directory made at mount time, so its size, times, owner and link count (which
-        # counts hidden subdirectories) say nothing about what it holds.
-        entry = pyfuse3.EntryAttributes()
-        entry.st_ino = node.ino
-        entry.entry_timeout = self.entry_timeout
-        entry.attr_timeout = self.attr_timeout
-        entry.st_uid, entry.st_gid = self.owner
-        entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = self.mounted_ns
-        if node.ino == CONTEXT_INO:
-            entry.st_mode = stat.S_IFREG | 0o644  # writes reach the daemon: refused, audited
-            entry.st_nlink = 1
-            entry.st_size = len(self.context_json)
-        else:
-            entry.st_mode = stat.S_IFDIR | 0o755
-            entry.st_nlink = 2
-        entry.st_blksize = 4096
-        return entry
 
     @contextlib.contextmanager
     def _as_caller(self, uid: int, gid: int) -> Iterator[None]:
@@ -286,11 +198,6 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             yield
         finally:
             set_fs_ids(0, 0)
-
-    def node_attrs(self, node: Node) -> pyfuse3.EntryAttributes:
-        if node.ino < FIRST_DYNAMIC_INO:
-            return self.virtual_attrs(node)
-        return self.attrs(node, self.store.stat_node(node))
 
     # ----- lookup and attributes ------------------------------------------------------------------
 
@@ -310,7 +217,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         else:
             return self._lookup_zone(parent, name, ctx)
         node.lookups += 1
-        return self.node_attrs(node)
+        return self.replies.node_attrs(node)
 
     def _lookup_root(self, name: bytes) -> Node:
         if name == CONTROL_NAME:
@@ -337,9 +244,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 and (not known.birth_ns or known.birth_ns == st.st_birthtime_ns)
             )
         if not self.guard.visible(ctx, parent, name, st, created_here) or st is None:
-            return self._negative_entry()
+            return self.replies.negative_entry()
         node = self.store.remember(parent, name, st, layer)
-        return self.attrs(node, st)
+        return self.replies.attrs(node, st)
 
     def _find(self, ctx: Any, op: Op, parent: Node, name: bytes) -> tuple[Stat, int] | None:
         """store.find, with an entry that is never part of a zone (sandboxfs's state, another
@@ -349,19 +256,12 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         except HiddenEntry as exc:
             raise self.guard.hidden(ctx, op, parent, name, exc.reason) from None
 
-    def _negative_entry(self) -> pyfuse3.EntryAttributes:
-        # st_ino 0 lets the kernel cache "does not exist" for entry_timeout.
-        entry = pyfuse3.EntryAttributes()
-        entry.st_ino = 0
-        entry.entry_timeout = self.entry_timeout
-        return entry
-
     @_guarded
     def getattr(self, inode: int, ctx: Any) -> pyfuse3.EntryAttributes:
         node = self.store.get(inode)
         if self.guard.generation:
             self.guard.may_stat(ctx, node)
-        return self.node_attrs(node)
+        return self.replies.node_attrs(node)
 
     @_guarded
     def setattr(
@@ -371,7 +271,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         handle = self._handles.get(fh) if fh is not None else None
         creating = isinstance(handle, FileHandle) and handle.created
         self.guard.may_change(ctx, node, allow_created=creating or not fields.update_size)
-        self._changing(node)
+        self.replies.changing(node)
         fd = handle.fd if isinstance(handle, FileHandle) else None
         changes: list[str] = []
         if fields.update_size:
@@ -421,7 +321,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             self.store.change_meta(node, mode, owner, times)
         if changes:
             self.guard.did(ctx, Op.WRITE, node, detail="setattr " + " ".join(changes))
-        attrs = self.node_attrs(node)
+        attrs = self.replies.node_attrs(node)
         if keeps_cache:
             node.cache_stamp = (attrs.st_mtime_ns, attrs.st_size)
         return attrs
@@ -432,7 +332,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if node.zone is None:
             raise SandboxError(errno.EINVAL)
         self.guard.may_read_link(ctx, node)
-        self._changing(node)  # the kernel stops trusting a read link's atime
+        self.replies.changing(node)  # the kernel stops trusting a read link's atime
         return self.store.readlink(node)
 
     def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -442,7 +342,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             try:
                 self.store.forget(inode, count)
                 if inode not in self.store.nodes:
-                    self._given.pop(inode, None)
+                    self.replies.given.pop(inode, None)
             except Exception:
                 log.exception("internal error in forget")
 
@@ -469,7 +369,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             handle.generation = self.guard.generation
         if handle.entries is None or start_id == 0:
             handle.entries = self._dir_entries(node)
-            self._changing(node)  # the kernel stops trusting a listed directory's atime
+            self.replies.changing(node)  # the kernel stops trusting a listed directory's atime
         entries = handle.entries
         replay = node.key is not None and not (
             node.zone is Zone.WORKERS and node.parent is self.store.root
@@ -479,18 +379,18 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         for index in range(start_id, len(entries)):
             name, layer, ino, is_dir = entries[index]
             if name == b".":
-                attrs = _dot_attrs(node)
+                attrs = dot_attrs(node)
             elif name == b"..":
-                attrs = _dot_attrs(node.parent or node)
+                attrs = dot_attrs(node.parent or node)
             elif node.zone is None:
                 child = self._virtual_child(node, name)
-                attrs = self.node_attrs(child)
+                attrs = self.replies.node_attrs(child)
                 if not pyfuse3.readdir_reply(token, name, attrs, index + 1):
                     return
                 child.lookups += 1
                 continue
             else:
-                replayed = self._replayed(node, name, ino, is_dir, now) if replay else None
+                replayed = self.replies.replayed(node, name, ino, is_dir, now) if replay else None
                 if replayed is not None:
                     if not pyfuse3.readdir_reply(token, name, replayed, index + 1):
                         self.store.get(replayed.st_ino).lookups -= 1
@@ -502,13 +402,15 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                         fd = layer_fds[layer] = self.store.child_dir_fd(node, layer)
                     st = self._entry_stat(node, name, fd, is_dir)
                 except PermissionError:
-                    if not pyfuse3.readdir_reply(token, name, self._opaque_attrs(), index + 1):
+                    if not pyfuse3.readdir_reply(
+                        token, name, self.replies.opaque_attrs(), index + 1
+                    ):
                         return
                     continue
                 if st is None:
                     continue
                 child = self.store.remember(node, name, st, layer)
-                attrs = self.attrs(child, st)
+                attrs = self.replies.attrs(child, st)
                 if not pyfuse3.readdir_reply(token, name, attrs, index + 1):
                     child.lookups -= 1
                     return
@@ -538,13 +440,6 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         ):
             return None
         return st
-
-    def _opaque_attrs(self) -> pyfuse3.EntryAttributes:
-        """A listing entry without attributes: an inode number nothing else has and no file
-        type, which the kernel shows by name and then forgets; a later stat asks lookup."""
-        entry = pyfuse3.EntryAttributes()
-        entry.st_ino = self.store.spare_ino()
-        return entry
 
     def _dir_entries(self, node: Node) -> list[Listed]:
         dots: list[Listed] = [(b".", 0, 0, True), (b"..", 0, 0, True)]
@@ -595,7 +490,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         limits = self.guard.zone_limits(node.zone)
         old_size = -1
         if flags & os.O_TRUNC:
-            self._changing(node)
+            self.replies.changing(node)
             if limits.has_quota:
                 old_size = self.store.stat_node(node).st_size
         fd = self.store.open_file(node, flags & ~_OPEN_STRIP)
@@ -630,7 +525,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             return handle.data[off : off + size]
         if handle.generation != self.guard.generation:
             self._check_again(handle)
-        self._changing(handle.node)  # the kernel stops trusting a read file's atime
+        self.replies.changing(handle.node)  # the kernel stops trusting a read file's atime
         return os.pread(handle.fd, size, off)
 
     @_guarded
@@ -640,7 +535,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             raise SandboxError(errno.EBADF)
         if handle.generation != self.guard.generation:
             self._check_again(handle)
-        self._changing(handle.node)
+        self.replies.changing(handle.node)
         if handle.sized:
             return self._sized_write(handle, off, buf)
         with self._as_caller(handle.uid, handle.gid):
@@ -663,7 +558,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         The caller then has the kernel forget what it cached (see kernel_caches)."""
         old = self.guard.set_trust(trust)
         self.context_json = context()
-        self._given.clear()
+        self.replies.given.clear()
         detail = f"{old.value} -> {trust.value}"
         self.guard.record("trust", None, None, pid=pid, uid=uid, detail=detail)
         self.guard.audit.try_flush()
@@ -787,7 +682,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         parent = self.store.get(parent_inode)
         zone = self.guard.may_create(ctx, parent, name)
-        self._changing(parent)
+        self.replies.changing(parent)
         open_flags = flags & ~(os.O_NOCTTY | os.O_DIRECT)
         if self.guard.create_only(zone):
             open_flags |= os.O_EXCL  # never reopen an existing file through "create"
@@ -822,7 +717,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         handle.readable = flags & os.O_ACCMODE != os.O_WRONLY
         handle.generation = self.guard.generation
         info = self._new_handle(handle, keep_cache=True, direct_io=bool(flags & os.O_DIRECT))
-        return info, self.attrs(node, st)
+        return info, self.replies.attrs(node, st)
 
     def _make_entry(
         self,
@@ -835,7 +730,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     ) -> pyfuse3.EntryAttributes:
         """mkdir, symlink and mknod: checks, the backing call as the caller, the new node."""
         zone = self.guard.may_create(ctx, parent, name, detail, mode)
-        self._changing(parent)
+        self.replies.changing(parent)
         try:
             dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
             with self._as_caller(ctx.uid, ctx.gid):
@@ -855,7 +750,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         node = self.store.remember(parent, name, st, 0)
         node.created_here = True
         self.guard.did(ctx, Op.WRITE, node, detail=detail)
-        return self.attrs(node, st)
+        return self.replies.attrs(node, st)
 
     @_guarded
     def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> pyfuse3.EntryAttributes:
@@ -902,7 +797,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             raise self.guard.hidden_target(
                 ctx, "link", src, parent.zone, dest, exc.reason
             ) from None
-        self._changing(node, parent)
+        self.replies.changing(node, parent)
         dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
         with self._as_caller(ctx.uid, ctx.gid):
             self.store.link(node, dfd, new_name)
@@ -911,7 +806,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             raise SandboxError(errno.ENOENT, "the new link vanished")
         self.store.remember(parent, new_name, st, 0)
         self.guard.did(ctx, "link", node, path=src, dest=dest)
-        return self.attrs(node, st)
+        return self.replies.attrs(node, st)
 
     # ----- removing and renaming ------------------------------------------------------------------
 
@@ -932,7 +827,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         parent = self.store.get(parent_inode)
         zone, dfd, st = self._removable(ctx, parent, name, Op.DELETE.value)
         node = self.store.by_key.get((zone, st.st_dev, st.st_ino))
-        self._changing(parent, node)
+        self.replies.changing(parent, node)
         self.store.remove(dfd, name, rmdir)
         self.guard.removed(zone, st)
         if node is not None:
@@ -989,7 +884,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         dst_fd = self.store.child_dir_fd(new_parent, 0, create=True, checked=True)
         src_node = self.store.by_key.get((zone, src_st.st_dev, src_st.st_ino))
         dst_node = self.store.by_key.get((zone, dst_st.st_dev, dst_st.st_ino)) if dst_st else None
-        self._changing(old_parent, new_parent, src_node, dst_node)
+        self.replies.changing(old_parent, new_parent, src_node, dst_node)
         self.store.rename(src_fd, name_old, dst_fd, name_new, flags)
         if dst_st is not None and not exchange and dst_st.st_ino != src_st.st_ino:
             self.guard.removed(zone, dst_st)
@@ -1051,7 +946,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     def _changing_xattr(self, ctx: Any, inode: int, name: bytes) -> Node:
         node = self.store.get(inode)
         self.guard.may_change_xattr(ctx, node, name)
-        self._changing(node)
+        self.replies.changing(node)
         return node
 
     @_guarded
@@ -1082,12 +977,3 @@ class _Caller:
 
 def _text(name: bytes) -> str:
     return name.decode("utf-8", "replace")
-
-
-def _dot_attrs(node: Node) -> pyfuse3.EntryAttributes:
-    """Listing attributes of `.` and `..`: the kernel takes only their inode number and type
-    (it never makes dentries or counts lookups for them), so no stat is needed."""
-    entry = pyfuse3.EntryAttributes()
-    entry.st_ino = node.ino
-    entry.st_mode = stat.S_IFDIR
-    return entry

@@ -226,7 +226,7 @@ async def test_a_zone_without_access_looks_like_an_empty_directory(
     repo = ZONE_INO[Zone.REPO]
     attrs = await h.ops.getattr(repo, CTX)
     assert attrs.st_nlink == 2 and attrs.st_size == 0
-    assert attrs.st_mtime_ns == h.ops.mounted_ns
+    assert attrs.st_mtime_ns == h.ops.replies.mounted_ns
     assert stat.S_IMODE(attrs.st_mode) == 0o755
     assert await h.ops.listxattr(repo, CTX) == []
     await fails(h.ops.getxattr(repo, b"user.secret", CTX), errno.ENODATA)

@@ -555,14 +555,14 @@ async def test_listings_repeat_given_attributes_within_their_validity(
     listed = (await listed_attrs(h, "/repo/src"))[b"main.py"]
     # Nothing the kernel does not already hold: same inode, same size, less validity left.
     assert (listed.st_ino, listed.st_size) == (main, size)
-    assert 0 < listed.attr_timeout <= h.ops.attr_timeout
+    assert 0 < listed.attr_timeout <= h.ops.replies.attr_timeout
     assert h.store.nodes[main].lookups == 2
 
-    later = time.monotonic() + h.ops.attr_timeout + 0.01
+    later = time.monotonic() + h.ops.replies.attr_timeout + 0.01
     monkeypatch.setattr("sandboxfs.operations.time.monotonic", lambda: later)
     listed = (await listed_attrs(h, "/repo/src"))[b"main.py"]
     assert listed.st_size == backing.stat().st_size
-    assert listed.attr_timeout == h.ops.attr_timeout
+    assert listed.attr_timeout == h.ops.replies.attr_timeout
 
 
 async def test_listings_never_repeat_attributes_under_another_name(
@@ -1216,7 +1216,7 @@ async def test_forget_drops_node_when_count_reaches_zero(make: Callable[[str], H
     assert (await h.ops.getattr(inode, CTX)).st_ino == inode
     forget(h.ops, inode, 1)
     assert inode not in h.store.nodes
-    assert inode not in h.ops._given  # nor the attributes a listing could repeat
+    assert inode not in h.ops.replies.given  # nor the attributes a listing could repeat
     await fails(h.ops.getattr(inode, CTX), errno.ESTALE)
     # Virtual nodes are never dropped; unknown inodes are ignored.
     forget(h.ops, ZONE_INO[Zone.SESSION], 100)
