@@ -28,7 +28,6 @@ from .core.policy import Trust
 from .daemon import (
     NOT_YOURS,
     MountRequest,
-    check_id,
     choose_session,
     mount_owner,
     read_context,
@@ -38,7 +37,7 @@ from .daemon import (
     validate_mountpoint,
 )
 from .errors import UserError
-from .project import validate_project
+from .project import check_id, validate_project
 
 UNMOUNT_WAIT = 10.0
 

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import select
 import shutil
 import signal
@@ -32,7 +31,6 @@ import trio
 
 from . import control, request_wait
 from .audit import AuditLog
-from .audit_anchor import state_root
 from .config import Config
 from .core.context import context_document
 from .core.guard import MountInfo
@@ -43,8 +41,11 @@ from .errors import UserError
 from .operations import SandboxOperations
 from .project import (
     audit_path,
+    check_id,
     config_source,
+    hidden_identities,
     make_guard,
+    new_session_id,
     prepare_zones,
     session_dir,
     state_dir,
@@ -53,7 +54,6 @@ from .project import (
 
 log = logging.getLogger(__name__)
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 FSTYPE = "fuse.sandboxfs"
 _DEAD_MOUNT_ERRNOS = (errno.ENOTCONN, errno.ECONNABORTED)
 
@@ -72,19 +72,6 @@ class MountRequest:
     config_file: Path | None = None
     command: tuple[str, ...] | None = None  # set by `sandboxfs run`: shown in context.json
     read_only: bool = False  # mounted `ro`: the kernel refuses every change
-
-
-def new_session_id() -> str:
-    return secrets.token_hex(4)
-
-
-def check_id(kind: str, value: str) -> str:
-    if not _ID_RE.match(value):
-        raise UserError(
-            f"invalid {kind} id {value!r}: use 1-64 letters, digits, '.', '_' or '-', "
-            f"starting with a letter or digit"
-        )
-    return value
 
 
 def choose_session(
@@ -262,18 +249,9 @@ def prepare_store(req: MountRequest) -> Store:
         req.config,
         config_source(req.project, req.config_file),
     )
-    # Hidden by identity, not by name: on case-folding storage `.SANDBOX` is the same
-    # directory. The mountpoint is the directory under the mount (what a listing's d_ino
-    # names); once mounted, lookups see a mount root, which is never entered anyway.
-    # The user's own state dir (the audit log's key) too, should the project contain it.
-    hidden: set[tuple[int, int]] = set()
-    for path in (state_dir(req.project), req.mountpoint, state_root()):
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            continue
-        hidden.add((st.st_dev, st.st_ino))
-    return Store(dirs, worker_layers(req.project), hidden)
+    # The mountpoint is the directory under the mount (what a listing's d_ino names); once
+    # mounted, lookups see a mount root, which is never entered anyway.
+    return Store(dirs, worker_layers(req.project), hidden_identities(req.project, req.mountpoint))
 
 
 def _setup_logging(req: MountRequest) -> None:

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from .audit_anchor import state_root
 from .config import PROJECT_CONFIG_NAME, Config
 from .core.errors import SandboxError
 from .core.guard import AuditSink, Guard, MountInfo
@@ -19,6 +22,37 @@ from .core.store import STATE_DIR_NAME, Store, ensure_dirs
 from .errors import UserError
 
 SESSION_SUBDIRS = ("inputs", "working", "outputs", "home")
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def new_session_id() -> str:
+    return secrets.token_hex(4)
+
+
+def check_id(kind: str, value: str) -> str:
+    if not _ID_RE.match(value):
+        raise UserError(
+            f"invalid {kind} id {value!r}: use 1-64 letters, digits, '.', '_' or '-', "
+            f"starting with a letter or digit"
+        )
+    return value
+
+
+def hidden_identities(project: Path, mountpoint: Path | None = None) -> set[tuple[int, int]]:
+    """(st_dev, st_ino) of the directories no zone ever shows: the state dir, hidden by
+    identity rather than name (on case-folding storage `.SANDBOX` is the same directory), the
+    user's own state dir (the audit log's key) should the project contain it, and the
+    mountpoint."""
+    hidden: set[tuple[int, int]] = set()
+    for path in (state_dir(project), state_root(), mountpoint):
+        if path is None:
+            continue
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        hidden.add((st.st_dev, st.st_ino))
+    return hidden
 
 
 def state_dir(project: Path) -> Path:

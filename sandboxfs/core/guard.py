@@ -491,7 +491,7 @@ class Guard:
 
     def may_resize(self, caller: Caller, node: Node, old_size: int, new_size: int) -> None:
         """A write or truncate taking node's file from old_size to new_size bytes: within
-        max_file_bytes and the zone's quota (charged here; `resized` gives back)."""
+        max_file_bytes and the zone's quota (charged here; `freed` gives back)."""
         zone = node.zone
         assert zone is not None
         limits = self.limits.get(zone)

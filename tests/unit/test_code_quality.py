@@ -37,6 +37,8 @@ def test_public_api() -> None:
         "Decision",
         "Op",
         "Policy",
+        "Sandbox",
+        "SandboxAPIError",
         "SandboxError",
         "Trust",
         "UserError",

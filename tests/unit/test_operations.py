@@ -1536,7 +1536,7 @@ def test_process_names_follow_exec_and_forget_dead_processes() -> None:
     names = ProcessNames(capacity=2)
     proc = subprocess.Popen(["sh", "-c", "read line; exec sleep 30"], stdin=subprocess.PIPE)
     try:
-        assert names.get(proc.pid) == "sh"
+        assert eventually_named(names, proc.pid, "sh")  # once the child has exec'd
         assert proc.stdin is not None
         proc.stdin.write(b"go\n")
         proc.stdin.flush()

@@ -1,0 +1,970 @@
+"""`Sandbox`: the in-process Python API, with the mount's rules and audit entries.
+
+Every operation runs the same sequence of `Guard` checks as the FUSE adapter
+(sandboxfs/operations.py): a lookup per component (`visible`), then `may_open`, `may_create`,
+`may_list`, `may_remove_in`/`may_remove`, `may_rename_*`/`may_move`, `may_resize` for sizes and
+quotas; allowed operations are recorded with `did`/`record`. The backends (disk.py, memory.py)
+only find, read, write, create, list, remove and rename. Permission questions
+(`check_permission`, `can_read`, `can_write`) run the same checks through a second guard that
+shares the policy and limits but audits nothing and charges no quota.
+
+Not thread-safe by itself (the core's statx buffer is shared): every call holds one lock.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import errno
+import fnmatch
+import os
+import secrets
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..config import Config, defaults, load
+from ..core.context import context
+from ..core.errors import SandboxError
+from ..core.guard import AuditSink, Guard
+from ..core.policy import ZONE_ROOT_REASON, Decision, Op, Trust, Zone
+from ..core.store import FIRST_DYNAMIC_INO, HiddenEntry, Node, StatLike
+from ..errors import UserError
+from ..project import new_session_id, validate_project
+from .disk import check_id, open_disk, read_entries
+from .errors import (
+    InvalidPath,
+    OutsideSandbox,
+    SandboxAPIError,
+    SandboxIOError,
+    SandboxSetupError,
+    api_error,
+    make_error,
+)
+from .memory import open_memory
+
+_LOCK = threading.RLock()
+_KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink"}
+_OPS = {op.value: op for op in Op}
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who asks: this process (the guard's Caller protocol)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True, slots=True)
+class FileInfo:
+    path: str
+    zone: str | None
+    kind: str  # "file", "dir", "symlink" or "other"
+    size: int
+    mtime: float
+    created_here: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Permission:
+    allowed: bool
+    op: str
+    path: str
+    zone: str | None
+    trust: str
+    reason: str  # "" when allowed
+    error: str = ""  # the exception type the operation would raise ("" when allowed)
+
+
+@dataclass(frozen=True, slots=True)
+class StagedCommit:
+    id: str
+    path: str  # "/staged/<id>"
+    files: tuple[str, ...]  # repo-relative paths
+    message: str
+
+
+class Backend(Protocol):
+    """What a storage offers sandbox.py (disk.DiskBackend, memory.MemoryBackend)."""
+
+    root: Node
+    zone_roots: dict[Zone, Node]
+
+    @property
+    def moves(self) -> int: ...
+    def find(self, parent: Node, name: bytes) -> tuple[StatLike, int] | None: ...
+    def target(self, parent: Node, name: bytes) -> StatLike | None: ...
+    def remember(self, parent: Node, name: bytes, st: StatLike, layer: int) -> Node: ...
+    def release(self, node: Node) -> None: ...
+    def created(self, zone: Zone, st: StatLike) -> bool: ...
+    def stat(self, node: Node) -> StatLike: ...
+    def read(self, node: Node, limit: int | None) -> bytes: ...
+    def write(
+        self, node: Node, data: bytes, append: bool, before: Callable[[int], None]
+    ) -> None: ...
+    def create(self, parent: Node, name: bytes, data: bytes) -> Node: ...
+    def mkdir(self, parent: Node, name: bytes) -> Node: ...
+    def list_entries(self, node: Node) -> list[tuple[bytes, bool]]: ...
+    def remove(self, parent: Node, name: bytes, st: StatLike, layer: int) -> None: ...
+    def rename(
+        self,
+        old_parent: Node,
+        old_name: bytes,
+        layer: int,
+        new_parent: Node,
+        new_name: bytes,
+        src_st: StatLike,
+        dst_st: StatLike | None,
+    ) -> None: ...
+    def close(self) -> None: ...
+
+
+class ClosableSink(AuditSink, Protocol):
+    def close(self) -> None: ...
+
+
+class _NullSink:
+    """The permission guard's audit log: nothing is recorded."""
+
+    failing = False
+
+    def record(self, entry: dict[str, Any]) -> None:
+        pass
+
+    def try_flush(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class _Path:
+    text: str  # normalized: "/", "/repo", "/repo/a/b"
+    zone: Zone | None  # None for "/"
+    parts: tuple[bytes, ...]  # below the zone root
+
+
+class _Call:
+    """The operation under way, for error messages: its verb and (normalized) paths."""
+
+    __slots__ = ("action", "dest", "path")
+
+    def __init__(self, action: str, path: str | None, dest: str | None) -> None:
+        self.action, self.path, self.dest = action, path, dest
+
+
+def _shown(path: object) -> str | None:
+    return path if isinstance(path, str) else None
+
+
+def _components(path: object, action: str) -> tuple[str, list[str]]:
+    """The shown path and its components, `..` applied; InvalidPath for NUL or `..` above /."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str):
+        raise TypeError(f"a path must be a str, not {type(path).__name__}")
+    if "\0" in path:
+        raise make_error(
+            InvalidPath, action, path, "a path cannot contain NUL characters", errno.EINVAL
+        )
+    parts: list[str] = []
+    for part in path.split("/"):
+        if part == "..":
+            if not parts:
+                reason = "'..' would climb above '/', the top of the sandbox"
+                raise make_error(InvalidPath, action, path, reason, errno.EINVAL)
+            parts.pop()
+        elif part not in ("", "."):
+            parts.append(part)
+    return path, parts
+
+
+def parse_path(path: object, zones: Mapping[str, Zone], action: str) -> _Path:
+    """A virtual path ("/repo/x", or "repo/x" relative to "/"), normalized and split."""
+    shown, parts = _components(path, action)
+    text = "/" + "/".join(parts)
+    if not parts:
+        return _Path(text, None, ())
+    zone = zones.get(parts[0])
+    if zone is None:
+        listed = ", ".join(f"/{name}" for name in zones)
+        reason = f"/{parts[0]} is not a zone of this sandbox; paths start with one of: {listed}"
+        raise make_error(OutsideSandbox, action, text, reason, errno.ENOENT)
+    try:
+        encoded = tuple(p.encode("utf-8", "surrogateescape") for p in parts[1:])
+    except UnicodeEncodeError:
+        reason = "the path is not valid text (it has unpaired surrogates)"
+        raise make_error(InvalidPath, action, shown, reason, errno.EINVAL) from None
+    return _Path(text, zone, encoded)
+
+
+def _data(data: object) -> bytes:
+    if isinstance(data, str):
+        return data.encode("utf-8")
+    if isinstance(data, bytes | bytearray | memoryview):
+        return bytes(data)
+    raise TypeError(f"data must be str or bytes, not {type(data).__name__}")
+
+
+def _repo_parts(key: object) -> tuple[bytes, ...]:
+    """A stage() key ("src/a.py" or "/repo/src/a.py") as components below /repo."""
+    if not isinstance(key, str):
+        raise TypeError(f"a file's path must be a str, not {type(key).__name__}")
+    _, parts = _components(key if key.startswith("/") else f"/repo/{key}", "stage")
+    if len(parts) < 2 or parts[0] != Zone.REPO.value:
+        reason = "keys name files in the repository, like 'src/a.py' or '/repo/src/a.py'"
+        raise make_error(InvalidPath, "stage", key, reason, errno.EINVAL)
+    try:
+        return tuple(part.encode("utf-8", "surrogateescape") for part in parts[1:])
+    except UnicodeEncodeError:
+        reason = "the path is not valid text (it has unpaired surrogates)"
+        raise make_error(InvalidPath, "stage", key, reason, errno.EINVAL) from None
+
+
+def _limit(value: object, name: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or None, not {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must not be negative")
+    return value
+
+
+def _trust(value: object, default: Trust) -> Trust:
+    if value is None:
+        return default
+    if isinstance(value, Trust):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"trust must be a str or Trust, not {type(value).__name__}")
+    try:
+        return Trust(value)
+    except ValueError:
+        levels = ", ".join(t.value for t in Trust)
+        raise ValueError(f"unknown trust level {value!r}; one of: {levels}") from None
+
+
+def _setup_error(exc: UserError | SandboxError | OSError) -> SandboxSetupError:
+    if isinstance(exc, UserError):
+        message = exc.message
+    elif isinstance(exc, SandboxError):
+        message = exc.reason or os.strerror(exc.errno)
+    else:
+        message = str(exc)
+    err = getattr(exc, "errno", None) or errno.EINVAL
+    return SandboxSetupError(f"Cannot open the sandbox: {message}", errno=err, reason=message)
+
+
+class Sandbox:
+    """A view of a project's zones at one trust level, enforced and audited like a mount.
+
+    Build one with `Sandbox.open(project)` (the project's files) or `Sandbox.memory()`.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        guard: Guard,
+        audit: ClosableSink,
+        entries: Callable[[], list[dict[str, Any]]],
+        project: Path | None = None,
+    ) -> None:
+        self._backend = backend
+        self._guard = guard
+        self._audit = audit
+        self._entries = entries
+        self.project = project
+        self._probe = Guard(
+            guard.policy, _NullSink(), guard.info, moves=lambda: backend.moves, limits=guard.limits
+        )
+        self._caller = Caller(os.getpid(), os.getuid(), os.getgid())
+        self._zone_names = {zone.value: zone for zone in guard.policy.zones}
+        self._held: list[Node] = []
+        self._opened = time.time()
+        self._closed = False
+
+    # ----- building ---------------------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        project: str | os.PathLike[str],
+        *,
+        trust: str | Trust | None = None,
+        workspace: str = "default",
+        session: str | None = None,
+        config: str | os.PathLike[str] | None = None,
+        audit_sync: bool = False,
+    ) -> Sandbox:
+        """A sandbox on the project's files (disk backend); its entries go to the project's
+        audit log. `session`: None starts a new one; a given id is created if missing."""
+        check_id("workspace", workspace)
+        session_id = check_id("session", session) if session is not None else new_session_id()
+        try:
+            root = validate_project(Path(project))
+            config_file = Path(config).absolute() if config is not None else None
+            loaded = load(root, config_file)
+        except UserError as exc:
+            raise _setup_error(exc) from None
+        level = _trust(trust, loaded.default_trust)
+        try:
+            backend, guard, audit = open_disk(
+                root, loaded, config_file, level, workspace, session_id, audit_sync
+            )
+        except (UserError, SandboxError, OSError) as exc:
+            raise _setup_error(exc) from None
+        return cls(backend, guard, audit, lambda: read_entries(root, session_id, workspace), root)
+
+    @classmethod
+    def memory(
+        cls,
+        *,
+        trust: str | Trust | None = None,
+        files: Mapping[str, str | bytes] | None = None,
+        config: Config | None = None,
+        session: str = "memory",
+        workspace: str = "default",
+    ) -> Sandbox:
+        """A sandbox whose zones live in memory, holding `files` (virtual path -> content,
+        created before it starts, unchecked and unaudited); its entries are kept in a list."""
+        check_id("workspace", workspace)
+        check_id("session", session)
+        if config is None:
+            config = defaults()
+        elif not isinstance(config, Config):
+            raise TypeError(f"config must be a sandboxfs.config.Config, not {type(config)}")
+        level = _trust(trust, config.default_trust)
+        names = {zone.value: zone for zone in config.zone_list()}
+        seeds = []
+        for key, content in (files or {}).items():
+            path = parse_path(key, names, "create")
+            if path.zone is None or not path.parts:
+                reason = "only files inside a zone can be given"
+                raise make_error(InvalidPath, "create", path.text, reason, errno.EINVAL)
+            seeds.append((path.zone, path.parts, _data(content)))
+        backend, guard, sink = open_memory(config, level, session, workspace, seeds)
+        return cls(backend, guard, sink, lambda: [dict(e) for e in sink.entries])
+
+    # ----- description ------------------------------------------------------------------------
+
+    @property
+    def trust(self) -> Trust:
+        return self._guard.policy.trust
+
+    @property
+    def session(self) -> str:
+        return self._guard.info.session
+
+    @property
+    def workspace(self) -> str:
+        return self._guard.info.workspace
+
+    @property
+    def zones(self) -> list[str]:
+        return list(self._zone_names)
+
+    def __repr__(self) -> str:
+        where = str(self.project) if self.project is not None else "memory"
+        return f"<Sandbox {where} trust={self.trust.value} session={self.session}>"
+
+    def security_context(self) -> dict[str, Any]:
+        """What the mount shows at /.sandboxfs/context.json, with "via": "api"."""
+        guard = self._guard
+        return context(guard.policy, guard.info, os.getpid(), guard.limits)
+
+    def audit_entries(self) -> list[dict[str, Any]]:
+        """This sandbox's audit entries (disk: read back from the project's log)."""
+        with _LOCK:
+            if not self._closed:
+                self._audit.try_flush()
+            return self._entries()
+
+    # ----- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Flush and close the audit log and release every descriptor; later calls do nothing."""
+        with _LOCK:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._audit.close()
+            finally:
+                self._guard.close()
+                self._probe.close()
+                self._backend.close()
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def _call(
+        self, action: str, path: object, dest: object = None, *, checked: bool = True
+    ) -> Iterator[_Call]:
+        """One API call: under the lock, with every error mapped to the API's exceptions and
+        the nodes it remembered released. `checked`: refused while the audit log is failing,
+        as the mount refuses audited operations then (it fails closed)."""
+        call = _Call(action, _shown(path), _shown(dest))
+        with _LOCK:
+            if self._closed:
+                raise make_error(
+                    SandboxIOError, action, call.path, "this sandbox is closed", errno.EBADF
+                )
+            if checked and self._audit.failing and not self._audit.try_flush():
+                reason = "the audit log cannot be written; nothing is done until it can"
+                raise make_error(SandboxIOError, action, call.path, reason, errno.ENOSPC)
+            outer, self._held = self._held, []  # a nested call keeps its caller's nodes
+            try:
+                yield call
+            except (SandboxAPIError, TypeError, ValueError):
+                raise
+            except (SandboxError, OSError) as exc:
+                raise api_error(exc, call.action, call.path, call.dest) from None
+            except Exception as exc:
+                self._guard.internal_error(f"api {action}", exc)
+                reason = f"internal error: {type(exc).__name__}: {exc}"
+                raise make_error(SandboxIOError, action, call.path, reason, errno.EIO) from exc
+            finally:
+                held, self._held = self._held, outer
+                for node in held:
+                    self._backend.release(node)
+                self._audit.try_flush()
+
+    def _path(self, call: _Call, path: object, dest: bool = False) -> _Path:
+        parsed = parse_path(path, self._zone_names, call.action)
+        if dest:
+            call.dest = parsed.text
+        else:
+            call.path = parsed.text
+        return parsed
+
+    # ----- resolving --------------------------------------------------------------------------
+
+    def _find(self, g: Guard, op: Op, parent: Node, name: bytes) -> tuple[StatLike, int] | None:
+        """backend.find, with sandboxfs's state and other mounts refused as absent (`op`)."""
+        try:
+            return self._backend.find(parent, name)
+        except HiddenEntry as exc:
+            raise g.hidden(self._caller, op, parent, name, exc.reason) from None
+
+    def _lookup(self, g: Guard, parent: Node, name: bytes) -> Node | None:
+        """The node at parent/name, None when absent; refuses (ENOENT) what this level may
+        not see, as the mount's lookup does."""
+        zone = parent.zone
+        assert zone is not None
+        found = self._find(g, Op.READ, parent, name)
+        st, layer = found if found is not None else (None, 0)
+        created = st is not None and self._backend.created(zone, st)
+        if not g.visible(self._caller, parent, name, st, created) or st is None:
+            return None
+        node = self._backend.remember(parent, name, st, layer)
+        self._held.append(node)
+        return node
+
+    def _absent(self, g: Guard, parent: Node, name: bytes) -> SandboxError:
+        """ENOENT for a missing name, with the reason an existing one would have had where the
+        level may not see it, so that the answer does not tell whether the name exists."""
+        zone = parent.zone
+        assert zone is not None
+        vpath = parent.vpath(name)
+        policy = g.policy
+        if not policy.access(zone).any:
+            return SandboxError(errno.ENOENT, policy.decide(zone, Op.READ).reason)
+        pattern = g.denied_pattern(parent, name, True)
+        if pattern is not None:
+            decision = policy.deny_list_decision(vpath, pattern, errno.ENOENT)
+            return SandboxError(errno.ENOENT, decision.reason, decision.rule)
+        return SandboxError(errno.ENOENT, f"{vpath} does not exist")
+
+    def _dir(self, g: Guard, zone: Zone, parts: tuple[bytes, ...]) -> Node:
+        """The directory at zone/parts..., looked up component by component."""
+        node = self._backend.zone_roots[zone]
+        for name in parts:
+            child = self._lookup(g, node, name)
+            if child is None:
+                raise self._absent(g, node, name)
+            if not child.is_dir:
+                raise SandboxError(errno.ENOTDIR, self._not_dir_reason(child))
+            node = child
+        return node
+
+    def _not_dir_reason(self, node: Node) -> str:
+        if stat.S_ISLNK(self._backend.stat(node).st_mode):
+            return f"{node.vpath()} is a symbolic link, which the API never follows"
+        return f"{node.vpath()} is not a directory"
+
+    def _node(self, g: Guard, p: _Path) -> Node:
+        if p.zone is None:
+            return self._backend.root
+        if not p.parts:
+            return self._backend.zone_roots[p.zone]
+        parent = self._dir(g, p.zone, p.parts[:-1])
+        node = self._lookup(g, parent, p.parts[-1])
+        if node is None:
+            raise self._absent(g, parent, p.parts[-1])
+        return node
+
+    def _parent(self, g: Guard, p: _Path) -> tuple[Node, bytes]:
+        """Where p's last name lives: `/` for a zone root."""
+        assert p.zone is not None
+        if not p.parts:
+            return self._backend.root, p.zone.value.encode()
+        return self._dir(g, p.zone, p.parts[:-1]), p.parts[-1]
+
+    def _seen_parent(self, g: Guard, p: _Path) -> tuple[Node, bytes]:
+        """_parent, after looking the name up as the kernel does before an unlink or rename
+        through the mount: a name this level may not see is absent (ENOENT)."""
+        parent, name = self._parent(g, p)
+        if p.parts and self._lookup(g, parent, name) is None:
+            raise self._absent(g, parent, name)
+        return parent, name
+
+    def _regular(self, g: Guard, op: Op, node: Node) -> None:
+        """Only regular files are read or written: a symlink is never followed."""
+        kind = stat.S_IFMT(self._backend.stat(node).st_mode)
+        if kind == stat.S_IFREG:
+            return
+        vpath = node.vpath()
+        if kind == stat.S_IFLNK:
+            reason = f"{vpath} is a symbolic link; the API never follows symbolic links"
+            decision = Decision(False, errno.ELOOP, reason)
+        else:
+            reason = f"{vpath} is not a regular file; only regular files can be read or written"
+            decision = Decision(False, errno.EINVAL, reason)
+        raise g.refuse(self._caller, op, vpath, node.zone, decision)
+
+    # ----- the checks of each operation (shared by the operations and check_permission) -------
+
+    def _readable(self, g: Guard, p: _Path) -> Node:
+        node = self._node(g, p)
+        if node.is_dir:
+            raise SandboxError(errno.EISDIR, f"{p.text} is a directory; list() shows its entries")
+        g.may_open(self._caller, node, read=True, write=False)
+        self._regular(g, Op.READ, node)
+        return node
+
+    def _target(self, g: Guard, p: _Path) -> tuple[Node, bytes, Node | None, bool]:
+        """A write's parent, name, existing node (None: to be created) and whether the lookup
+        refused the name (the creation then decides, as after a refused lookup in the mount)."""
+        if p.zone is None or not p.parts:
+            raise SandboxError(errno.EISDIR, f"{p.text} is a directory")
+        parent = self._dir(g, p.zone, p.parts[:-1])
+        name = p.parts[-1]
+        try:
+            node = self._lookup(g, parent, name)
+        except SandboxError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            return parent, name, None, True
+        if node is not None and node.is_dir:
+            raise SandboxError(errno.EISDIR, f"{p.text} is a directory")
+        if node is not None:
+            g.may_open(self._caller, node, read=False, write=True)
+            self._regular(g, Op.WRITE, node)
+        return parent, name, node, False
+
+    def _existing(self, g: Guard, parent: Node, name: bytes, zone: Zone) -> SandboxError:
+        """A creation met an existing name: sandboxfs's state or a mount (EACCES), an entry of
+        a create-only zone (EACCES), else EEXIST."""
+        self._find(g, Op.WRITE, parent, name)
+        g.refuse_existing(self._caller, parent, name, zone)
+        return SandboxError(errno.EEXIST, f"{parent.vpath(name)} already exists")
+
+    def _removable(self, g: Guard, p: _Path) -> tuple[Node, bytes, Zone, StatLike, int]:
+        if p.zone is None:
+            raise SandboxError(errno.EACCES, ZONE_ROOT_REASON)
+        parent, name = self._seen_parent(g, p)
+        zone = g.may_remove_in(self._caller, parent, name, Op.DELETE.value)
+        found = self._find(g, Op.DELETE, parent, name)
+        if found is None:
+            raise SandboxError(errno.ENOENT, f"{p.text} does not exist")
+        st, layer = found
+        g.may_remove(self._caller, parent, name, stat.S_ISDIR(st.st_mode), layer, Op.DELETE.value)
+        return parent, name, zone, st, layer
+
+    def _listable(self, g: Guard, p: _Path) -> Node:
+        node = self._node(g, p)
+        if not node.is_dir:
+            raise SandboxError(errno.ENOTDIR, self._not_dir_reason(node))
+        g.may_list(self._caller, node)
+        return node
+
+    def _probe_op(self, op: Op, p: _Path) -> None:
+        g = self._probe
+        if op is Op.READ:
+            self._readable(g, p)
+        elif op is Op.LIST:
+            self._listable(g, p)
+        elif op is Op.DELETE:
+            self._removable(g, p)
+        else:
+            parent, name, node, refused = self._target(g, p)
+            if node is None:
+                zone = g.may_create(self._caller, parent, name)
+                if refused:
+                    raise self._existing(g, parent, name, zone)
+
+    # ----- permissions (not audited) ----------------------------------------------------------
+
+    def check_permission(self, op: str | Op, path: str) -> Permission:
+        """Whether `op` ("read", "write", "list", "delete") on `path` would be allowed, and
+        why not; nothing is audited or changed. Sizes and quotas are not judged."""
+        operation = _OPS.get(op) if isinstance(op, str) else op
+        if not isinstance(operation, Op):
+            raise ValueError(f"unknown operation {op!r}; one of: {', '.join(_OPS)}")
+        trust = self.trust.value
+        with self._call(f"check {operation.value} on", path, checked=False) as call:
+            try:
+                p = self._path(call, path)
+            except OutsideSandbox as exc:
+                name = type(exc).__name__
+                return Permission(
+                    False, operation.value, exc.path or "", None, trust, exc.reason, name
+                )
+            zone = p.zone.value if p.zone is not None else None
+            try:
+                self._probe_op(operation, p)
+            except (SandboxError, OSError) as exc:
+                refused = api_error(exc, operation.value, p.text)
+                reason, name = refused.reason, type(refused).__name__
+                return Permission(False, operation.value, p.text, zone, trust, reason, name)
+            return Permission(True, operation.value, p.text, zone, trust, "")
+
+    def can_read(self, path: str) -> bool:
+        return self.check_permission(Op.READ, path).allowed
+
+    def can_write(self, path: str) -> bool:
+        return self.check_permission(Op.WRITE, path).allowed
+
+    def resolve(self, path: str) -> str:
+        """The normalized virtual path; InvalidPath or OutsideSandbox if there is none."""
+        return parse_path(path, self._zone_names, "resolve").text
+
+    # ----- reading ----------------------------------------------------------------------------
+
+    def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
+        """The file's contents (the first `max_bytes` of them, if given)."""
+        limit = _limit(max_bytes, "max_bytes")
+        with self._call("read", path) as call:
+            node = self._readable(self._guard, self._path(call, path))
+            data = self._backend.read(node, limit)
+            self._guard.did(self._caller, Op.READ, node)
+            return data
+
+    def read_text(self, path: str, max_chars: int | None = None, encoding: str = "utf-8") -> str:
+        """The file's text (the first `max_chars` characters, if given); undecodable bytes
+        become U+FFFD."""
+        limit = _limit(max_chars, "max_chars")
+        try:
+            codecs.lookup(encoding)
+        except LookupError:
+            raise ValueError(f"unknown encoding {encoding!r}") from None
+        # No character takes more than 4 bytes in any common encoding (+4 for a BOM).
+        data = self.read_bytes(path, None if limit is None else limit * 4 + 4)
+        text = data.decode(encoding, errors="replace")
+        return text if limit is None else text[:limit]
+
+    def stat(self, path: str) -> FileInfo:
+        with self._call("stat", path, checked=False) as call:
+            p = self._path(call, path)
+            node = self._node(self._guard, p)
+            zone = p.zone.value if p.zone is not None else None
+            st: StatLike | None = None
+            if node.ino >= FIRST_DYNAMIC_INO:
+                st = self._backend.stat(node)
+            elif p.zone is not None and self._guard.readable(p.zone):
+                with contextlib.suppress(SandboxError, OSError):  # the workers root: a union
+                    st = self._backend.stat(node)
+            if st is None:  # `/`, or a zone root this level cannot read: nothing to show
+                return FileInfo(p.text, zone, "dir", 0, self._opened, False)
+            kind = _KINDS.get(stat.S_IFMT(st.st_mode), "other")
+            mtime = st.st_mtime_ns / 1e9
+            return FileInfo(p.text, zone, kind, st.st_size, mtime, node.created_here)
+
+    def list(
+        self, path: str = "/", pattern: str | None = None, recursive: bool = False
+    ) -> list[str]:
+        """Virtual paths of the entries in `path` (and below, if recursive: subdirectories
+        this level may not list are skipped), sorted; `pattern` is an fnmatch glob on each
+        path relative to `path` ("*" matches "/" too). Listing "/" gives the zones."""
+        if pattern is not None and not isinstance(pattern, str):
+            raise TypeError(f"pattern must be a str or None, not {type(pattern).__name__}")
+        with self._call("list", path) as call:
+            p = self._path(call, path)
+            g = self._guard
+            found: list[str] = []
+            pending: list[tuple[Node, str]] = []
+            if p.zone is None:
+                for zone in g.policy.zones:
+                    found.append(f"/{zone.value}")
+                    if recursive and g.policy.decide(zone, Op.LIST).allowed:
+                        root = self._backend.zone_roots[zone]
+                        g.may_list(self._caller, root)
+                        pending.append((root, f"/{zone.value}"))
+            else:
+                pending.append((self._listable(g, p), p.text))
+            while pending:
+                node, prefix = pending.pop()
+                for name, is_dir in self._backend.list_entries(node):
+                    if not g.listed(node, name, is_dir):
+                        continue
+                    child_path = f"{prefix}/{name.decode('utf-8', 'surrogateescape')}"
+                    found.append(child_path)
+                    if recursive and is_dir:
+                        child = self._descend(g, node, name)
+                        if child is not None:
+                            pending.append((child, child_path))
+            if pattern is not None:
+                skip = len(p.text) if p.zone is None else len(p.text) + 1
+                found = [f for f in found if fnmatch.fnmatchcase(f[skip:], pattern)]
+            return sorted(found)
+
+    def _descend(self, g: Guard, parent: Node, name: bytes) -> Node | None:
+        """A subdirectory to list recursively, or None if it cannot be (skipped)."""
+        try:
+            child = self._lookup(g, parent, name)
+            if child is None or not child.is_dir:
+                return None
+            g.may_list(self._caller, child)
+        except (SandboxError, OSError):
+            return None
+        return child
+
+    # ----- changing ---------------------------------------------------------------------------
+
+    def write(self, path: str, data: str | bytes) -> int:
+        """Create the file or replace its contents; returns the bytes written."""
+        return self._put("write", path, _data(data), append=False)
+
+    def append(self, path: str, data: str | bytes) -> int:
+        """Append to the file (created if missing); returns the bytes written."""
+        return self._put("append to", path, _data(data), append=True)
+
+    def _put(self, action: str, path: str, payload: bytes, append: bool) -> int:
+        with self._call(action, path) as call:
+            parent, name, node, _ = self._target(self._guard, self._path(call, path))
+            if node is None:
+                self._create_file(parent, name, payload)
+            else:
+                self._rewrite(node, payload, append)
+            return len(payload)
+
+    def _rewrite(self, node: Node, payload: bytes, append: bool) -> None:
+        g = self._guard
+        expected = -1
+
+        def before(old: int) -> None:
+            nonlocal expected
+            new = old + len(payload) if append else len(payload)
+            if append or old == 0:
+                g.may_resize(self._caller, node, old, new)
+            else:  # as the mount: truncated (never refused), then written
+                g.may_resize(self._caller, node, old, 0)
+                try:
+                    g.may_resize(self._caller, node, 0, new)
+                except BaseException:
+                    g.freed(node.zone, -old, 0)  # charge again what truncating gave back
+                    raise
+            expected = new
+
+        try:
+            self._backend.write(node, payload, append, before)
+        except BaseException:
+            if expected >= 0:  # charged, then failed: give back what was not written
+                try:
+                    actual = self._backend.stat(node).st_size
+                except (SandboxError, OSError):
+                    actual = expected - len(payload)
+                g.freed(node.zone, max(0, expected - actual), 0)
+            raise
+        g.did(self._caller, Op.WRITE, node, nbytes=len(payload))
+
+    def _create_file(self, parent: Node, name: bytes, payload: bytes) -> Node:
+        g = self._guard
+        zone = g.may_create(self._caller, parent, name)  # charges one entry
+        try:  # sizes are judged before anything exists
+            g.may_resize(self._caller, Node(0, zone, parent, name, False), 0, len(payload))
+        except BaseException:
+            g.freed(zone, 0, 1)
+            raise
+        try:
+            node = self._backend.create(parent, name, payload)
+        except BaseException as exc:
+            g.freed(zone, len(payload), 1)
+            if isinstance(exc, OSError) and exc.errno == errno.EEXIST:
+                raise self._existing(g, parent, name, zone) from None
+            raise
+        self._held.append(node)
+        g.did(self._caller, Op.WRITE, node, nbytes=len(payload), detail="create")
+        return node
+
+    def _make_dir(self, parent: Node, name: bytes) -> Node:
+        g = self._guard
+        zone = g.may_create(self._caller, parent, name, "mkdir")
+        try:
+            node = self._backend.mkdir(parent, name)
+        except BaseException as exc:
+            g.freed(zone, 0, 1)
+            if isinstance(exc, OSError) and exc.errno == errno.EEXIST:
+                raise self._existing(g, parent, name, zone) from None
+            raise
+        self._held.append(node)
+        g.did(self._caller, Op.WRITE, node, detail="mkdir")
+        return node
+
+    def _ensure_dir(self, parent: Node, name: bytes, create: bool, last: bool) -> Node:
+        """parent/name as a directory: the existing one, or (create) a new one."""
+        try:
+            child = self._lookup(self._guard, parent, name)
+        except SandboxError as exc:
+            if exc.errno != errno.ENOENT or not create:
+                raise
+            child = None
+        if child is None:
+            if not create:
+                raise self._absent(self._guard, parent, name)
+            return self._make_dir(parent, name)
+        if not child.is_dir:
+            if last:
+                raise SandboxError(errno.EEXIST, f"{child.vpath()} exists and is not a directory")
+            raise SandboxError(errno.ENOTDIR, self._not_dir_reason(child))
+        return child
+
+    def mkdir(self, path: str, parents: bool = False) -> None:
+        """Create a directory (with `parents`, also the missing ones above it, and an
+        existing directory is fine)."""
+        with self._call("create directory", path) as call:
+            p = self._path(call, path)
+            if p.zone is None or not p.parts:
+                if parents:
+                    return
+                raise SandboxError(errno.EEXIST, f"{p.text} already exists")
+            node = self._backend.zone_roots[p.zone]
+            for name in p.parts[:-1]:
+                node = self._ensure_dir(node, name, create=parents, last=False)
+            name = p.parts[-1]
+            try:
+                existing = self._lookup(self._guard, node, name)
+            except SandboxError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise
+                existing = None
+            if existing is not None:
+                if parents and existing.is_dir:
+                    return
+                kind = "a directory" if existing.is_dir else "not a directory"
+                raise SandboxError(errno.EEXIST, f"{p.text} already exists ({kind})")
+            self._make_dir(node, name)
+
+    def delete(self, path: str) -> None:
+        """Delete a file, or an empty directory."""
+        with self._call("delete", path) as call:
+            g = self._guard
+            parent, name, zone, st, layer = self._removable(g, self._path(call, path))
+            self._backend.remove(parent, name, st, layer)
+            g.removed(zone, st)
+            rmdir = "rmdir" if stat.S_ISDIR(st.st_mode) else None
+            vpath = parent.vpath(name)
+            g.record(
+                "delete", vpath, zone, pid=self._caller.pid, uid=self._caller.uid, detail=rmdir
+            )
+
+    def rename(self, src: str, dst: str) -> None:
+        """Move src to dst within one zone (replacing a file, or an empty directory, at dst)."""
+        with self._call("rename", src, dst) as call:
+            ps, pd = self._path(call, src), self._path(call, dst, dest=True)
+            if ps.zone is None or pd.zone is None:
+                reason = (
+                    ZONE_ROOT_REASON if ps.zone is None else self._guard.policy.root_create_reason
+                )
+                raise SandboxError(errno.EACCES, reason)
+            g, caller = self._guard, self._caller
+            old_parent, old_name = self._seen_parent(g, ps)
+            new_parent, new_name = self._parent(g, pd)
+            zone = g.may_rename_in(caller, old_parent, old_name, new_parent, new_name, True)
+            found = self._find(g, Op.WRITE, old_parent, old_name)
+            if found is None:
+                raise SandboxError(errno.ENOENT, f"{ps.text} does not exist")
+            src_st, layer = found
+            g.may_rename_from(caller, old_parent, old_name, layer, pd.text)
+            g.may_rename_to(caller, new_parent, new_name)
+            try:
+                dst_st = self._backend.target(new_parent, new_name)
+            except HiddenEntry as exc:
+                raise g.hidden_target(
+                    caller, "rename", ps.text, zone, pd.text, exc.reason
+                ) from None
+            g.may_move(caller, old_parent, old_name, src_st, new_parent, new_name, ps.text, pd.text)
+            self._backend.rename(old_parent, old_name, layer, new_parent, new_name, src_st, dst_st)
+            if dst_st is not None and dst_st.st_ino != src_st.st_ino:
+                g.removed(zone, dst_st)
+            g.record("rename", ps.text, zone, pid=caller.pid, uid=caller.uid, dest=pd.text)
+
+    # ----- staging ----------------------------------------------------------------------------
+
+    def stage(self, files: Mapping[str, str | bytes], message: str) -> StagedCommit:
+        """Propose changes to the repository: writes /staged/<id>/files/<repo path> for each
+        file and /staged/<id>/message.txt. Works at untrusted, where /staged is create-only.
+        Every name and size is checked before anything is written."""
+        if not isinstance(files, Mapping):
+            raise TypeError(f"files must be a mapping, not {type(files).__name__}")
+        if not isinstance(message, str):
+            raise TypeError(f"message must be a str, not {type(message).__name__}")
+        if not files:
+            raise ValueError("stage needs at least one file")
+        commit_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
+        with self._call("stage", f"/staged/{commit_id}"):
+            layout: dict[tuple[bytes, ...], bytes] = {}
+            for key, content in files.items():
+                parts = _repo_parts(key)
+                if (b"files", *parts) in layout:
+                    reason = "the same repository path is given twice"
+                    raise make_error(InvalidPath, "stage", key, reason, errno.EINVAL)
+                layout[(b"files", *parts)] = _data(content)
+            paths = tuple(
+                b"/".join(parts[1:]).decode("utf-8", "surrogateescape") for parts in layout
+            )
+            layout[(b"message.txt",)] = message.encode("utf-8")
+            self._precheck(commit_id.encode(), layout)
+            base = self._make_dir(self._backend.zone_roots[Zone.STAGED], commit_id.encode())
+            for parts, data in layout.items():
+                parent = base
+                for name in parts[:-1]:
+                    parent = self._ensure_dir(parent, name, create=True, last=False)
+                self._create_file(parent, parts[-1], data)
+            return StagedCommit(commit_id, f"/staged/{commit_id}", paths, message)
+
+    def _precheck(self, commit_id: bytes, layout: Mapping[tuple[bytes, ...], bytes]) -> None:
+        """Run every creation's checks on nodes that do not exist yet, through the permission
+        guard; the first refusal is audited (as the write it would have been) and raised."""
+        g, caller = self._probe, self._caller
+        staged = self._backend.zone_roots[Zone.STAGED]
+        dirs: dict[tuple[bytes, ...], Node] = {}
+
+        def check(parent: Node, name: bytes, kind: str, size: int = 0) -> Node:
+            try:
+                zone = g.may_create(caller, parent, name, kind)
+                node = Node(0, zone, parent, name, kind == "mkdir")
+                if kind != "mkdir":
+                    g.may_resize(caller, node, 0, size)
+            except SandboxError as exc:
+                decision = Decision(False, exc.errno, exc.reason, exc.rule)
+                raise self._guard.refuse(
+                    caller, Op.WRITE, parent.vpath(name), parent.zone, decision
+                ) from None
+            return node
+
+        dirs[()] = check(staged, commit_id, "mkdir")
+        for parts, data in layout.items():
+            for depth in range(1, len(parts)):
+                if parts[:depth] not in dirs:
+                    dirs[parts[:depth]] = check(dirs[parts[: depth - 1]], parts[depth - 1], "mkdir")
+            check(dirs[parts[:-1]], parts[-1], "file", len(data))
