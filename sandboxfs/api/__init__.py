@@ -30,7 +30,8 @@ from .errors import (
     SandboxSetupError,
     SuffixNotAllowed,
 )
-from .sandbox import FileInfo, Permission, Sandbox, StagedCommit
+from .sandbox import Sandbox
+from .types import FileInfo, Permission, StagedCommit
 
 __all__ = [
     "AlreadyExists",

@@ -23,18 +23,27 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from ..config import Config, defaults, load
 from ..core.context import context
 from ..core.errors import SandboxError
-from ..core.guard import AuditSink, Guard
+from ..core.guard import Guard
 from ..core.policy import ZONE_ROOT_REASON, Decision, Op, Trust, Zone
 from ..core.store import FIRST_DYNAMIC_INO, HiddenEntry, Node, StatLike
 from ..errors import UserError
 from ..project import new_session_id, validate_project
+from .arguments import (
+    Call,
+    VirtualPath,
+    as_bytes,
+    as_limit,
+    as_trust,
+    parse_path,
+    repo_parts,
+    shown,
+)
 from .disk import check_id, open_disk, read_entries
 from .errors import (
     InvalidPath,
@@ -46,207 +55,11 @@ from .errors import (
     make_error,
 )
 from .memory import open_memory
+from .types import Backend, Caller, ClosableSink, FileInfo, NullSink, Permission, StagedCommit
 
 _LOCK = threading.RLock()
 _KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink"}
 _OPS = {op.value: op for op in Op}
-
-
-@dataclass(frozen=True, slots=True)
-class Caller:
-    """Who asks: this process (the guard's Caller protocol)."""
-
-    pid: int
-    uid: int
-    gid: int
-
-
-@dataclass(frozen=True, slots=True)
-class FileInfo:
-    path: str
-    zone: str | None
-    kind: str  # "file", "dir", "symlink" or "other"
-    size: int
-    mtime: float
-    created_here: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Permission:
-    allowed: bool
-    op: str
-    path: str
-    zone: str | None
-    trust: str
-    reason: str  # "" when allowed
-    error: str = ""  # the exception type the operation would raise ("" when allowed)
-
-
-@dataclass(frozen=True, slots=True)
-class StagedCommit:
-    id: str
-    path: str  # "/staged/<id>"
-    files: tuple[str, ...]  # repo-relative paths
-    message: str
-
-
-class Backend(Protocol):
-    """What a storage offers sandbox.py (disk.DiskBackend, memory.MemoryBackend)."""
-
-    root: Node
-    zone_roots: dict[Zone, Node]
-
-    @property
-    def moves(self) -> int: ...
-    def find(self, parent: Node, name: bytes) -> tuple[StatLike, int] | None: ...
-    def target(self, parent: Node, name: bytes) -> StatLike | None: ...
-    def remember(self, parent: Node, name: bytes, st: StatLike, layer: int) -> Node: ...
-    def release(self, node: Node) -> None: ...
-    def created(self, zone: Zone, st: StatLike) -> bool: ...
-    def stat(self, node: Node) -> StatLike: ...
-    def read(self, node: Node, limit: int | None) -> bytes: ...
-    def write(
-        self, node: Node, data: bytes, append: bool, before: Callable[[int], None]
-    ) -> None: ...
-    def create(self, parent: Node, name: bytes, data: bytes) -> Node: ...
-    def mkdir(self, parent: Node, name: bytes) -> Node: ...
-    def list_entries(self, node: Node) -> list[tuple[bytes, bool]]: ...
-    def remove(self, parent: Node, name: bytes, st: StatLike, layer: int) -> None: ...
-    def rename(
-        self,
-        old_parent: Node,
-        old_name: bytes,
-        layer: int,
-        new_parent: Node,
-        new_name: bytes,
-        src_st: StatLike,
-        dst_st: StatLike | None,
-    ) -> None: ...
-    def close(self) -> None: ...
-
-
-class ClosableSink(AuditSink, Protocol):
-    def close(self) -> None: ...
-
-
-class _NullSink:
-    """The permission guard's audit log: nothing is recorded."""
-
-    failing = False
-
-    def record(self, entry: dict[str, Any]) -> None:
-        pass
-
-    def try_flush(self) -> bool:
-        return True
-
-
-@dataclass(frozen=True, slots=True)
-class _Path:
-    text: str  # normalized: "/", "/repo", "/repo/a/b"
-    zone: Zone | None  # None for "/"
-    parts: tuple[bytes, ...]  # below the zone root
-
-
-class _Call:
-    """The operation under way, for error messages: its verb and (normalized) paths."""
-
-    __slots__ = ("action", "dest", "path")
-
-    def __init__(self, action: str, path: str | None, dest: str | None) -> None:
-        self.action, self.path, self.dest = action, path, dest
-
-
-def _shown(path: object) -> str | None:
-    return path if isinstance(path, str) else None
-
-
-def _components(path: object, action: str) -> tuple[str, list[str]]:
-    """The shown path and its components, `..` applied; InvalidPath for NUL or `..` above /."""
-    if isinstance(path, os.PathLike):
-        path = os.fspath(path)
-    if not isinstance(path, str):
-        raise TypeError(f"a path must be a str, not {type(path).__name__}")
-    if "\0" in path:
-        raise make_error(
-            InvalidPath, action, path, "a path cannot contain NUL characters", errno.EINVAL
-        )
-    parts: list[str] = []
-    for part in path.split("/"):
-        if part == "..":
-            if not parts:
-                reason = "'..' would climb above '/', the top of the sandbox"
-                raise make_error(InvalidPath, action, path, reason, errno.EINVAL)
-            parts.pop()
-        elif part not in ("", "."):
-            parts.append(part)
-    return path, parts
-
-
-def parse_path(path: object, zones: Mapping[str, Zone], action: str) -> _Path:
-    """A virtual path ("/repo/x", or "repo/x" relative to "/"), normalized and split."""
-    shown, parts = _components(path, action)
-    text = "/" + "/".join(parts)
-    if not parts:
-        return _Path(text, None, ())
-    zone = zones.get(parts[0])
-    if zone is None:
-        listed = ", ".join(f"/{name}" for name in zones)
-        reason = f"/{parts[0]} is not a zone of this sandbox; paths start with one of: {listed}"
-        raise make_error(OutsideSandbox, action, text, reason, errno.ENOENT)
-    try:
-        encoded = tuple(p.encode("utf-8", "surrogateescape") for p in parts[1:])
-    except UnicodeEncodeError:
-        reason = "the path is not valid text (it has unpaired surrogates)"
-        raise make_error(InvalidPath, action, shown, reason, errno.EINVAL) from None
-    return _Path(text, zone, encoded)
-
-
-def _data(data: object) -> bytes:
-    if isinstance(data, str):
-        return data.encode("utf-8")
-    if isinstance(data, bytes | bytearray | memoryview):
-        return bytes(data)
-    raise TypeError(f"data must be str or bytes, not {type(data).__name__}")
-
-
-def _repo_parts(key: object) -> tuple[bytes, ...]:
-    """A stage() key ("src/a.py" or "/repo/src/a.py") as components below /repo."""
-    if not isinstance(key, str):
-        raise TypeError(f"a file's path must be a str, not {type(key).__name__}")
-    _, parts = _components(key if key.startswith("/") else f"/repo/{key}", "stage")
-    if len(parts) < 2 or parts[0] != Zone.REPO.value:
-        reason = "keys name files in the repository, like 'src/a.py' or '/repo/src/a.py'"
-        raise make_error(InvalidPath, "stage", key, reason, errno.EINVAL)
-    try:
-        return tuple(part.encode("utf-8", "surrogateescape") for part in parts[1:])
-    except UnicodeEncodeError:
-        reason = "the path is not valid text (it has unpaired surrogates)"
-        raise make_error(InvalidPath, "stage", key, reason, errno.EINVAL) from None
-
-
-def _limit(value: object, name: str) -> int | None:
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or None, not {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must not be negative")
-    return value
-
-
-def _trust(value: object, default: Trust) -> Trust:
-    if value is None:
-        return default
-    if isinstance(value, Trust):
-        return value
-    if not isinstance(value, str):
-        raise TypeError(f"trust must be a str or Trust, not {type(value).__name__}")
-    try:
-        return Trust(value)
-    except ValueError:
-        levels = ", ".join(t.value for t in Trust)
-        raise ValueError(f"unknown trust level {value!r}; one of: {levels}") from None
 
 
 def _setup_error(exc: UserError | SandboxError | OSError) -> SandboxSetupError:
@@ -280,7 +93,7 @@ class Sandbox:
         self._entries = entries
         self.project = project
         self._probe = Guard(
-            guard.policy, _NullSink(), guard.info, moves=lambda: backend.moves, limits=guard.limits
+            guard.policy, NullSink(), guard.info, moves=lambda: backend.moves, limits=guard.limits
         )
         self._caller = Caller(os.getpid(), os.getuid(), os.getgid())
         self._zone_names = {zone.value: zone for zone in guard.policy.zones}
@@ -311,7 +124,7 @@ class Sandbox:
             loaded = load(root, config_file)
         except UserError as exc:
             raise _setup_error(exc) from None
-        level = _trust(trust, loaded.default_trust)
+        level = as_trust(trust, loaded.default_trust)
         try:
             backend, guard, audit = open_disk(
                 root, loaded, config_file, level, workspace, session_id, audit_sync
@@ -338,7 +151,7 @@ class Sandbox:
             config = defaults()
         elif not isinstance(config, Config):
             raise TypeError(f"config must be a sandboxfs.config.Config, not {type(config)}")
-        level = _trust(trust, config.default_trust)
+        level = as_trust(trust, config.default_trust)
         names = {zone.value: zone for zone in config.zone_list()}
         seeds = []
         for key, content in (files or {}).items():
@@ -346,7 +159,7 @@ class Sandbox:
             if path.zone is None or not path.parts:
                 reason = "only files inside a zone can be given"
                 raise make_error(InvalidPath, "create", path.text, reason, errno.EINVAL)
-            seeds.append((path.zone, path.parts, _data(content)))
+            seeds.append((path.zone, path.parts, as_bytes(content)))
         backend, guard, sink = open_memory(config, level, session, workspace, seeds)
         return cls(backend, guard, sink, lambda: [dict(e) for e in sink.entries])
 
@@ -408,11 +221,11 @@ class Sandbox:
     @contextlib.contextmanager
     def _call(
         self, action: str, path: object, dest: object = None, *, checked: bool = True
-    ) -> Iterator[_Call]:
+    ) -> Iterator[Call]:
         """One API call: under the lock, with every error mapped to the API's exceptions and
         the nodes it remembered released. `checked`: refused while the audit log is failing,
         as the mount refuses audited operations then (it fails closed)."""
-        call = _Call(action, _shown(path), _shown(dest))
+        call = Call(action, shown(path), shown(dest))
         with _LOCK:
             if self._closed:
                 raise make_error(
@@ -438,7 +251,7 @@ class Sandbox:
                     self._backend.release(node)
                 self._audit.try_flush()
 
-    def _path(self, call: _Call, path: object, dest: bool = False) -> _Path:
+    def _path(self, call: Call, path: object, dest: bool = False) -> VirtualPath:
         parsed = parse_path(path, self._zone_names, call.action)
         if dest:
             call.dest = parsed.text
@@ -501,7 +314,7 @@ class Sandbox:
             return f"{node.vpath()} is a symbolic link, which the API never follows"
         return f"{node.vpath()} is not a directory"
 
-    def _node(self, g: Guard, p: _Path) -> Node:
+    def _node(self, g: Guard, p: VirtualPath) -> Node:
         if p.zone is None:
             return self._backend.root
         if not p.parts:
@@ -512,14 +325,14 @@ class Sandbox:
             raise self._absent(g, parent, p.parts[-1])
         return node
 
-    def _parent(self, g: Guard, p: _Path) -> tuple[Node, bytes]:
+    def _parent(self, g: Guard, p: VirtualPath) -> tuple[Node, bytes]:
         """Where p's last name lives: `/` for a zone root."""
         assert p.zone is not None
         if not p.parts:
             return self._backend.root, p.zone.value.encode()
         return self._dir(g, p.zone, p.parts[:-1]), p.parts[-1]
 
-    def _seen_parent(self, g: Guard, p: _Path) -> tuple[Node, bytes]:
+    def _seen_parent(self, g: Guard, p: VirtualPath) -> tuple[Node, bytes]:
         """_parent, after looking the name up as the kernel does before an unlink or rename
         through the mount: a name this level may not see is absent (ENOENT)."""
         parent, name = self._parent(g, p)
@@ -543,7 +356,7 @@ class Sandbox:
 
     # ----- the checks of each operation (shared by the operations and check_permission) -------
 
-    def _readable(self, g: Guard, p: _Path) -> Node:
+    def _readable(self, g: Guard, p: VirtualPath) -> Node:
         node = self._node(g, p)
         if node.is_dir:
             raise SandboxError(errno.EISDIR, f"{p.text} is a directory; list() shows its entries")
@@ -551,7 +364,7 @@ class Sandbox:
         self._regular(g, Op.READ, node)
         return node
 
-    def _target(self, g: Guard, p: _Path) -> tuple[Node, bytes, Node | None, bool]:
+    def _target(self, g: Guard, p: VirtualPath) -> tuple[Node, bytes, Node | None, bool]:
         """A write's parent, name, existing node (None: to be created) and whether the lookup
         refused the name (the creation then decides, as after a refused lookup in the mount)."""
         if p.zone is None or not p.parts:
@@ -578,7 +391,7 @@ class Sandbox:
         g.refuse_existing(self._caller, parent, name, zone)
         return SandboxError(errno.EEXIST, f"{parent.vpath(name)} already exists")
 
-    def _removable(self, g: Guard, p: _Path) -> tuple[Node, bytes, Zone, StatLike, int]:
+    def _removable(self, g: Guard, p: VirtualPath) -> tuple[Node, bytes, Zone, StatLike, int]:
         if p.zone is None:
             raise SandboxError(errno.EACCES, ZONE_ROOT_REASON)
         parent, name = self._seen_parent(g, p)
@@ -590,14 +403,14 @@ class Sandbox:
         g.may_remove(self._caller, parent, name, stat.S_ISDIR(st.st_mode), layer, Op.DELETE.value)
         return parent, name, zone, st, layer
 
-    def _listable(self, g: Guard, p: _Path) -> Node:
+    def _listable(self, g: Guard, p: VirtualPath) -> Node:
         node = self._node(g, p)
         if not node.is_dir:
             raise SandboxError(errno.ENOTDIR, self._not_dir_reason(node))
         g.may_list(self._caller, node)
         return node
 
-    def _probe_op(self, op: Op, p: _Path) -> None:
+    def _probe_op(self, op: Op, p: VirtualPath) -> None:
         g = self._probe
         if op is Op.READ:
             self._readable(g, p)
@@ -652,7 +465,7 @@ class Sandbox:
 
     def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
         """The file's contents (the first `max_bytes` of them, if given)."""
-        limit = _limit(max_bytes, "max_bytes")
+        limit = as_limit(max_bytes, "max_bytes")
         with self._call("read", path) as call:
             node = self._readable(self._guard, self._path(call, path))
             data = self._backend.read(node, limit)
@@ -662,7 +475,7 @@ class Sandbox:
     def read_text(self, path: str, max_chars: int | None = None, encoding: str = "utf-8") -> str:
         """The file's text (the first `max_chars` characters, if given); undecodable bytes
         become U+FFFD."""
-        limit = _limit(max_chars, "max_chars")
+        limit = as_limit(max_chars, "max_chars")
         try:
             codecs.lookup(encoding)
         except LookupError:
@@ -742,11 +555,11 @@ class Sandbox:
 
     def write(self, path: str, data: str | bytes) -> int:
         """Create the file or replace its contents; returns the bytes written."""
-        return self._put("write", path, _data(data), append=False)
+        return self._put("write", path, as_bytes(data), append=False)
 
     def append(self, path: str, data: str | bytes) -> int:
         """Append to the file (created if missing); returns the bytes written."""
-        return self._put("append to", path, _data(data), append=True)
+        return self._put("append to", path, as_bytes(data), append=True)
 
     def _put(self, action: str, path: str, payload: bytes, append: bool) -> int:
         with self._call(action, path) as call:
@@ -924,11 +737,11 @@ class Sandbox:
         with self._call("stage", f"/staged/{commit_id}"):
             layout: dict[tuple[bytes, ...], bytes] = {}
             for key, content in files.items():
-                parts = _repo_parts(key)
+                parts = repo_parts(key)
                 if (b"files", *parts) in layout:
                     reason = "the same repository path is given twice"
                     raise make_error(InvalidPath, "stage", key, reason, errno.EINVAL)
-                layout[(b"files", *parts)] = _data(content)
+                layout[(b"files", *parts)] = as_bytes(content)
             paths = tuple(
                 b"/".join(parts[1:]).decode("utf-8", "surrogateescape") for parts in layout
             )
