@@ -10,6 +10,7 @@ could write it would choose its own policy for the next mount).
 from __future__ import annotations
 
 import re
+import typing
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -366,7 +367,10 @@ def _describe(exc: ValidationError, model: type[BaseModel], source: str) -> str:
         expected = err.get("ctx", {}).get("expected", "")
         choices = f"; accepted: {expected}" if expected else ""
         return f"{source}: unknown {kind} {err['input']!r} under {parent}{choices}"
-    loc = ".".join(parts) or "(top level)"
+    loc = ".".join(parts)
+    if not loc and err["type"] == "value_error":  # a check of the whole file names its field
+        return f"{source}: {err['msg'].removeprefix('Value error, ')}"
+    loc = loc or "(top level)"
     if err["type"] == "extra_forbidden":
         accepted = _accepted_keys(model, err["loc"][:-1])
         hint = f"; accepted keys: {', '.join(accepted)}" if accepted else ""
@@ -381,15 +385,25 @@ def _describe(exc: ValidationError, model: type[BaseModel], source: str) -> str:
 
 
 def _accepted_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The keys the model at `loc` accepts (through `dict[str, Model]` and `Model | None`)."""
     current: type[BaseModel] | None = model
-    for part in loc:
+    parts = list(loc)
+    while parts:
         if current is None:
             return []
-        field = current.model_fields.get(str(part))
+        field = current.model_fields.get(str(parts.pop(0)))
         annotation = field.annotation if field else None
-        current = (
-            annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
-            else None
-        )
+        if typing.get_origin(annotation) is dict:
+            annotation = typing.get_args(annotation)[1]
+            if parts:
+                parts.pop(0)  # the mapping's key (a zone's name)
+        current = _model_in(annotation)
     return list(current.model_fields) if current is not None else []
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model an annotation names, directly or as `Model | None`."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None

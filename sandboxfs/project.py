@@ -90,23 +90,29 @@ def project_zone_dirs(project: Path, config: Config, source: str) -> dict[Zone, 
     dirs: dict[Zone, Path] = {}
     state = state_dir(project).resolve()
     workers = (project / ".workers").resolve()
+    user_state = state_root().resolve()
     for name, zone in config.zones.items():
         raw = Path(zone.path).expanduser()
         path = (raw if raw.is_absolute() else project / raw).resolve()
         where = f"{source}: zones.{name}.path: {zone.path!r}"
-        if not path.exists():
-            raise UserError(f"{where}: {path} does not exist; create the directory first")
-        if not path.is_dir():
-            raise UserError(f"{where}: {path} is not a directory")
         if _overlaps(path, project) and not _inside(path, project):
             raise UserError(f"{where}: {path} contains the project; a zone must lie beside it")
         if path == project:
             raise UserError(f"{where}: that is the project itself, which /repo already shows")
+        if path == user_state or _inside(path, user_state):
+            raise UserError(
+                f"{where}: {path} is in your sandboxfs state dir ({user_state}), which holds "
+                f"the audit log's key; no zone may show it"
+            )
         for other, label in [(state, "the state dir"), (workers, "/workers")] + [
             (p, f"zone {z.value}") for z, p in dirs.items()
         ]:
             if _overlaps(path, other):
                 raise UserError(f"{where}: {path} overlaps {label} ({other})")
+        if not path.exists():
+            raise UserError(f"{where}: {path} does not exist; create the directory first")
+        if not path.is_dir():
+            raise UserError(f"{where}: {path} is not a directory")
         dirs[Zone(name)] = path
     return dirs
 

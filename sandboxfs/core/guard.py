@@ -616,7 +616,10 @@ class Guard:
             if not decision.allowed:
                 raise self.refuse(caller, "link", src, parent.zone, decision, dest=dest)
         limits = self.limits.get(parent.zone)
-        if limits is not None:
+        if limits is not None and not node.is_dir:
+            # Both names: a second name with an allowed suffix would open the file the
+            # first one keeps closed.
+            self._check_suffix(caller, limits, node.parent, node.name, "link", "linking", dest, src)
             self._check_suffix(caller, limits, parent, new_name, "link", "linking", dest, src)
         self._check_layer(caller, parent, "link", new_name)
         self._check_layer(caller, node, "link")
