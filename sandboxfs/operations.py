@@ -540,39 +540,13 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             return self._sized_write(handle, off, buf)
         with self._as_caller(handle.uid, handle.gid):
             written = os.pwrite(handle.fd, buf, off)
-        handle.bytes_written += written
-        if off % _PAGE_SIZE:
-            handle.partial_pages = True
-        elif (off + written) % _PAGE_SIZE:
-            handle.ragged_end = True
-        return written
+        return _wrote(handle, off, written)
 
     def _check_again(self, handle: FileHandle) -> None:
         """The trust level changed since the handle was opened: what it may do is decided
         again, by the new level (refusals are audited as they would be at open)."""
         self.guard.may_keep(handle, handle.node, handle.readable, handle.writable, handle.created)
         handle.generation = self.guard.generation
-
-    def set_trust(self, trust: Trust, pid: int, uid: int, context: Callable[[], bytes]) -> Trust:
-        """Switch the mount to another trust level between two requests; returns the old one.
-        The caller then has the kernel forget what it cached (see kernel_caches)."""
-        old = self.guard.set_trust(trust)
-        self.context_json = context()
-        self.replies.given.clear()
-        detail = f"{old.value} -> {trust.value}"
-        self.guard.record("trust", None, None, pid=pid, uid=uid, detail=detail)
-        self.guard.audit.try_flush()
-        return old
-
-    def kernel_caches(self) -> tuple[list[int], list[tuple[int, bytes]]]:
-        """Every inode and every name the kernel may hold, for invalidation."""
-        inodes = list(self.store.nodes)
-        names: list[tuple[int, bytes]] = []
-        for node in self.store.nodes.values():
-            if node.parent is not None:
-                names.append((node.parent.ino, node.name))
-            names.extend((parent.ino, name) for parent, name in node.links)
-        return inodes, names
 
     def _sized_write(self, handle: FileHandle, off: int, buf: bytes) -> int:
         """A write in a zone with max_file_bytes or a quota: checked and charged first."""
@@ -587,12 +561,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             raise
         if written < len(buf):
             self.guard.freed(handle.node.zone, new_size - max(old_size, off + written), 0)
-        handle.bytes_written += written
-        if off % _PAGE_SIZE:
-            handle.partial_pages = True
-        elif (off + written) % _PAGE_SIZE:
-            handle.ragged_end = True
-        return written
+        return _wrote(handle, off, written)
 
     async def flush(self, fh: int) -> None:
         """Writes go straight to the backing file, so there is nothing to flush.
@@ -900,6 +869,29 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 src_node.layer = 0
         self.guard.record("rename", src, zone, pid=ctx.pid, uid=ctx.uid, dest=dst)
 
+    # ----- live trust changes (sandboxfs.control) --------------------------------------------
+
+    def set_trust(self, trust: Trust, pid: int, uid: int, context: Callable[[], bytes]) -> Trust:
+        """Switch the mount to another trust level between two requests; returns the old one.
+        The caller then has the kernel forget what it cached (see kernel_caches)."""
+        old = self.guard.set_trust(trust)
+        self.context_json = context()
+        self.replies.given.clear()
+        detail = f"{old.value} -> {trust.value}"
+        self.guard.record("trust", None, None, pid=pid, uid=uid, detail=detail)
+        self.guard.audit.try_flush()
+        return old
+
+    def kernel_caches(self) -> tuple[list[int], list[tuple[int, bytes]]]:
+        """Every inode and every name the kernel may hold, for invalidation."""
+        inodes = list(self.store.nodes)
+        names: list[tuple[int, bytes]] = []
+        for node in self.store.nodes.values():
+            if node.parent is not None:
+                names.append((node.parent.ino, node.name))
+            names.extend((parent.ino, name) for parent, name in node.links)
+        return inodes, names
+
     # ----- extended attributes and statfs ---------------------------------------------------------
 
     @_guarded
@@ -966,6 +958,16 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         ):
             setattr(data, attr, getattr(st, attr))
         return data
+
+
+def _wrote(handle: FileHandle, off: int, written: int) -> int:
+    """Count a write on its handle, and note pages it left partly written (see _release)."""
+    handle.bytes_written += written
+    if off % _PAGE_SIZE:
+        handle.partial_pages = True
+    elif (off + written) % _PAGE_SIZE:
+        handle.ragged_end = True
+    return written
 
 
 @dataclass(frozen=True, slots=True)
