@@ -2,9 +2,9 @@
 
 Where: `<state root>/control/<daemon pid>.sock` (see audit_anchor.state_root), a directory of
 mode 0700 outside every project, which neither the mount nor a `run` sandbox shows; the socket
-is mode 0600. Who: the peer's credentials (SO_PEERCRED) must be the mount's owner or root, in
-the daemon's own PID and user namespaces, so a process inside a `run` sandbox is refused even if
-it were handed a connected descriptor.
+is mode 0600. Who: the credentials of the process that connected (SO_PEERCRED) must be the
+mount's owner's or root's, in the daemon's own PID and user namespaces, so a process inside a
+`run` sandbox is refused even if it could reach the socket.
 
 Protocol (version 1): one request per connection, a JSON object on one line (at most 64 KiB),
 answered by one JSON line. Every request has `"v": 1` and an `"op"`:
@@ -81,11 +81,12 @@ def parse_request(data: bytes) -> dict[str, Any]:
     """The request in `data`, checked; BadRequest with a message otherwise."""
     try:
         request = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        raise BadRequest("the request is not JSON") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise BadRequest("the request is not JSON (or nested too deeply)") from None
     if not isinstance(request, dict):
         raise BadRequest("the request must be a JSON object")
-    if request.get("v") != VERSION:
+    version = request.get("v")
+    if type(version) is not int or version != VERSION:
         raise BadRequest(
             f"unsupported protocol version {request.get('v')!r}; this daemon speaks {VERSION}"
         )

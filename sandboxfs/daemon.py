@@ -22,7 +22,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -387,29 +387,36 @@ class Control:
     info: MountInfo
     listener: socket.socket
 
+    changing: trio.Lock = field(default_factory=trio.Lock)
+
     async def serve(self) -> None:
+        """Each connection in a task of its own (an idle client holds up nobody); trust
+        changes one at a time."""
         listener = trio.socket.from_stdlib_socket(self.listener)
-        while True:
-            conn, _ = await listener.accept()
-            with conn:
-                try:
-                    with trio.move_on_after(10):
-                        await conn.send(await self._answer(conn))
-                except OSError as exc:
-                    log.warning("control connection: %s", exc)
+        async with trio.open_nursery() as nursery:
+            while True:
+                conn, _ = await listener.accept()
+                nursery.start_soon(self._connection, conn)
+
+    async def _connection(self, conn: trio.socket.SocketType) -> None:
+        with conn:
+            try:
+                with trio.move_on_after(10):
+                    await conn.send(await self._answer(conn))
+            except OSError as exc:
+                log.warning("control connection: %s", exc)
+            except Exception:  # no request may end the daemon
+                log.exception("control request failed")
+                with contextlib.suppress(OSError), trio.move_on_after(1):
+                    await conn.send(control.reply(False, error="internal error"))
 
     async def _answer(self, conn: trio.socket.SocketType) -> bytes:
         peer = control.peer_of(conn)  # type: ignore[arg-type]
+        data = await self._request_line(conn)
         why = control.refusal(peer, os.getuid())
         if why is not None:
             log.warning("control request from pid %d (uid %d) refused: %s", peer.pid, peer.uid, why)
-            return control.reply(False, error=f"refused: {why}")
-        data = b""
-        while not data.endswith(b"\n") and len(data) <= control.MAX_REQUEST:
-            chunk = await conn.recv(65536)
-            if not chunk:
-                break
-            data += chunk
+            return control.reply(False, error=why)
         if len(data) > control.MAX_REQUEST:
             return control.reply(False, error=f"request larger than {control.MAX_REQUEST} bytes")
         try:
@@ -420,13 +427,23 @@ class Control:
         if request["op"] == "status":
             return control.reply(True, trust=guard.policy.trust.value, session=self.info.session)
         trust: Trust = request["trust"]
-        old = self.ops.set_trust(trust, peer.pid, peer.uid, self._context)
-        inodes, names = self.ops.kernel_caches()
-        await trio.to_thread.run_sync(_invalidate, inodes, names)
-        log.info(
-            "trust %s -> %s, asked by pid %d (uid %d)", old.value, trust.value, peer.pid, peer.uid
-        )
+        async with self.changing:
+            old = self.ops.set_trust(trust, peer.pid, peer.uid, self._context)
+            inodes, names = self.ops.kernel_caches()
+            await trio.to_thread.run_sync(_invalidate, inodes, names)
+        log.info("trust %s -> %s, asked by pid %d", old.value, trust.value, peer.pid)
         return control.reply(True, old=old.value, new=trust.value)
+
+    async def _request_line(self, conn: trio.socket.SocketType) -> bytes:
+        """The request (read whole before any answer, so the client never meets a closed
+        socket), at most a little past MAX_REQUEST."""
+        data = b""
+        while not data.endswith(b"\n") and len(data) <= control.MAX_REQUEST:
+            chunk = await conn.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
 
     def _context(self) -> bytes:
         guard = self.ops.guard

@@ -97,9 +97,10 @@ class FileHandle:
     ragged_end: bool = False
     # Writes must check the file's size first (max_file_bytes or a quota in its zone).
     sized: bool = False
-    readable: bool = True
-    # The guard's generation when the handle was opened (or last checked again).
-    generation: int = 0
+    # The guard's generation when the handle was opened, or last checked again for reading
+    # and for writing (each right is checked again on its own after a trust change).
+    read_generation: int = 0
+    write_generation: int = 0
 
 
 @dataclass(slots=True)
@@ -505,8 +506,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             self.guard.did(ctx, Op.READ, node, comm=comm)
         handle = FileHandle(fd, node, wants_write, False, ctx.pid, ctx.uid, ctx.gid, comm)
         handle.sized = limits.sizes_matter
-        handle.readable = accmode != os.O_WRONLY
-        handle.generation = self.guard.generation
+        handle.read_generation = handle.write_generation = self.guard.generation
         node.open_fds = (*node.open_fds, fd)
         return self._new_handle(handle, keep_cache=keep_cache, direct_io=bool(flags & os.O_DIRECT))
 
@@ -523,8 +523,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         handle = self._handles[fh]
         if isinstance(handle, BlobHandle):
             return handle.data[off : off + size]
-        if handle.generation != self.guard.generation:
-            self._check_again(handle)
+        if handle.read_generation != self.guard.generation:
+            self.guard.may_keep(handle, handle.node, True, False, handle.created)
+            handle.read_generation = self.guard.generation
         self.replies.changing(handle.node)  # the kernel stops trusting a read file's atime
         return os.pread(handle.fd, size, off)
 
@@ -533,20 +534,15 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         handle = self._handles[fh]
         if not isinstance(handle, FileHandle) or not handle.writable:
             raise SandboxError(errno.EBADF)
-        if handle.generation != self.guard.generation:
-            self._check_again(handle)
+        if handle.write_generation != self.guard.generation:
+            self.guard.may_keep(handle, handle.node, False, True, handle.created)
+            handle.write_generation = self.guard.generation
         self.replies.changing(handle.node)
         if handle.sized:
             return self._sized_write(handle, off, buf)
         with self._as_caller(handle.uid, handle.gid):
             written = os.pwrite(handle.fd, buf, off)
         return _wrote(handle, off, written)
-
-    def _check_again(self, handle: FileHandle) -> None:
-        """The trust level changed since the handle was opened: what it may do is decided
-        again, by the new level (refusals are audited as they would be at open)."""
-        self.guard.may_keep(handle, handle.node, handle.readable, handle.writable, handle.created)
-        handle.generation = self.guard.generation
 
     def _sized_write(self, handle: FileHandle, off: int, buf: bytes) -> int:
         """A write in a zone with max_file_bytes or a quota: checked and charged first."""
@@ -683,8 +679,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         comm = self.guard.process_names.get(ctx.pid)
         handle = FileHandle(fd, node, True, True, ctx.pid, ctx.uid, ctx.gid, comm)
         handle.sized = self.guard.zone_limits(zone).sizes_matter
-        handle.readable = flags & os.O_ACCMODE != os.O_WRONLY
-        handle.generation = self.guard.generation
+        handle.read_generation = handle.write_generation = self.guard.generation
         info = self._new_handle(handle, keep_cache=True, direct_io=bool(flags & os.O_DIRECT))
         return info, self.replies.attrs(node, st)
 

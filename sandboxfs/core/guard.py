@@ -393,8 +393,8 @@ class Guard:
             raise self.refuse(caller, op, node.vpath(), node.zone, decision)
 
     def may_keep(self, caller: Caller, node: Node, read: bool, write: bool, created: bool) -> None:
-        """A handle opened under an earlier trust level, used again: what it does must be
-        allowed now (a handle that created its file keeps the right to create there)."""
+        """A handle opened under an earlier trust level, used again to read or to write: that
+        must be allowed now (a handle that created its file keeps it while creating is)."""
         assert node.zone is not None
         if not created:
             self.may_open(caller, node, read, write)
