@@ -718,6 +718,8 @@ def _table_row(entry: dict[str, Any], clock: Clock | None = None) -> str:
         code = entry.get("errno")
         name = errno.errorcode.get(code, str(code)) if isinstance(code, int) else _text(code)
         reason = ": ".join(part for part in (name, _text(entry.get("reason"))) if part)
+    elif entry.get("path") is not None and entry.get("detail") is not None:
+        reason = _text(entry["detail"])  # what an allowed `stage` or `setattr` did
     cells = [
         (clock or _UTC).show(entry.get("ts")),
         _text(entry.get("op")),

@@ -20,7 +20,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import audit_cli, completion, confine, control, manpage, netproxy
+from . import audit_cli, completion, confine, control, manpage, netproxy, staged_cli
 from . import config as config_mod
 from . import doctor as doctor_mod
 from . import run as run_mod
@@ -188,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         change.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
 
     audit_cli.add_parser(sub, trust_type=_trust, when_type=_when, positive_type=_positive)
+    staged_cli.add_parser(sub)
     shell = sub.add_parser(
         "completion",
         help="print the bash or zsh completion script",
@@ -605,6 +606,7 @@ COMMANDS = {
     "promote": cmd_trust,
     "demote": cmd_trust,
     "audit": audit_cli.main,
+    "staged": staged_cli.main,
 }
 
 
