@@ -13,6 +13,7 @@ Not thread-safe by itself (the core's statx buffer is shared): every call holds 
 
 from __future__ import annotations
 
+import builtins
 import codecs
 import contextlib
 import errno
@@ -34,6 +35,7 @@ from ..core.policy import ZONE_ROOT_REASON, Decision, Op, Trust, Zone
 from ..core.store import FIRST_DYNAMIC_INO, HiddenEntry, Node, StatLike
 from ..errors import UserError
 from ..project import new_session_id, validate_project
+from . import tools as tool_defs
 from .arguments import (
     Call,
     VirtualPath,
@@ -720,6 +722,19 @@ class Sandbox:
             if dst_st is not None and dst_st.st_ino != src_st.st_ino:
                 g.removed(zone, dst_st)
             g.record("rename", ps.text, zone, pid=caller.pid, uid=caller.uid, dest=pd.text)
+
+    # ----- LLM tools (tools.py) ------------------------------------------------------------
+
+    def tools(self) -> builtins.list[dict[str, Any]]:
+        """Tool definitions in the common function-calling shape (see api.tools)."""
+        return tool_defs.tools(self)
+
+    def anthropic_tools(self) -> builtins.list[dict[str, Any]]:
+        return tool_defs.anthropic_tools(self)
+
+    def call_tool(self, name: str, arguments: Mapping[str, Any] | str | None = None) -> str:
+        """Run one tool call; its result, or "Error: ..." text for the model. Never raises."""
+        return tool_defs.call_tool(self, name, arguments)
 
     # ----- staging ----------------------------------------------------------------------------
 
