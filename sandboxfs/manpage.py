@@ -23,8 +23,9 @@ EXIT_STATUS = [
     (
         "1",
         "The command failed: a check failed, the audit log is not intact or missing "
-        "(audit verify), a mount is busy, hung or another user's (umount), or prune was not "
-        "confirmed.",
+        "(audit verify), a mount is busy, hung or another user's (umount), prune was not "
+        "confirmed, a staged commit was refused (staged commit), or the daemon refused a trust "
+        "change (promote, demote).",
     ),
     (
         "2",
@@ -53,13 +54,17 @@ FILES = [
     ),
     (
         "~/.local/state/sandboxfs/",
-        "Per-user state kept out of every project, such as the anchors "
-        "that audit verify checks the audit log against.",
+        "Per-user state kept out of every project: the anchors that audit verify checks the "
+        "audit log against, and control/<pid>.sock, each mount's control socket.",
     ),
 ]
 ENVIRONMENT = [
     ("SANDBOXFS_STATE_DIR", "The per-user state directory, instead of ~/.local/state/sandboxfs."),
     ("XDG_STATE_HOME", "If set (and absolute), the state directory is $XDG_STATE_HOME/sandboxfs."),
+    (
+        "SANDBOXFS_STAGED_FLAG",
+        "Colon-separated globs of more paths that staged reviews flag as running code.",
+    ),
 ]
 SEE_ALSO = [("fusermount3", "1"), ("mount.fuse3", "8"), ("bwrap", "1")]
 
