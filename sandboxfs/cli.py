@@ -20,7 +20,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import audit_cli, completion, confine, control, manpage, netproxy, staged_cli
+from . import audit_cli, completion, confine, control, manpage, netproxy, staged_cli, staging
 from . import config as config_mod
 from . import doctor as doctor_mod
 from . import run as run_mod
@@ -522,6 +522,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                     },
                     # `sandboxfs run` sessions name their command
                     **({"command": context["command"]} if "command" in context else {}),
+                    "pending": _pending_staged(context),
                 }
             )
         elif context == NOT_YOURS:
@@ -534,7 +535,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not rows:
         print("no sandboxfs mounts")
         return 0
-    headers = ["MOUNTPOINT", "STATE", "TRUST", "SESSION", "WORKSPACE", "PID", "PROJECT"]
+    headers = ["MOUNTPOINT", "STATE", "TRUST", "SESSION", "WORKSPACE", "PID", "PENDING", "PROJECT"]
     if any(r.get("owner") for r in rows):
         headers.insert(2, "OWNER")  # other users' mounts
     if any(r.get("command") for r in rows):
@@ -579,10 +580,21 @@ def cmd_trust(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pending_staged(context: dict[str, Any]) -> int | None:
+    """How many staged commits of the mount's workspace wait for review (None: unknown)."""
+    project, workspace = context.get("project"), context.get("workspace")
+    if not isinstance(project, str) or not isinstance(workspace, str):
+        return None
+    try:
+        return len(staging.pending(Path(project), workspace))
+    except (OSError, UserError):
+        return None
+
+
 def _status_cell(value: Any) -> str:
     if isinstance(value, list):
         return shlex.join(str(v) for v in value)
-    return str(value or "")
+    return "" if value is None else str(value)
 
 
 def cmd_completion(args: argparse.Namespace) -> int:

@@ -1762,3 +1762,19 @@ def _land_here(
                 why = exc.phrase if isinstance(exc, WorkTreeError) else exc.strerror
                 warnings.append(f"{escape_name(change.path)} was not written ({why})")
     return warnings
+
+
+def pending(project: Path, workspace: str) -> list[str]:
+    """Ids of the workspace's staged commits still waiting for review or commit (freezing
+    nothing; an entry whose state cannot be read is left out)."""
+    space = Workspace(project, workspace)
+    ids, _ = space.listing()
+    waiting = []
+    for commit_id in ids:
+        try:
+            state = space.read_state(commit_id)
+        except UserError:
+            continue
+        if state is None or state.get("status", "pending") == "pending":
+            waiting.append(commit_id)
+    return waiting

@@ -687,3 +687,24 @@ def test_flipping_levels_under_load(mount_at: Callable[..., Any]) -> None:
         assert context(m)["trust"] == "full"
         assert sh(f"cat {repo}/README.md").stdout == "# demo project\n"
         assert len(m.audit("--op", "trust")) == len(levels)
+
+
+def test_status_shows_the_current_level_and_pending_staged_commits(
+    mount_at: Callable[..., Any],
+) -> None:
+    with mount_at("untrusted") as m:
+        assert status_row(m.mnt)["pending"] == 0
+        staged = m.mnt / "staged"
+        for commit_id in ("fix1", "fix2"):
+            made = sh(
+                f"mkdir -p {staged}/{commit_id}/files && echo x > {staged}/{commit_id}/files/a.md"
+                f" && echo 'Add a' > {staged}/{commit_id}/message.txt"
+            )
+            assert made.returncode == 0, made.stderr
+        row = status_row(m.mnt)
+        assert (row["trust"], row["pending"]) == ("untrusted", 2)
+        assert change("promote", m.mnt, "session")[0] == 0
+        assert status_row(m.mnt)["trust"] == "session"
+        table = sandboxfs("status", str(m.mnt))
+        header, line = table.stdout.splitlines()
+        assert header.split()[6] == "PENDING" and line.split()[2:7:4] == ["session", "2"]
