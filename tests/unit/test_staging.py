@@ -13,6 +13,7 @@ import pytest
 from sandboxfs import staging
 from sandboxfs.config import DEFAULT_DENY, DEFAULT_PROTECT
 from sandboxfs.core.policy import Patterns
+from sandboxfs.errors import UserError
 from sandboxfs.staging import (
     MODE_EXEC,
     MODE_FILE,
@@ -20,6 +21,7 @@ from sandboxfs.staging import (
     RepoState,
     StagedTree,
     TooLarge,
+    Workspace,
     commit_message,
     escape_name,
     escape_text,
@@ -27,11 +29,13 @@ from sandboxfs.staging import (
     make_plan,
     parse_deletions,
     path_problem,
+    pending,
     read_tree,
     review_order,
     runs_code,
     write_tree,
 )
+from sandboxfs.staging import format as staged_format
 
 DENY = Patterns(DEFAULT_DENY)
 PROTECT = Patterns(DEFAULT_PROTECT)
@@ -121,11 +125,11 @@ def test_parse_deletions() -> None:
 
 def test_absurd_sizes_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = make(tmp_path / "c1", {f"f{n}": b"x" * 10 for n in range(20)})
-    monkeypatch.setattr(staging, "MAX_ENTRIES", 10)
+    monkeypatch.setattr(staged_format, "MAX_ENTRIES", 10)
     with pytest.raises(TooLarge, match="more than 10 files"):
         read(root)
-    monkeypatch.setattr(staging, "MAX_ENTRIES", 1000)
-    monkeypatch.setattr(staging, "MAX_TOTAL_BYTES", 100)
+    monkeypatch.setattr(staged_format, "MAX_ENTRIES", 1000)
+    monkeypatch.setattr(staged_format, "MAX_TOTAL_BYTES", 100)
     with pytest.raises(TooLarge, match="too large to review") as caught:
         read(root)
     assert caught.value.exit_code == 1
@@ -320,3 +324,31 @@ def test_commit_ids() -> None:
         assert staging.valid_id(good)
     for bad in ["", ".x", "..", "a/b", "a b", "a" * 65, "é"]:
         assert not staging.valid_id(bad)
+
+
+# ----- pending ---------------------------------------------------------------------------------
+
+
+def test_pending_lists_what_waits_skips_the_unreadable_and_freezes_nothing(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    assert pending(project, "default") == []  # nothing staged: not even a staged directory
+    ws = Workspace(project, "default")
+    ws.staged.mkdir(parents=True)
+    assert pending(project, "default") == []
+    for commit_id in ("a1", "b2", "c3", "d4", "e5", "g7"):
+        make(ws.staged / commit_id, {"x": b"x\n"}, **{"message.txt": b"m\n"})
+    (ws.staged / "h8").write_text("a file, not a staged commit")
+    (ws.staged / ".dot").mkdir()  # not a staged commit id
+    for commit_id, status in (("b2", "committed"), ("c3", "discarded"), ("d4", "pending")):
+        ws.write_state(commit_id, {"id": commit_id, "status": status})
+    ws.write_state("f6", {"id": "f6", "status": "pending", "digest": "sha256:0"})  # staged/ gone
+    (ws.review / "e5" / "state.json").parent.mkdir()
+    (ws.review / "e5" / "state.json").write_text("{not json")
+    with pytest.raises(UserError, match="not valid JSON"):
+        ws.listing()  # a review still says so
+    (ws.review / "g7" / "state.json").mkdir(parents=True)  # not a file
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    assert pending(project, "default") == ["a1", "d4", "f6"]
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
+    assert not (ws.review / "a1").exists()  # read, not frozen
