@@ -306,6 +306,7 @@ def test_mount_status_umount(tmp_path: Path, project: Path) -> None:
                 "workspace": "default",
                 "project": str(project),
                 "pid": pid,
+                "pending": 0,  # staged commits waiting for review
             }
         ]
         one = sandboxfs("status", mnt, "--json")
