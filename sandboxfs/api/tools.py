@@ -4,20 +4,22 @@ function that runs a call and always answers with text a model can read.
     tools = sb.tools()                                   # OpenAI-style {"type": "function", ...}
     result = sb.call_tool("read_file", {"path": "/repo/README.md"})
 
-Descriptions name the zones this trust level may read and write, so a model knows where to
-look before it is refused. `call_tool` never raises: bad arguments, refusals and even internal
-errors come back as a line starting with "Error:".
+Descriptions name the zones this sandbox has and what its trust level may do in each, so a
+model knows where to look before it is refused. `call_tool` never raises: bad arguments,
+refusals and even internal errors come back as a line starting with "Error:".
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import posixpath
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import SandboxAPIError
+from .errors import NotFound, SandboxAPIError
 
 if TYPE_CHECKING:
     from .sandbox import Sandbox
@@ -25,16 +27,25 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CHARS = 200_000
-_PATHS = (
-    "Paths are virtual: /session (your scratch space), /workspace, /repo (the project), "
-    "/staged (proposed changes), /workers, and any zone the project adds"
-)
+
+# What each built-in zone is for, in a model's terms; a project's zones are "a project zone".
+_ZONE_ROLES = {
+    "session": "your own scratch space: working/, inputs/, outputs/, home/",
+    "workspace": "kept across the sessions of this workspace: cache/, data/",
+    "repo": "the project's repository",
+    "staged": "changes proposed for the repository, for the user to review",
+    "workers": "worker definitions",
+}
 
 Schema = dict[str, Any]
 
 
 def _string(description: str) -> Schema:
     return {"type": "string", "description": description}
+
+
+def _boolean(description: str) -> Schema:
+    return {"type": "boolean", "description": description}
 
 
 def _object(properties: Mapping[str, Schema], required: list[str]) -> Schema:
@@ -49,25 +60,72 @@ def _object(properties: Mapping[str, Schema], required: list[str]) -> Schema:
 @dataclass(frozen=True)
 class _Tool:
     name: str
-    description: str  # "{reads}", "{writes}" and "{paths}" are filled in per sandbox
+    # "{paths}" (the zones and what each is for), "{zones}" (their names), "{access}",
+    # "{lists}" and "{deletes}" are filled in per sandbox when the definitions are made
+    description: str
     parameters: Schema
     run: Callable[[Sandbox, dict[str, Any]], str]
 
 
 def _read_file(sb: Sandbox, args: dict[str, Any]) -> str:
-    limit = args.get("max_chars", DEFAULT_MAX_CHARS)
-    text = sb.read_text(args["path"], max_chars=limit + 1)
+    limit = int(args.get("max_chars", DEFAULT_MAX_CHARS))  # 5.0 is an integer to JSON Schema
+    text = sb.read_text(args["path"], max_chars=limit + 1)  # one more: was anything cut?
     if len(text) > limit:
         return text[:limit] + f"\n[truncated at {limit} characters]"
     return text
 
 
 def _write_file(sb: Sandbox, args: dict[str, Any]) -> str:
-    if args.get("append", False):
-        written = sb.append(args["path"], args["content"])
-        return f"Appended {written} bytes to {sb.resolve(args['path'])}"
-    written = sb.write(args["path"], args["content"])
-    return f"Wrote {written} bytes to {sb.resolve(args['path'])}"
+    path, content = args["path"], args["content"]
+    append = bool(args.get("append", False))
+    put = sb.append if append else sb.write
+    created: list[str] = []
+    try:
+        written = put(path, content)
+    except NotFound:
+        created = _make_parents(sb, posixpath.dirname(sb.resolve(path)))
+        if not created:  # nothing was missing, or a zone that hides what it holds
+            raise
+        try:
+            written = put(path, content)
+        except SandboxAPIError:
+            for directory in reversed(created):  # leave the tree as it was, where allowed
+                with contextlib.suppress(SandboxAPIError):
+                    sb.delete(directory)
+            raise
+    verb = "Appended" if append else "Wrote"
+    made = f" (created {', '.join(created)})" if created else ""
+    return f"{verb} {written} bytes to {sb.resolve(path)}{made}"
+
+
+def _make_parents(sb: Sandbox, directory: str) -> list[str]:
+    """Create the missing directories down to `directory` (not a zone root); those created,
+    top first. [] if none was missing, or if the zone may not be written at all: an unreadable
+    zone says "not found" for what it hides, and its own error says more than mkdir's would.
+    A refusal to create raises the error that names its cause."""
+    zone = sb.security_context()["zones"].get(directory.split("/")[1], {})
+    if not (zone.get("write") or zone.get("create_only")):
+        return []
+    missing: list[str] = []
+    while directory.count("/") > 1:  # below a zone root
+        try:
+            sb.stat(directory)
+            break
+        except NotFound:
+            missing.append(directory)
+            directory = posixpath.dirname(directory)
+    missing.reverse()
+    created: list[str] = []
+    try:
+        for directory in missing:
+            sb.mkdir(directory)
+            created.append(directory)
+    except SandboxAPIError:
+        for directory in reversed(created):
+            with contextlib.suppress(SandboxAPIError):
+                sb.delete(directory)
+        raise
+    return created
 
 
 def _list_files(sb: Sandbox, args: dict[str, Any]) -> str:
@@ -92,15 +150,15 @@ def _move(sb: Sandbox, args: dict[str, Any]) -> str:
 def _stage(sb: Sandbox, args: dict[str, Any]) -> str:
     staged = sb.stage(args["files"], args["message"])
     return (
-        f"Staged {len(staged.files)} file(s) as {staged.id} in {staged.path}; "
-        f"the user reviews it before it lands in the repository"
+        f"Staged {len(staged.files)} file(s) as {staged.id} in {staged.path} "
+        f"({', '.join(staged.files)}); the user reviews it before it lands in the repository"
     )
 
 
 def _check_permission(sb: Sandbox, args: dict[str, Any]) -> str:
     permission = sb.check_permission(args["operation"], args["path"])
-    shown = {k: getattr(permission, k) for k in ("allowed", "op", "path", "zone", "trust")}
-    return json.dumps({**shown, "reason": permission.reason})
+    shown = ("allowed", "op", "path", "zone", "trust", "reason")
+    return json.dumps({key: getattr(permission, key) for key in shown})
 
 
 def _security_context(sb: Sandbox, args: dict[str, Any]) -> str:
@@ -110,10 +168,11 @@ def _security_context(sb: Sandbox, args: dict[str, Any]) -> str:
 _TOOLS = (
     _Tool(
         "read_file",
-        "Read a text file from the sandbox. {paths}. Readable zones now: {reads}.",
+        "Read a text file and return its contents (bytes that are not UTF-8 become U+FFFD; "
+        "a long file is cut at max_chars, with a note saying so). {paths} {access}",
         _object(
             {
-                "path": _string("Virtual path of the file, e.g. /repo/README.md"),
+                "path": _string("Virtual path of the file, e.g. /session/working/notes.md"),
                 "max_chars": {
                     "type": "integer",
                     "minimum": 1,
@@ -127,15 +186,13 @@ _TOOLS = (
     ),
     _Tool(
         "write_file",
-        "Create or replace a file (or append to it). {paths}. Writable zones now: {writes}.",
+        "Create a file or replace its contents, or append to it; missing parent directories "
+        "are created. {zones} {access}",
         _object(
             {
                 "path": _string("Virtual path of the file, e.g. /session/working/notes.md"),
                 "content": _string("The text to write"),
-                "append": {
-                    "type": "boolean",
-                    "description": "Append instead of replacing (default false)",
-                },
+                "append": _boolean("Append to the file instead of replacing it (default false)"),
             },
             ["path", "content"],
         ),
@@ -143,16 +200,17 @@ _TOOLS = (
     ),
     _Tool(
         "list_files",
-        "List files and directories, one virtual path per line. {paths}. "
-        "Listable zones now: {lists}.",
+        "List the entries of a directory, one virtual path per line, sorted; listing / gives "
+        "the zones. Names on the deny list are hidden, and a recursive listing skips "
+        "directories that may not be listed. {paths} {access} {lists}",
         _object(
             {
-                "path": _string('Directory to list (default "/": the zones)'),
-                "pattern": _string("Only paths (relative to `path`) matching this glob"),
-                "recursive": {
-                    "type": "boolean",
-                    "description": "Also list subdirectories (default false)",
-                },
+                "path": _string('Virtual path of the directory (default "/")'),
+                "pattern": _string(
+                    'Only entries whose path relative to `path` matches this glob ("*" also '
+                    'matches "/"), e.g. "*.py"'
+                ),
+                "recursive": _boolean("Also list everything below (default false)"),
             },
             [],
         ),
@@ -160,39 +218,48 @@ _TOOLS = (
     ),
     _Tool(
         "stat",
-        "Describe one file or directory (kind, size, modification time) as JSON. {paths}.",
-        _object({"path": _string("Virtual path")}, ["path"]),
+        "Describe one file or directory as JSON: path, zone, kind (file, dir, symlink, other), "
+        "size in bytes, mtime (seconds since the epoch), created_here (made by this "
+        "sandbox). {zones}",
+        _object({"path": _string("Virtual path of the file or directory")}, ["path"]),
         _stat,
     ),
     _Tool(
         "delete",
-        "Delete a file or an empty directory. {paths}. Zones where deleting is allowed now: "
-        "{deletes}.",
-        _object({"path": _string("Virtual path")}, ["path"]),
+        "Delete a file or an empty directory. {zones} {access} {deletes}",
+        _object({"path": _string("Virtual path of the file or directory")}, ["path"]),
         _delete,
     ),
     _Tool(
         "move",
-        "Rename or move a file or directory within one zone (across zones: read, write and "
-        "delete instead). {paths}.",
+        "Rename or move a file or directory within one zone, replacing a file (or an empty "
+        "directory) at the destination. Between zones, read, write and delete instead. "
+        "{zones} {access}",
         _object(
-            {"source": _string("Virtual path now"), "destination": _string("Virtual path after")},
+            {
+                "source": _string("Virtual path of what to move"),
+                "destination": _string("Virtual path it gets, in the same zone"),
+            },
             ["source", "destination"],
         ),
         _move,
     ),
     _Tool(
         "stage",
-        "Propose changes to the repository as one staged commit that the user reviews and "
-        "lands; works even where /repo cannot be written.",
+        "Propose changes to the repository as one staged commit, written to /staged/<id>/, "
+        "which the user reviews and lands; this works even where /repo cannot be written. "
+        "Give each changed file's full new content, not a diff.",
         _object(
             {
                 "files": {
                     "type": "object",
-                    "description": 'Repository path -> full new content, e.g. {"src/a.py": "..."}',
+                    "description": "Repository path (relative to the repository root, or "
+                    'starting with /repo/) -> the file\'s full new content, e.g. {"src/a.py": '
+                    '"print(1)\\n"}',
                     "additionalProperties": {"type": "string"},
+                    "minProperties": 1,
                 },
-                "message": _string("The commit message; the first line is its subject"),
+                "message": _string("The commit message; its first line is the subject"),
             },
             ["files", "message"],
         ),
@@ -200,13 +267,15 @@ _TOOLS = (
     ),
     _Tool(
         "check_permission",
-        "Ask whether an operation on a path would be allowed, and why not, without doing it.",
+        "Ask, without doing it, whether an operation on a path would be allowed; answers with "
+        "JSON: allowed, op, path, zone, trust and the reason it would be refused. Sizes and "
+        "quotas are not judged. {zones}",
         _object(
             {
                 "operation": {
                     "type": "string",
                     "enum": ["read", "write", "list", "delete"],
-                    "description": "The operation",
+                    "description": "The operation to ask about",
                 },
                 "path": _string("Virtual path"),
             },
@@ -216,8 +285,8 @@ _TOOLS = (
     ),
     _Tool(
         "security_context",
-        "Describe this sandbox as JSON: trust level, zones and what each allows, limits, "
-        "deny-listed names.",
+        "Describe this sandbox as JSON: its trust level, its zones and what each allows "
+        "(read, write, list, delete, create_only), limits, and the deny-listed names.",
         _object({}, []),
         _security_context,
     ),
@@ -225,37 +294,41 @@ _TOOLS = (
 _BY_NAME = {tool.name: tool for tool in _TOOLS}
 
 
-def _zones_allowing(sb: Sandbox) -> dict[str, str]:
-    zones: Mapping[str, Mapping[str, Any]] = sb.security_context()["zones"]
+def _fill(sb: Sandbox) -> dict[str, str]:
+    """The per-sandbox parts of the descriptions, from its security context."""
+    context = sb.security_context()
+    zones: Mapping[str, Mapping[str, Any]] = context["zones"]
 
-    def named(key: str) -> str:
-        found = [f"/{name}" for name, z in zones.items() if z.get(key)]
-        return ", ".join(found) or "none"
+    def allowing(key: str) -> str:
+        return ", ".join(f"/{name}" for name, z in zones.items() if z.get(key)) or "none"
 
-    writes = named("write")
+    roles = "; ".join(f"/{name} ({_ZONE_ROLES.get(name, 'a project zone')})" for name in zones)
+    names = ", ".join(f"/{name}" for name in zones)
+    writes = allowing("write")
     create_only = [f"/{name}" for name, z in zones.items() if z.get("create_only")]
     if create_only:
-        writes += f" (new files only: {', '.join(create_only)})"
+        writes += f"; new files only: {', '.join(create_only)}"
+    trust = context.get("trust", "?")
     return {
-        "paths": _PATHS,
-        "reads": named("read"),
-        "writes": writes,
-        "lists": named("list"),
-        "deletes": named("delete"),
+        "paths": f"Paths are virtual and start with a zone: {roles}.",
+        "zones": f"Paths are virtual and start with a zone: {names}.",
+        "access": f"At trust level {trust} you may read: {allowing('read')}; write: {writes}.",
+        "lists": f"List: {allowing('list')}.",
+        "deletes": f"Delete: {allowing('delete')}.",
     }
 
 
 def tools(sb: Sandbox) -> list[dict[str, Any]]:
     """The tool definitions, OpenAI-style: {"type": "function", "function": {name,
-    description, parameters}}."""
-    fill = _zones_allowing(sb)
+    description, parameters}}; the descriptions reflect the sandbox as it is now."""
+    fill = _fill(sb)
     return [
         {
             "type": "function",
             "function": {
                 "name": tool.name,
                 "description": tool.description.format(**fill),
-                "parameters": json.loads(json.dumps(tool.parameters)),
+                "parameters": json.loads(json.dumps(tool.parameters)),  # a copy of its own
             },
         }
         for tool in _TOOLS
@@ -274,15 +347,25 @@ def anthropic_tools(sb: Sandbox) -> list[dict[str, Any]]:
     ]
 
 
-def call_tool(sb: Sandbox, name: str, arguments: Mapping[str, Any] | str | None) -> str:
-    """Run one tool; the result, or a line starting with "Error:" a model can act on."""
+def call_tool(sb: Sandbox, name: str, arguments: Mapping[str, Any] | str | None = None) -> str:
+    """Run one tool; its result, or a line starting with "Error:" a model can act on.
+    `arguments` is a mapping or its JSON text ("" and None mean no arguments)."""
+    try:
+        return _call(sb, name, arguments)
+    except Exception as exc:  # a model loop must never see a traceback
+        log.exception("tool %r failed", name)
+        shown = name if isinstance(name, str) else repr(name)
+        return f"Error: internal error in {shown}: {type(exc).__name__}: {exc}"
+
+
+def _call(sb: Sandbox, name: str, arguments: object) -> str:
     tool = _BY_NAME.get(name) if isinstance(name, str) else None
     if tool is None:
         return f"Error: unknown tool {name!r}; tools: {', '.join(_BY_NAME)}"
-    if isinstance(arguments, str | bytes):
+    if isinstance(arguments, str | bytes | bytearray):
         try:
             arguments = json.loads(arguments or "{}")
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             return f"Error: invalid arguments for {name}: not JSON ({exc})"
     if arguments is None:
         arguments = {}
@@ -294,13 +377,10 @@ def call_tool(sb: Sandbox, name: str, arguments: Mapping[str, Any] | str | None)
         return tool.run(sb, dict(arguments))
     except SandboxAPIError as exc:
         return f"Error: {exc}"
-    except Exception as exc:  # a model loop must never see a traceback
-        log.exception("tool %s failed", name)
-        return f"Error: internal error in {name}: {type(exc).__name__}: {exc}"
 
 
 def _problem(value: object, schema: Schema, where: str) -> str | None:
-    """Why `value` does not match `schema` (the subset of JSON Schema the tools use)."""
+    """Why `value` does not match `schema` (the subset of JSON Schema the tools use), or None."""
     kind = schema.get("type")
     label = f"'{where}'" if where else "the arguments"
     if kind == "object":
@@ -310,6 +390,9 @@ def _problem(value: object, schema: Schema, where: str) -> str | None:
         for key in schema.get("required", []):
             if key not in value:
                 return f"'{key}' is required"
+        least = schema.get("minProperties", 0)
+        if len(value) < least:
+            return f"{label} must have at least {least} entr{'y' if least == 1 else 'ies'}"
         extra = schema.get("additionalProperties", True)
         for key, item in value.items():
             inner = f"{where}.{key}" if where else str(key)
@@ -330,10 +413,17 @@ def _problem(value: object, schema: Schema, where: str) -> str | None:
             return f"{label} must be a string"
         if "enum" in schema and value not in schema["enum"]:
             return f"{label} must be one of: {', '.join(schema['enum'])}"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # JSON may carry half of a surrogate pair: "\ud83d"
+            return f"{label} is not valid Unicode text (it has an unpaired surrogate)"
         return None
     if kind == "integer":
-        if not isinstance(value, int) or isinstance(value, bool):
+        # As in JSON Schema, 5.0 is an integer; True is not.
+        whole = isinstance(value, float) and value.is_integer()
+        if not (isinstance(value, int) and not isinstance(value, bool)) and not whole:
             return f"{label} must be an integer"
+        assert isinstance(value, int | float)
         if "minimum" in schema and value < schema["minimum"]:
             return f"{label} must be at least {schema['minimum']}"
         return None
