@@ -44,8 +44,8 @@ from .audit_anchor import (
     locate_anchor,
     make_private_dirs,
     read_anchor,
-    write_all,
 )
+from .core.syscalls import write_all
 
 log = logging.getLogger(__name__)
 _MAX_QUEUED = 100_000

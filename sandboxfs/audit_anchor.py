@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .core.syscalls import write_all
+
 
 class Key:
     """The anchor's secret key, ready to MAC entry hashes (the HMAC state is set up once)."""
@@ -32,12 +34,6 @@ class Key:
 
     def valid(self, digest: str, mac: object) -> bool:
         return isinstance(mac, str) and hmac.compare_digest(self.mac(digest), mac)
-
-
-def write_all(fd: int, data: bytes | bytearray) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def make_private_dirs(directory: Path) -> None:

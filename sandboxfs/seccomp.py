@@ -20,6 +20,8 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .core.syscalls import write_all
+
 # Classic BPF opcodes (linux/bpf_common.h) and seccomp return values (linux/seccomp.h).
 BPF_LD = 0x00
 BPF_JMP = 0x05
@@ -281,9 +283,7 @@ def filter_fd(machine: str | None = None) -> int:
     program = build_filter(machine)
     fd = os.memfd_create("sandboxfs-seccomp", os.MFD_CLOEXEC)
     try:
-        view = memoryview(program)
-        while view:
-            view = view[os.write(fd, view) :]
+        write_all(fd, program)
         os.lseek(fd, 0, os.SEEK_SET)
     except BaseException:
         os.close(fd)

@@ -27,7 +27,7 @@ from ..core.errors import SandboxError
 from ..core.guard import Guard, MountInfo
 from ..core.policy import Trust, Zone
 from ..core.store import Node, StatLike, Store
-from ..core.syscalls import fstat
+from ..core.syscalls import fstat, write_all
 from ..errors import UserError
 from ..project import (
     audit_path,
@@ -56,12 +56,6 @@ def check_id(kind: str, value: str) -> str:
 
 def _identity(zone: Zone, st: StatLike) -> Identity:
     return (zone, st.st_dev, st.st_ino, getattr(st, "st_birthtime_ns", 0))
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 class DiskBackend:
@@ -128,7 +122,7 @@ class DiskBackend:
             before(os.fstat(fd).st_size)
             if not append:
                 os.ftruncate(fd, 0)
-            _write_all(fd, data)
+            write_all(fd, data)
         finally:
             os.close(fd)
 
@@ -138,7 +132,7 @@ class DiskBackend:
         dir_fd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
         fd = self.store.create_file(dir_fd, name, os.O_WRONLY | os.O_EXCL, 0o666)
         try:
-            _write_all(fd, data)
+            write_all(fd, data)
             st = fstat(fd)
         except BaseException:
             with contextlib.suppress(OSError):

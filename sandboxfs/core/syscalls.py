@@ -241,3 +241,10 @@ def caches_attributes(fd: int) -> bool:
         return True
     (f_type,) = struct.unpack_from("l", _FSTATFS_BUF)
     return (f_type & 0xFFFFFFFF) in _CACHING_MAGICS
+
+
+def write_all(fd: int, data: bytes | bytearray) -> None:
+    """os.write until all of `data` is written (a write may take only part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

@@ -18,6 +18,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ..core.syscalls import write_all
 from ..errors import UserError
 from .text import escape_name
 
@@ -273,9 +274,7 @@ def write_tree(tree: StagedTree, dir_fd: int) -> None:
         fd = os.open(name, CREATE_FLAGS, mode, dir_fd=parent)
         try:
             os.fchmod(fd, mode)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)

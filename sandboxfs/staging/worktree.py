@@ -10,6 +10,7 @@ import secrets
 import stat
 from pathlib import Path
 
+from ..core.syscalls import write_all
 from ..project import hidden_identities
 from .format import CREATE_FLAGS, DIR_FLAGS, MODE_EXEC, MODE_FILE, READ_FLAGS, kind_of
 from .git import MODE_LINK
@@ -132,9 +133,7 @@ class WorkTree:
         name = f".sandboxfs-{secrets.token_hex(8)}.tmp"
         fd = os.open(name, CREATE_FLAGS, 0o777 if mode == MODE_EXEC else 0o666, dir_fd=parent)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
