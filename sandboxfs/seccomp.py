@@ -4,10 +4,37 @@ bubblewrap installs a compiled classic-BPF program; libseccomp would compile one
 not pip-installable, so this module assembles the few dozen instructions itself. The filter
 closes what the namespaces bubblewrap sets up leave open: the other syscall ABIs (i386 and x32,
 whose numbers differ from the table checked here), typing into the terminal (TIOCSTI and
-TIOCLINUX), and the kernel interfaces no agent needs — keyrings, mounts, namespaces, modules,
-BPF, perf, the clock, swap and reboot. Everything else is allowed: `clone(CLONE_NEWUSER)` is
-stopped by bubblewrap's `--disable-userns`, and `ptrace` reaches only the sandbox's own PID
-namespace.
+TIOCLINUX), the kernel interfaces no agent needs — keyrings, mounts, namespaces, modules,
+BPF, perf, io_uring, the clock, swap and reboot — and the socket families that are not
+network-namespaced or that no agent needs (see SOCKET_FAMILIES). Everything else is allowed:
+`clone(CLONE_NEWUSER)` is stopped by bubblewrap's `--disable-userns`, and `ptrace` reaches only
+the sandbox's own PID namespace.
+
+Sockets. `socket(2)` and `socketpair(2)` are allowed for AF_UNIX, AF_INET, AF_INET6 and
+AF_NETLINK only; any other family fails with EAFNOSUPPORT, what a kernel built without that
+family answers, so programs take their usual fallback. The rest is an allowlist too, so a family
+added to a later kernel is refused as well. Within the allowed families:
+
+- AF_NETLINK: only NETLINK_ROUTE (getaddrinfo's AI_ADDRCONFIG, getifaddrs, if_nameindex, `ip`)
+  and NETLINK_SOCK_DIAG (`ss`; it lists the sockets of the program's network namespace, its own
+  or with `--net host` the host's, which /proc/net shows anyway). Every other protocol — audit,
+  uevents, netfilter, xfrm, generic netlink, connector, crypto... — fails with EPROTONOSUPPORT,
+  as on a kernel without it (libaudit, libudev and the like treat that as "not available").
+- AF_INET and AF_INET6: the IP protocol numbers (0 to 255) and IPPROTO_MPTCP (262). The numbers
+  above 255 are not IP protocols but switches to other socket code: IPPROTO_SMC (256) makes an
+  AF_SMC socket through AF_INET, so those fail with EPROTONOSUPPORT, as on a kernel without
+  them. `socket(AF_INET, SOCK_PACKET)`, the obsolete spelling the kernel turns into an
+  AF_PACKET socket, fails with EAFNOSUPPORT like AF_PACKET itself.
+
+The arguments are `int`s that the kernel truncates from the 64-bit registers seccomp_data
+holds, so the filter compares the low 32 bits and ignores the high word, exactly as the kernel
+does: a value with junk in the high word is judged by what the kernel will see.
+
+No supported machine has socketcall(2), the multiplexer through which 32-bit x86 (and other
+32-bit ABIs) create sockets with the family in user memory, out of the filter's reach: on x86_64
+the i386 and x32 ABIs are refused whole, on aarch64 the AArch32 one, by the architecture check
+(`socketcall` is i386 syscall 102). io_uring is refused because its IORING_OP_SOCKET creates
+sockets without passing through socket(2), and so around this filter.
 """
 
 from __future__ import annotations
@@ -24,10 +51,12 @@ from .core.syscalls import write_all
 
 # Classic BPF opcodes (linux/bpf_common.h) and seccomp return values (linux/seccomp.h).
 BPF_LD = 0x00
+BPF_ALU = 0x04
 BPF_JMP = 0x05
 BPF_RET = 0x06
 BPF_W = 0x00
 BPF_ABS = 0x20
+BPF_AND = 0x50
 BPF_JEQ = 0x10
 BPF_JGE = 0x30
 BPF_JSET = 0x40
@@ -38,16 +67,35 @@ SECCOMP_RET_ALLOW = 0x7FFF0000
 SECCOMP_RET_ERRNO = 0x00050000
 SECCOMP_RET_DATA = 0x0000FFFF
 _DENY = SECCOMP_RET_ERRNO | (errno.EPERM & SECCOMP_RET_DATA)
+_NO_FAMILY = SECCOMP_RET_ERRNO | (errno.EAFNOSUPPORT & SECCOMP_RET_DATA)
+_NO_PROTOCOL = SECCOMP_RET_ERRNO | (errno.EPROTONOSUPPORT & SECCOMP_RET_DATA)
 
 # struct seccomp_data: int nr; u32 arch; u64 instruction_pointer; u64 args[6].
 _OFF_NR = 0
 _OFF_ARCH = 4
 _OFF_ARGS = 16
-_ARG1_LOW = _OFF_ARGS + 8  # the low word of args[1] on a little-endian machine
+# The low word of args[i] on a little-endian machine (the kernel truncates int arguments to it).
+_ARG0_LOW = _OFF_ARGS
+_ARG1_LOW = _OFF_ARGS + 8
+_ARG2_LOW = _OFF_ARGS + 16
 
 _X32_SYSCALL_BIT = 0x40000000
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
+
+# Socket families (linux/socket.h) and protocols (linux/netlink.h, linux/in.h).
+AF_UNIX = 1
+AF_INET = 2
+AF_INET6 = 10
+AF_NETLINK = 16
+SOCKET_FAMILIES: tuple[int, ...] = (AF_UNIX, AF_INET, AF_INET6, AF_NETLINK)
+NETLINK_ROUTE = 0
+NETLINK_SOCK_DIAG = 4
+NETLINK_PROTOCOLS: tuple[int, ...] = (NETLINK_ROUTE, NETLINK_SOCK_DIAG)
+IPPROTO_MAX_IP = 255  # the last IP protocol number; higher ones pick other socket code
+IPPROTO_MPTCP = 262
+SOCK_TYPE_MASK = 0xF  # SOCK_NONBLOCK and SOCK_CLOEXEC are flags above it
+SOCK_PACKET = 10
 
 _PR_SET_SECCOMP = 22
 _PR_SET_NO_NEW_PRIVS = 38
@@ -85,6 +133,9 @@ BLOCKED_SYSCALLS: tuple[str, ...] = (
     "delete_module",
     "bpf",
     "userfaultfd",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
     "lookup_dcookie",
     "swapon",
     "swapoff",
@@ -98,6 +149,8 @@ BLOCKED_SYSCALLS: tuple[str, ...] = (
 # arch/x86/entry/syscalls/syscall_64.tbl (the "common" and "64" rows).
 _X86_64_SYSCALLS: Mapping[str, int] = {
     "ioctl": 16,
+    "socket": 41,
+    "socketpair": 53,
     "syslog": 103,
     "uselib": 134,
     "adjtimex": 159,
@@ -127,6 +180,9 @@ _X86_64_SYSCALLS: Mapping[str, int] = {
     "kexec_file_load": 320,
     "bpf": 321,
     "userfaultfd": 323,
+    "io_uring_setup": 425,
+    "io_uring_enter": 426,
+    "io_uring_register": 427,
     "open_tree": 428,
     "move_mount": 429,
     "fsopen": 430,
@@ -156,6 +212,8 @@ _AARCH64_SYSCALLS: Mapping[str, int] = {
     "reboot": 142,
     "settimeofday": 170,
     "adjtimex": 171,
+    "socket": 198,
+    "socketpair": 199,
     "add_key": 217,
     "request_key": 218,
     "keyctl": 219,
@@ -168,6 +226,9 @@ _AARCH64_SYSCALLS: Mapping[str, int] = {
     "bpf": 280,
     "userfaultfd": 282,
     "kexec_file_load": 294,
+    "io_uring_setup": 425,
+    "io_uring_enter": 426,
+    "io_uring_register": 427,
     "open_tree": 428,
     "move_mount": 429,
     "fsopen": 430,
@@ -182,7 +243,7 @@ _AARCH64_SYSCALLS: Mapping[str, int] = {
 @dataclass(frozen=True)
 class _Arch:
     audit_arch: int  # seccomp_data.arch of this machine's native syscalls
-    syscalls: Mapping[str, int]  # ioctl and every blocked syscall the machine has
+    syscalls: Mapping[str, int]  # ioctl, socket(pair) and every blocked syscall the machine has
     x32: bool  # whether x32 syscalls (nr | 0x40000000) arrive with the same audit_arch
 
 
@@ -250,6 +311,8 @@ def build_filter(machine: str | None = None) -> bytes:
     arch = _ARCHES[_machine(machine)]
     ld = BPF_LD | BPF_W | BPF_ABS
     jeq = BPF_JMP | BPF_JEQ | BPF_K
+    jge = BPF_JMP | BPF_JGE | BPF_K
+    ret = BPF_RET | BPF_K
     program: list[_Insn | str] = [
         _stmt(ld, _OFF_ARCH),
         _jump(jeq, arch.audit_arch, 0, "deny"),
@@ -258,6 +321,8 @@ def build_filter(machine: str | None = None) -> bytes:
     if arch.x32:
         program.append(_jump(BPF_JMP | BPF_JSET | BPF_K, _X32_SYSCALL_BIT, "deny", 0))
     program += [
+        _jump(jeq, arch.syscalls["socket"], "socket", 0),
+        _jump(jeq, arch.syscalls["socketpair"], "socket", 0),
         _jump(jeq, arch.syscalls["ioctl"], 0, "syscalls"),
         _stmt(ld, _ARG1_LOW),  # the kernel truncates the request to 32 bits: so do we
         _jump(jeq, TIOCSTI, "deny", 0),
@@ -269,8 +334,32 @@ def build_filter(machine: str | None = None) -> bytes:
         for name in BLOCKED_SYSCALLS
         if name in arch.syscalls
     ]
-    program += ["allow", _stmt(BPF_RET | BPF_K, SECCOMP_RET_ALLOW)]
-    program += ["deny", _stmt(BPF_RET | BPF_K, _DENY)]
+    program += ["allow", _stmt(ret, SECCOMP_RET_ALLOW)]
+    program += ["deny", _stmt(ret, _DENY)]
+    # socket(family, type, protocol) and socketpair(family, type, protocol, sv): each argument is
+    # an int, compared on its low 32 bits as the kernel truncates it. Jumps go forward only, so
+    # the block has its own allow.
+    program += [
+        "socket",
+        _stmt(ld, _ARG0_LOW),
+        _jump(jeq, AF_UNIX, "socket_allow", 0),
+        _jump(jeq, AF_INET6, "ip", 0),
+        _jump(jeq, AF_NETLINK, "netlink", 0),
+        _jump(jeq, AF_INET, 0, "no_family"),
+        _stmt(ld, _ARG1_LOW),
+        _stmt(BPF_ALU | BPF_AND | BPF_K, SOCK_TYPE_MASK),
+        _jump(jeq, SOCK_PACKET, "no_family", 0),  # (AF_INET, SOCK_PACKET) is AF_PACKET
+        "ip",
+        _stmt(ld, _ARG2_LOW),
+        _jump(jge, IPPROTO_MAX_IP + 1, 0, "socket_allow"),
+        _jump(jeq, IPPROTO_MPTCP, "socket_allow", "no_protocol"),
+        "netlink",
+        _stmt(ld, _ARG2_LOW),
+    ]
+    program += [_jump(jeq, protocol, "socket_allow", 0) for protocol in NETLINK_PROTOCOLS]
+    program += ["no_protocol", _stmt(ret, _NO_PROTOCOL)]
+    program += ["no_family", _stmt(ret, _NO_FAMILY)]
+    program += ["socket_allow", _stmt(ret, SECCOMP_RET_ALLOW)]
     return _assemble(program)
 
 
