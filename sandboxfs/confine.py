@@ -12,10 +12,13 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import stat
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-SANDBOX = "/sandbox"  # where the virtual tree is, inside
+from .core.context import CONFINED_MOUNTPOINT
+
+SANDBOX = CONFINED_MOUNTPOINT  # where the virtual tree is, inside
 PROXY_ADDRESS = ("127.0.0.1", 3128)  # where the network proxy listens, inside (--net allow)
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -68,10 +71,13 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # (job control). setsid gives the exit codes of `docker run`: 127 when CMD is not found, 126
 # when it cannot be executed.
 LAUNCHER = (
-    "exec 2>&4 4>&-; printf . >&3; exec 3>&- 5>&- 6>&-; "
+    "exec 2>&4 4>&-; printf . >&3; exec 3>&- 5>&- 6>&- 8>&-; "
     'if [ "$1" = tty ]; then shift; exec setsid --ctty -- "$@"; fi; shift; exec setsid -- "$@"'
 )
 SYNC_FD, STDERR_FD, SECCOMP_FD, STATUS_FD = 3, 4, 5, 6
+# bubblewrap reads its options from here (--args), not from its argv: /proc/1/cmdline inside
+# would otherwise show every host path it binds, the user's home among them.
+ARGS_FD = 8
 
 
 def system_args(root: Path = Path("/")) -> list[str]:
@@ -91,11 +97,15 @@ def etc_args(
     hidden: Sequence[str] = ETC_HIDDEN,
     resolv_conf: bool = False,
 ) -> list[str]:
-    """/etc entry by entry, read-only, without the entries `hidden` names.
+    """/etc read-only, with only what every user of the host may read, minus `hidden`.
 
-    A directory holding something hidden is rebuilt the same way one level down. Links are
-    recreated as links (/etc/localtime, /etc/mtab); `resolv_conf` binds the file a linked
-    resolv.conf points to (it usually lives under /run, which is not there), for --net host.
+    A file is shown only when it is world-readable and a directory only when it is
+    world-readable and searchable, whatever its name: a root caller's program is the host's uid
+    0 and would otherwise read root-only files (/etc/default/cacerts, /etc/mysql/debian.cnf).
+    `hidden` names world-readable files that are secret all the same. A directory that holds
+    anything left out is rebuilt entry by entry; the rest is bound whole. Links are recreated as
+    links (/etc/localtime, /etc/mtab); `resolv_conf` binds the file a linked resolv.conf points
+    to (it usually lives under /run, which is not there), for --net host.
     """
     args = ["--dir", "/etc"]
     for rel, kind in _etc_entries(etc, "", hidden):
@@ -103,13 +113,24 @@ def etc_args(
         if kind == "dir":
             args += ["--dir", inside]
         elif kind == "link":
-            if rel == "resolv.conf" and resolv_conf and host.resolve().is_file():
+            if rel == "resolv.conf" and resolv_conf and _world_readable(host.resolve()):
                 args += ["--ro-bind", str(host.resolve()), inside]
             else:
                 args += ["--symlink", os.readlink(host), inside]
         else:
             args += ["--ro-bind", str(host), inside]
     return args
+
+
+def _world_readable(path: Path) -> bool:
+    """A regular file every user may read, or a directory every user may list and enter."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    if stat.S_ISDIR(st.st_mode):
+        return st.st_mode & (stat.S_IROTH | stat.S_IXOTH) == stat.S_IROTH | stat.S_IXOTH
+    return stat.S_ISREG(st.st_mode) and bool(st.st_mode & stat.S_IROTH)
 
 
 def _etc_entries(etc: Path, below: str, hidden: Sequence[str]) -> Iterable[tuple[str, str]]:
@@ -124,15 +145,57 @@ def _etc_entries(etc: Path, below: str, hidden: Sequence[str]) -> Iterable[tuple
         path = etc / rel
         if path.is_symlink():
             yield rel, "link"
+        elif not _world_readable(path):
+            continue  # root-only (or a socket, fifo or device): left out
         elif path.is_dir():
-            if any(pattern.startswith(rel + "/") for pattern in hidden):
+            if _holds_private(etc, rel, hidden):
                 yield rel, "dir"
                 yield from _etc_entries(etc, rel + "/", hidden)
             else:
                 yield rel, "bind"
-        elif path.is_file():
+        else:
             yield rel, "bind"
-        # sockets, fifos and devices under /etc are left out
+
+
+def _holds_private(etc: Path, rel: str, hidden: Sequence[str]) -> bool:
+    """Whether anything below /etc/`rel` is hidden or not world-readable (links excepted)."""
+    if any(pattern.startswith(rel + "/") for pattern in hidden):
+        return True
+    for top, dirs, files in os.walk(etc / rel):
+        for name in dirs + files:
+            path = Path(top) / name
+            if not path.is_symlink() and not _world_readable(path):
+                return True
+    return False
+
+
+# /proc is the sandbox's own (its PID namespace), but some of it is the host kernel's: the
+# tunables under /proc/sys, the magic SysRq key, IRQ and bus settings. For a root caller the
+# program is the host's uid 0, which is all the kernel checks before such a write, so these are
+# bound read-only over themselves. What shows other users' secrets or kernel internals is
+# covered with an empty file or directory, as container runtimes do.
+PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs", "driver", "pressure", "mtrr")
+PROC_MASKED_FILES = (
+    "kcore", "keys", "key-users", "kmsg", "timer_list", "sched_debug", "latency_stats",
+    "kpagecount", "kpageflags", "kpagecgroup", "kpageidle", "vmallocinfo", "slabinfo",
+    "pagetypeinfo", "iomem", "ioports", "timer_stats", "config.gz",
+)  # fmt: skip
+PROC_MASKED_DIRS = ("acpi", "asound", "scsi", "tty/driver", "sysvipc")
+
+
+def proc_args(proc: Path = Path("/proc")) -> list[str]:
+    """A /proc of the sandbox's own, with the host's kernel knobs read-only or covered."""
+    args = ["--proc", "/proc"]
+    for name in PROC_READ_ONLY:
+        if (proc / name).exists():
+            args += ["--ro-bind", f"/proc/{name}", f"/proc/{name}"]
+    for name in PROC_MASKED_FILES:
+        if (proc / name).exists():
+            args += ["--ro-bind", "/dev/null", f"/proc/{name}"]
+    for name in PROC_MASKED_DIRS:
+        if (proc / name).is_dir():
+            args += ["--tmpfs", f"/proc/{name}", "--remount-ro", f"/proc/{name}"]
+    return args
 
 
 def bwrap_args(
@@ -140,11 +203,9 @@ def bwrap_args(
     mountpoint: Path,
     cwd: str,
     net: str,
-    tty: bool,
-    command: Sequence[str],
     root: Path = Path("/"),
 ) -> list[str]:
-    """The bubblewrap command line (without the program name) for `run`.
+    """bubblewrap's options for `run` (handed over on ARGS_FD); `launcher_argv` follows them.
 
     Own user, PID, IPC, UTS and cgroup namespaces; no capabilities and no further user
     namespaces; a new session (no controlling terminal but the one the launcher takes); dies
@@ -171,8 +232,7 @@ def bwrap_args(
         str(STATUS_FD),
         *system_args(root),
         *etc_args(root / "etc", resolv_conf=net == "host"),
-        "--proc",
-        "/proc",
+        *proc_args(root / "proc"),
         "--dev",
         "/dev",
         "--perms",
@@ -191,7 +251,13 @@ def bwrap_args(
         "/",
         "--chdir",
         cwd,
-        "--",
+    ]
+    return args
+
+
+def launcher_argv(tty: bool, command: Sequence[str]) -> list[str]:
+    """What bubblewrap runs inside: the launcher, then CMD (the only argv /proc shows)."""
+    return [
         "/bin/sh",
         "-c",
         LAUNCHER,
@@ -199,7 +265,6 @@ def bwrap_args(
         "tty" if tty else "pipe",
         *command,
     ]
-    return args
 
 
 def sandbox_env(
@@ -219,6 +284,7 @@ def sandbox_env(
     env["SANDBOXFS"] = "1"
     env["SANDBOXFS_SESSION"] = session
     env["SANDBOXFS_TRUST"] = trust
+    env.update(cache_env(home))
     if proxy:
         url = "http://{}:{}".format(*PROXY_ADDRESS)
         for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
@@ -226,6 +292,25 @@ def sandbox_env(
         env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
     env.update(extra)
     return env
+
+
+def cache_env(home: str) -> dict[str, str]:
+    """Caches that tools write next to the code, sent to the session's home instead.
+
+    At levels where the repo is read-only, a tool that writes `__pycache__` or `.pytest_cache`
+    beside the sources fails or warns (pytest turns the warning into an error under
+    `filterwarnings = error`). Pointed at `$HOME/.cache`, they work at every level and the
+    project stays as it was. Tools that already cache under `$HOME` (pip, npm, uv) need nothing.
+    `--env` overrides any of these.
+    """
+    cache = f"{home}/.cache"
+    return {
+        "XDG_CACHE_HOME": cache,
+        "PYTHONPYCACHEPREFIX": f"{cache}/pycache",
+        "PYTEST_ADDOPTS": f"-o cache_dir={cache}/pytest",
+        "MYPY_CACHE_DIR": f"{cache}/mypy",
+        "RUFF_CACHE_DIR": f"{cache}/ruff",
+    }
 
 
 def parse_env_option(text: str, caller: Mapping[str, str]) -> tuple[str, str]:

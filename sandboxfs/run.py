@@ -37,7 +37,7 @@ from .audit import AuditLog
 from .audit_anchor import state_root
 from .config import Config
 from .core.policy import Op, Policy, Trust, Zone
-from .core.syscalls import make_undumpable, set_dumpable
+from .core.syscalls import make_undumpable, set_dumpable, write_all
 from .daemon import (
     MountRequest,
     lazy_unmount,
@@ -96,8 +96,35 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
+def _alive(record: Path) -> bool | None:
+    """Whether the process a `PID START-TIME` file names still runs (a zombie does not); None
+    when there is no such file (yet, or any more) or it is still being written."""
+    try:
+        pid_text, _, started = record.read_text().partition(" ")
+        pid = int(pid_text)
+    except (OSError, ValueError):
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[0] not in ("Z", "X") and fields[19] == started.strip()
+
+
+def _record_process(record: Path, pid: int) -> None:
+    with contextlib.suppress(OSError):  # the daemon may have removed the directory already
+        record.write_text(f"{pid} {_start_time(pid)}\n")
+
+
 def sweep_dead_runs() -> None:
-    """Unmount and remove what a killed `run` left: its owner (pid and start time) is gone."""
+    """Clear at once what a killed `run` or daemon left.
+
+    A mount whose daemon is gone (ENOTCONN for ever after) is detached, even while its `run`
+    still lives; a directory whose `run` is gone is removed once nothing is mounted on it. A
+    directory with no `owner` and nothing mounted is one being created (for a minute); with a
+    mount it is a dead one (`owner` is written before the mount is made, and removed after).
+    Only /proc and the run directories are read: never the mounts, whose daemon may be hung.
+    """
     root = runtime_root()
     try:
         entries = list(root.iterdir())
@@ -105,17 +132,20 @@ def sweep_dead_runs() -> None:
         return
     mounted = set(sandboxfs_mounts())
     for run_dir in entries:
-        try:
-            pid_text, _, started = (run_dir / "owner").read_text().partition(" ")
-            if _start_time(int(pid_text)) == started.strip():
-                continue
-        except (OSError, ValueError):
-            if time.time() - run_dir.stat().st_mtime < 60:
-                continue  # being created right now
         mnt = run_dir / "mnt"
+        owner = _alive(run_dir / "owner")
         if str(mnt) in mounted:
+            if owner and _alive(run_dir / "daemon") is not False:
+                continue  # in use (or its daemon is being started)
             lazy_unmount(mnt)
-        remove_run_dir(run_dir)
+        elif owner:
+            continue
+        elif owner is None:
+            with contextlib.suppress(OSError):
+                if time.time() - run_dir.stat().st_mtime < 60:
+                    continue  # being created right now
+        if not owner:
+            remove_run_dir(run_dir)
 
 
 def _make_run_dir(session: str) -> Path:
@@ -124,17 +154,26 @@ def _make_run_dir(session: str) -> Path:
     os.chmod(root, 0o700)
     run_dir = root / f"{session}-{os.getpid()}"
     run_dir.mkdir(mode=0o700)
-    (run_dir / "owner").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+    _record_process(run_dir / "owner", os.getpid())
     (run_dir / "mnt").mkdir(mode=0o700)
     return run_dir
 
 
 def remove_run_dir(run_dir: Path) -> None:
-    """Once unmounted (by the daemon, or by the sweep for a daemon that died too)."""
-    with contextlib.suppress(OSError):
+    """Once unmounted (by the daemon, by `run`, or by the sweep for a daemon that died too).
+
+    While `mnt` is still mounted (rmdir fails: EBUSY) nothing is removed, so that the sweep
+    still finds whose mount it is and clears it when its `run` is gone.
+    """
+    try:
         (run_dir / "mnt").rmdir()
-    with contextlib.suppress(OSError):
-        (run_dir / "owner").unlink()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return
+    for name in ("daemon", "owner"):
+        with contextlib.suppress(OSError):
+            (run_dir / name).unlink()
     with contextlib.suppress(OSError):
         run_dir.rmdir()
 
@@ -218,9 +257,14 @@ class _Child:
 
 
 def _start_child(
-    argv: list[str], env: dict[str, str], stdio: tuple[int, int, int], net: str
+    argv: list[str],
+    options: list[str],
+    env: dict[str, str],
+    stdio: tuple[int, int, int],
+    net: str,
 ) -> _Child:
     """Fork and exec bubblewrap, with exactly the descriptors the launcher expects."""
+    options_fd = _options_file(options)
     sync_r, sync_w = os.pipe()
     err_r, err_w = os.pipe()
     status_r, status_w = os.pipe()
@@ -240,6 +284,7 @@ def _start_child(
                 confine.STDERR_FD: stdio[2],
                 confine.SECCOMP_FD: filter_fd,
                 confine.STATUS_FD: status_w,
+                confine.ARGS_FD: options_fd,
             }
             if channel is not None:
                 fds[_CHANNEL_FD] = channel[1].fileno()
@@ -260,7 +305,7 @@ def _start_child(
                     os.write(fd, message)
                     break
         os._exit(EXIT_SETUP)
-    for fd in (sync_w, err_w, status_w, filter_fd):
+    for fd in (sync_w, err_w, status_w, filter_fd, options_fd):
         os.close(fd)
     child = _Child(pid, sync_r, err_r, status_r)
     if channel is not None:
@@ -276,6 +321,14 @@ def _start_child(
     return child
 
 
+def _options_file(options: list[str]) -> int:
+    """bubblewrap's options, NUL-separated, in an anonymous file read from its start (--args)."""
+    fd = os.memfd_create("sandboxfs-bwrap-args", os.MFD_CLOEXEC)
+    write_all(fd, b"".join(os.fsencode(option) + b"\0" for option in options))
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}" + (f": {exc.filename}" if exc.filename else "")
@@ -286,31 +339,103 @@ def _describe(exc: BaseException) -> str:
 
 
 class _Terminal:
-    """The user's terminal in raw mode, relayed to a pty of the program's own.
+    """The user's terminal, relayed: the program never holds a descriptor of it.
 
-    The program never holds a descriptor of the user's terminal, so TIOCSTI (and any other
-    ioctl) reaches only its own pty; job control and full-screen programs work as usual.
+    Wherever 0, 1 or 2 is the terminal, the program gets the slave of a pty of run's own
+    instead (`run -- agent < task.txt`: 1 and 2; `run -- agent | tee log`: 0 and 2), and what
+    is not a terminal as it is. TIOCSTI, mode changes and every other ioctl reach only that
+    pty; what the program writes there is copied to the terminal. When 0 is the terminal,
+    keystrokes are the program's: the terminal is raw, they are relayed, the pty does the line
+    discipline (Ctrl-C, job control, full-screen programs) and is the program's controlling
+    terminal. When 0 is not, they are not: the terminal keeps its modes, Ctrl-C reaches `run`
+    as a signal (forwarded), and the program has no controlling terminal. A descriptor on a
+    second terminal (`2>/dev/pts/5`) gets a pipe, copied there. Every terminal of 0, 1 and 2
+    is left with the modes it had at the start (`restore`).
     """
 
-    def __init__(self) -> None:
-        self.saved = termios.tcgetattr(0)
-        self.master, self.slave = os.openpty()
-        termios.tcsetattr(self.slave, termios.TCSANOW, self.saved)
+    def __init__(self, ttys: list[int]) -> None:
+        self.saved = {fd: termios.tcgetattr(fd) for fd in ttys}
+        device = {fd: os.fstat(fd).st_rdev for fd in ttys}
+        self.home = ttys[0]  # 0, when 0 is the terminal
+        on_home = [fd for fd in ttys if device[fd] == device[self.home]]
+        self.keyboard = 0 in on_home
+        # Where the pty's output goes; with 1 and 2 elsewhere (`run -- CMD > log`), the
+        # terminal itself, for the echo of what is typed.
+        self.screen: int | None = next((fd for fd in (1, 2) if fd in on_home), None)
+        self.own_screen = False
+        if self.screen is None and self.keyboard:
+            with contextlib.suppress(OSError):
+                flags = os.O_WRONLY | os.O_NOCTTY | os.O_CLOEXEC
+                self.screen, self.own_screen = os.open("/proc/self/fd/0", flags), True
+        self.master, slave = os.openpty()
+        self.ends = [slave]  # the program's ends, closed here once it holds them
+        program = [0, 1, 2]
+        for fd in on_home:
+            program[fd] = slave
+        self.copies: dict[int, int] = {}  # read end of a pipe -> the terminal it is copied to
+        for other in sorted({device[fd] for fd in ttys} - {device[self.home]}):
+            read_end, write_end = os.pipe()
+            os.set_blocking(read_end, False)
+            fds = [fd for fd in ttys if device[fd] == other]
+            self.copies[read_end] = fds[0]
+            for fd in fds:
+                program[fd] = write_end
+            self.ends.append(write_end)
+        self.program = (program[0], program[1], program[2])
+        self.is_raw = False
+        termios.tcsetattr(slave, termios.TCSANOW, self.saved[self.home])
         self.resize()
         os.set_blocking(self.master, False)
         self.pending = b""  # keyboard input the program has not taken yet
 
+    @classmethod
+    def of_stdio(cls) -> _Terminal | None:
+        """The relay for whichever of 0, 1 and 2 is a terminal; None when none is."""
+        ttys = [fd for fd in (0, 1, 2) if os.isatty(fd)]
+        return cls(ttys) if ttys else None
+
+    @property
+    def controlling(self) -> bool:
+        """The pty is the program's 0, so the launcher makes it its controlling terminal."""
+        return self.keyboard
+
+    def started(self) -> None:
+        """The program holds its ends now; run keeps the master and the pipes' read ends."""
+        for fd in self.ends:
+            os.close(fd)
+        self.ends = []
+
     def resize(self) -> None:
         with contextlib.suppress(OSError):
-            size = fcntl.ioctl(1, termios.TIOCGWINSZ, b"\0" * 8)
+            size = fcntl.ioctl(self.home, termios.TIOCGWINSZ, b"\0" * 8)
             fcntl.ioctl(self.master, termios.TIOCSWINSZ, size)
 
     def raw(self) -> None:
-        tty.setraw(0, termios.TCSANOW)
+        if self.keyboard:
+            self.is_raw = True
+            tty.setraw(0, termios.TCSANOW)
 
     def restore(self) -> None:
-        with contextlib.suppress(termios.error):
-            termios.tcsetattr(0, termios.TCSADRAIN, self.saved)
+        """Each terminal of 0, 1 and 2 as it was at the start: the one made raw here always;
+        any other whose modes changed all the same only while `run` is in its foreground (in
+        the background, they are the shell's line editor's by now)."""
+        for fd, saved in self.saved.items():
+            with contextlib.suppress(termios.error, OSError):
+                if termios.tcgetattr(fd) != saved and (
+                    (self.is_raw and fd == 0) or os.tcgetpgrp(fd) == os.getpgrp()
+                ):
+                    termios.tcsetattr(fd, termios.TCSANOW, saved)
+        self.is_raw = False
+
+    def close(self) -> None:
+        self.restore()
+        mine = [*self.ends, self.master, *self.copies]
+        if self.own_screen and self.screen is not None:
+            mine.append(self.screen)
+        for fd in mine:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.ends, self.copies, self.own_screen = [], {}, False
 
     def foreground(self) -> int | None:
         try:
@@ -320,6 +445,9 @@ class _Terminal:
 
 
 # ----- the supervisor --------------------------------------------------------------------------
+
+
+KILL_WAIT = 5.0  # seconds to wait for bubblewrap after SIGKILL before giving up on it
 
 
 @dataclass
@@ -343,6 +471,7 @@ class Supervisor:
         self.init_pid: int | None = None  # bwrap's PID 1 inside, as seen from here
         self.cmd_pid: int | None = None
         self.kill_at: float | None = None
+        self.reap_by: float | None = None  # set once bwrap was killed
         self.status: int | None = None
 
     def wait(self) -> int:
@@ -359,18 +488,27 @@ class Supervisor:
             self.sel.register(self.child.errors, selectors.EVENT_READ, "errors")
             self.sel.register(self.child.status, selectors.EVENT_READ, "status")
             if self.terminal is not None:
-                self.sel.register(0, selectors.EVENT_READ, "stdin")
+                if self.terminal.keyboard:
+                    self.sel.register(0, selectors.EVENT_READ, "stdin")
                 self.sel.register(self.terminal.master, selectors.EVENT_READ, "master")
+                for fd in self.terminal.copies:
+                    self.sel.register(fd, selectors.EVENT_READ, "copy")
+                self.terminal.raw()  # only now: from here on a signal is handled, and undone
             while self.status is None:
-                timeout = None if self.kill_at is None else max(0, self.kill_at - time.monotonic())
+                deadlines = [t for t in (self.kill_at, self.reap_by) if t is not None]
+                timeout = max(0, min(deadlines) - time.monotonic()) if deadlines else None
                 for key, events in self.sel.select(timeout):
-                    self._handle(key.data, events, wake_r)
+                    self._handle(key.data, key.fd, events, wake_r)
                 self._forward_signals()
                 if self.kill_at is not None and time.monotonic() >= self.kill_at:
                     self._kill_sandbox()
+                if self.status is None and self.reap_by and time.monotonic() >= self.reap_by:
+                    self.status = 128 + signal.SIGKILL  # killed, and not waited for any longer
             self._drain()
             return self.status
         finally:
+            if self.terminal is not None:
+                self.terminal.restore()  # before the signals are run's own again
             signal.set_wakeup_fd(old_wake)
             for signum, handler in old.items():
                 signal.signal(signum, handler)
@@ -379,7 +517,7 @@ class Supervisor:
                 os.close(fd)
             os.close(self.child.status)
 
-    def _handle(self, what: str, events: int, wake_r: int) -> None:
+    def _handle(self, what: str, fd: int, events: int, wake_r: int) -> None:
         if what == "wake":
             with contextlib.suppress(BlockingIOError):
                 os.read(wake_r, 512)
@@ -423,6 +561,17 @@ class Supervisor:
             )
         elif what == "master" and self.terminal is not None:
             self._pump_master(events)
+        elif what == "copy" and self.terminal is not None:
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.sel.unregister(fd)
+            else:
+                _write_all(self.terminal.copies[fd], data)
 
     def _pump_master(self, events: int) -> None:
         term = self.terminal
@@ -437,8 +586,8 @@ class Supervisor:
             if not data:
                 self.sel.unregister(term.master)
                 return
-            if data != b"-":
-                _write_all(1, data)
+            if data != b"-" and term.screen is not None:
+                _write_all(term.screen, data)
         if events & selectors.EVENT_WRITE and term.pending:
             with contextlib.suppress(BlockingIOError):
                 term.pending = term.pending[os.write(term.master, term.pending) :]
@@ -446,20 +595,21 @@ class Supervisor:
                 self.sel.modify(term.master, selectors.EVENT_READ, "master")
 
     def _drain(self) -> None:
-        """What the program wrote just before it ended is still in its pty."""
+        """What the program wrote just before it ended is still in its pty or pipes."""
         if self.terminal is None:
             return
         deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            try:
-                data = os.read(self.terminal.master, 65536)
-            except BlockingIOError:
-                break
-            except OSError:
-                break
-            if not data:
-                break
-            _write_all(1, data)
+        copies: list[tuple[int, int | None]] = [*self.terminal.copies.items()]
+        for source, target in [(self.terminal.master, self.terminal.screen), *copies]:
+            while time.monotonic() < deadline:
+                try:
+                    data = os.read(source, 65536)
+                except OSError:  # nothing more (EAGAIN), or nobody holds the pty (EIO)
+                    break
+                if not data:
+                    break
+                if target is not None:
+                    _write_all(target, data)
 
     def _find_cmd(self) -> int | None:
         if self.init_pid is None:
@@ -494,6 +644,8 @@ class Supervisor:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.child.pid, signal.SIGKILL)
         self.kill_at = None
+        if self.reap_by is None:
+            self.reap_by = time.monotonic() + KILL_WAIT
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -574,6 +726,7 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         raise SetupError(exc.message) from None
     finally:
         os.close(lifeline_r)
+    _record_process(run_dir / "daemon", daemon)  # the sweep clears the mount if it dies
     started = datetime.now(UTC)
     status: int | None = None
     ran = False  # CMD was started (the launcher ran inside)
@@ -593,12 +746,11 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
             extra=req.env,
             proxy=req.net == "allow",
         )
-        interactive = os.isatty(0) and os.isatty(1)
-        if interactive:
-            terminal = _Terminal()
-        args = confine.bwrap_args(
-            mountpoint=mnt, cwd=cwd, net=req.net, tty=interactive, command=req.command
-        )
+        terminal = _Terminal.of_stdio()  # never the terminal itself: run's pty or pipes
+        interactive = terminal is not None and terminal.controlling
+        options = confine.bwrap_args(mountpoint=mnt, cwd=cwd, net=req.net)
+        argv = [bwrap, "--args", str(confine.ARGS_FD), "--"]
+        argv += confine.launcher_argv(interactive, req.command)
         audit.record(
             "run",
             pid=os.getpid(),
@@ -608,29 +760,24 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
             net=req.net,
             allow_hosts=[_rule_text(r) for r in req.allow],
         )
-        stdio = (terminal.slave,) * 3 if terminal else (0, 1, 2)
-        child = _start_child([bwrap, *args], env, stdio, req.net)
+        stdio = terminal.program if terminal else (0, 1, 2)
+        child = _start_child(argv, options, env, stdio, req.net)
         if terminal is not None:
-            os.close(terminal.slave)
+            terminal.started()
         if req.net == "allow":
             if child.listener is None:
                 pass  # the child failed before handing it over; its message says why
             else:
                 proxy = _start_proxy(req, audit, child)
         supervisor = Supervisor(child, terminal)
-        if terminal is not None:
-            terminal.raw()
-        status = supervisor.wait()
+        status = supervisor.wait()  # the terminal is raw only in there
         ran = supervisor.ready
         if not ran:
-            if terminal is not None:
-                terminal.restore()
             raise SetupError(_setup_failure(supervisor.setup_text, status))
         return status
     finally:
         if terminal is not None:
-            terminal.restore()
-            os.close(terminal.master)
+            terminal.close()
         if proxy is not None:
             proxy.close()
         if status is not None:
@@ -645,10 +792,69 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
                     net=req.net,
                     status=status if ran else EXIT_SETUP,
                 )
-        os.close(lifeline_w)  # the daemon unmounts and exits
-        os.waitpid(daemon, 0)
+        problem = _stop_daemon(daemon, lifeline_w, mnt)
+        if problem is not None:
+            print(f"sandboxfs: {problem}", file=sys.stderr)
         if ran and status is not None and not req.quiet:
             print(_summary(req, started, status), file=sys.stderr)
+
+
+DAEMON_GRACE = 10.0  # seconds for the daemon to unmount and exit once its lifeline is closed
+
+
+def _stop_daemon(daemon: int, lifeline_w: int, mnt: Path) -> str | None:
+    """Close the daemon's lifeline and wait for it to unmount and exit: DAEMON_GRACE seconds at
+    most, less if SIGINT, SIGTERM or SIGHUP come meanwhile; then it is killed (stopped, hung).
+    A mount left behind (its daemon killed, now or while the program ran) is detached. What
+    went wrong, in one line; None when nothing did."""
+    try:
+        pidfd = os.pidfd_open(daemon)
+    except OSError:  # already reaped: nothing to wait for
+        os.close(lifeline_w)
+        return None
+    interrupted: list[int] = []
+    watched = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.signal(s, lambda n, _f: interrupted.append(n)) for s in watched}
+    try:
+        os.close(lifeline_w)  # the daemon unmounts and exits
+        deadline = time.monotonic() + DAEMON_GRACE
+        code = _exit_code(daemon, pidfd, 0)
+        while code is None and not interrupted and time.monotonic() < deadline:
+            code = _exit_code(daemon, pidfd, min(0.2, max(0, deadline - time.monotonic())))
+        problem = None
+        if code is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(daemon, signal.SIGKILL)
+            _exit_code(daemon, pidfd, KILL_WAIT)
+            problem = (
+                f"interrupted while the daemon (pid {daemon}) unmounted: killed it"
+                if interrupted
+                else f"the daemon (pid {daemon}) did not unmount within {DAEMON_GRACE:.0f} s "
+                "after the program ended (stopped or hung): killed it"
+            )
+        elif code != 0:
+            how = f"was killed by signal {-code}" if code < 0 else f"failed (status {code})"
+            problem = f"the daemon (pid {daemon}) {how} while the program ran"
+        if str(mnt) in sandboxfs_mounts():
+            with contextlib.suppress(OSError):
+                lazy_unmount(mnt)
+            problem = (problem or f"the daemon (pid {daemon}) left its mount") + (
+                f"; detached the mount {mnt}"
+            )
+        return problem
+    finally:
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
+        os.close(pidfd)
+
+
+def _exit_code(pid: int, pidfd: int, timeout: float) -> int | None:
+    """A child's exit code (-N: killed by signal N) once it ends within `timeout`, else None."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(pidfd, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            return None
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 def _setup_failure(text: bytes, status: int) -> str:

@@ -57,3 +57,18 @@ def context_document(
 ) -> bytes:
     """context() as the JSON file the mount serves."""
     return (json.dumps(context(policy, info, pid, limits), indent=2) + "\n").encode()
+
+
+# What a confined program is not shown of the context: where things are on the host (the
+# user's home is in these paths). The mount is at CONFINED_MOUNTPOINT inside.
+HOST_ONLY_FIELDS = ("project", "control")
+CONFINED_MOUNTPOINT = "/sandbox"
+
+
+def confined_context(document: bytes) -> bytes:
+    """context_document() as a program inside `run` sees it: no host paths."""
+    shown = json.loads(document)
+    for name in HOST_ONLY_FIELDS:
+        shown.pop(name, None)
+    shown["mountpoint"] = CONFINED_MOUNTPOINT
+    return (json.dumps(shown, indent=2) + "\n").encode()

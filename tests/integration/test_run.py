@@ -283,6 +283,40 @@ def nnp():
         return status
     raise OSError(errno.EPERM, "no_new_privs, no capabilities")
 
+def host_knobs_writable():
+    # Every file of /proc that is not a process's own: may it be opened for writing? (Opening
+    # changes nothing; a write to /proc/sys or /proc/sysrq-trigger would change the host.)
+    opened = []
+    for top, dirs, files in os.walk("/proc"):
+        if top == "/proc":
+            dirs[:] = [d for d in dirs if not d.isdigit() and d not in ("self", "thread-self")]
+        for name in files:
+            path = os.path.join(top, name)
+            with suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW))
+                opened.append(path)
+    if opened:
+        return opened
+    raise OSError(errno.EROFS, "nothing")
+
+def private_etc_readable():
+    # A file of /etc that the host lets only its owner (or group) read, read inside.
+    found = []
+    for top, dirs, files in os.walk("/etc"):
+        for name in files:
+            path = os.path.join(top, name)
+            with suppress(OSError):
+                if not os.stat(path).st_mode & 0o004:
+                    read(path)
+                    found.append(path)
+    if found:
+        return found
+    raise OSError(errno.ENOENT, "none")
+
+def root_only_proc():
+    read("/proc/keys")
+    return "read"
+
 def setuid_euid():
     # su is setuid root: while it waits for a password, is it running as root?
     su = subprocess.Popen(["/usr/bin/su", "root", "-c", "true"], stdin=subprocess.PIPE,
@@ -330,6 +364,11 @@ attempt("tiocsti", tiocsti)
 attempt("setuid-elevation", nnp)
 attempt("su", lambda: run_ok("su", "-c", "id", "root"))
 attempt("setuid-su", setuid_euid)
+attempt("host-kernel-knobs", host_knobs_writable)
+attempt("core-pattern", lambda: open("/proc/sys/kernel/core_pattern", "w"))
+attempt("sysrq-trigger", lambda: open("/proc/sysrq-trigger", "w"))
+attempt("private-etc", private_etc_readable)
+attempt("proc-keys", root_only_proc)
 """
 
 
@@ -412,6 +451,12 @@ def test_escapes_fail(project: Path, tmp_path: Path) -> None:
     env = {**os.environ, "SECRET_TOKEN": "sekrit", "SSH_AUTH_SOCK": "/tmp/agent.sock"}
     leaked = os.open(secret, os.O_RDONLY)
     os.set_inheritable(leaked, True)
+    # A root-only file of /etc whose name is on no list, as /etc/default/cacerts or
+    # /etc/mysql/debian.cnf are: a root caller's program is the host's uid 0.
+    private = Path(tempfile.mkdtemp(prefix="sandboxfs-probe-", dir="/etc"))
+    private.chmod(0o755)
+    (private / "credentials").write_text("root only\n")
+    (private / "credentials").chmod(0o600)
     try:
         with host_services(tmp_path) as services:
             result = run_escape_probe(
@@ -419,8 +464,10 @@ def test_escapes_fail(project: Path, tmp_path: Path) -> None:
             )
     finally:
         os.close(leaked)
+        shutil.rmtree(private)
     assert result.returncode == 0, result.stderr
     found = check_escapes(result)
+    assert found["private-etc"] == "blocked ENOENT"
     assert found["real-project"] == "blocked ENOENT"
     assert found["shadow"] == "blocked ENOENT"
     assert found["tcp-host-loopback"] == "blocked ECONNREFUSED"
@@ -428,6 +475,7 @@ def test_escapes_fail(project: Path, tmp_path: Path) -> None:
     assert found["unshare-syscall"] == "blocked EPERM"
     assert found["write-usr"] == "blocked EROFS"
     assert found["kill-outside"] == "blocked ESRCH"
+    assert found["core-pattern"] == "blocked EROFS"
 
 
 # ----- a terminal: job control, Ctrl-C, TIOCSTI -------------------------------------------------

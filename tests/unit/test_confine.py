@@ -82,9 +82,7 @@ def test_system_links_mirror_the_host(tmp_path: Path) -> None:
 
 
 def test_bwrap_args_shape(tmp_path: Path) -> None:
-    args = confine.bwrap_args(
-        mountpoint=tmp_path, cwd="/sandbox/repo", net="none", tty=False, command=["ls", "-l"]
-    )
+    args = confine.bwrap_args(mountpoint=tmp_path, cwd="/sandbox/repo", net="none")
     for flag in (
         "--unshare-user",
         "--unshare-pid",
@@ -96,12 +94,47 @@ def test_bwrap_args_shape(tmp_path: Path) -> None:
         assert flag in args
     assert args[args.index("--cap-drop") + 1] == "ALL"
     assert args[args.index("--bind") + 1 : args.index("--bind") + 3] == [str(tmp_path), "/sandbox"]
-    assert args[-3:] == ["pipe", "ls", "-l"]
-    shared = confine.bwrap_args(
-        mountpoint=tmp_path, cwd="/sandbox", net="allow", tty=True, command=["sh"]
-    )
+    assert "--" not in args  # options only: they travel on ARGS_FD, CMD on the argv
+    assert confine.launcher_argv(False, ["ls", "-l"])[-3:] == ["pipe", "ls", "-l"]
+    shared = confine.bwrap_args(mountpoint=tmp_path, cwd="/sandbox", net="allow")
     assert "--unshare-net" not in shared  # the supervisor's own namespace, with the proxy
-    assert shared[-2:] == ["tty", "sh"]
+    assert confine.launcher_argv(True, ["sh"])[-2:] == ["tty", "sh"]
+    assert "8>&-" in confine.LAUNCHER and confine.ARGS_FD == 8
+
+
+def test_etc_shows_only_what_every_user_may_read(tmp_path: Path) -> None:
+    """Whatever its name: a root caller's program is the host's uid 0 and would read it."""
+    etc = fake_etc(tmp_path)
+    (etc / "default").mkdir()
+    (etc / "default" / "cacerts").write_text("private")
+    (etc / "default" / "cacerts").chmod(0o600)
+    (etc / "default" / "locale").write_text("LANG=C")
+    (etc / "mysql").mkdir(mode=0o700)
+    (etc / "mysql" / "debian.cnf").write_text("password")
+    (etc / "group-only").write_text("x")
+    (etc / "group-only").chmod(0o640)
+    seen = inside_paths(confine.etc_args(etc))
+    assert seen["/etc/default"] == "dir"  # rebuilt: it holds a private file
+    assert seen["/etc/default/locale"] == f"bind:{etc}/default/locale"
+    for private in ("default/cacerts", "mysql", "mysql/debian.cnf", "group-only"):
+        assert f"/etc/{private}" not in seen, private
+    assert seen["/etc/ssl/certs"] == f"bind:{etc}/ssl/certs"  # whole: nothing private below
+
+
+def test_proc_knobs_are_read_only_or_covered(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    for name in ("sys", "irq", "acpi", "tty/driver"):
+        (proc / name).mkdir(parents=True)
+    for name in ("sysrq-trigger", "keys", "kcore", "cpuinfo"):
+        (proc / name).write_text("")
+    args = confine.proc_args(proc)
+    assert args[:2] == ["--proc", "/proc"]
+    pairs = {(args[i], args[i + 2]) for i in range(len(args) - 2) if args[i].startswith("--")}
+    assert ("--ro-bind", "/proc/sys") in pairs and ("--ro-bind", "/proc/sysrq-trigger") in pairs
+    assert args[args.index("/proc/keys") - 1] == "/dev/null"
+    assert "/proc/cpuinfo" not in args and "/proc/bus" not in args  # absent here: nothing
+    assert args[args.index("/proc/acpi") - 1] == "--tmpfs"
+    assert "--remount-ro" in args
 
 
 def test_environment_is_an_allowlist() -> None:
@@ -129,6 +162,19 @@ def test_environment_is_an_allowlist() -> None:
     assert env["SANDBOXFS_SESSION"] == "s1" and "HTTPS_PROXY" not in env
     proxied = confine.sandbox_env(caller, home="/h", session="s", trust="t", extra={}, proxy=True)
     assert proxied["HTTPS_PROXY"] == "http://127.0.0.1:3128"
+
+
+def test_caches_go_to_the_session_home() -> None:
+    env = confine.sandbox_env(
+        {}, home="/sandbox/session/home", session="s", trust="workspace", extra={}, proxy=False
+    )
+    assert env["PYTHONPYCACHEPREFIX"] == "/sandbox/session/home/.cache/pycache"
+    assert env["PYTEST_ADDOPTS"] == "-o cache_dir=/sandbox/session/home/.cache/pytest"
+    assert env["XDG_CACHE_HOME"] == "/sandbox/session/home/.cache"
+    mine = confine.sandbox_env(
+        {}, home="/h", session="s", trust="t", extra={"PYTEST_ADDOPTS": "-x"}, proxy=False
+    )
+    assert mine["PYTEST_ADDOPTS"] == "-x"  # --env wins
 
 
 def test_env_and_cwd_options() -> None:
