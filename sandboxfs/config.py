@@ -2,14 +2,19 @@
 
 A project's `sandboxfs.yaml` may override any field. Its `deny:` list adds to the built-in
 deny list unless it also sets `inherit_deny: false`, so that listing one more secret never
-silently drops the protection of the others; `protect:` and `inherit_protect` work the same
+silently drops the protection of the others (`deny_private_keys:` too, under the same switch);
+`protect:` and `inherit_protect` work the same
 way, except that the config file itself stays protected whatever the file says (an agent that
 could write it would choose its own policy for the next mount).
 """
 
 from __future__ import annotations
 
+import glob
+import os
 import re
+import shutil
+import subprocess
 import typing
 from importlib import resources
 from pathlib import Path
@@ -27,7 +32,7 @@ from pydantic import (
 )
 
 from .core.limits import Quota, ZoneLimits
-from .core.policy import BUILTIN_ZONES, Matrix, Trust, Zone, ZoneAccess
+from .core.policy import BUILTIN_ZONES, Matrix, Trust, Zone, ZoneAccess, in_git_dir
 from .errors import UserError
 
 PROJECT_CONFIG_NAME = "sandboxfs.yaml"
@@ -39,11 +44,10 @@ M = TypeVar("M", bound=BaseModel)
 DEFAULT_DENY = [
     ".env",
     ".env.*",
-    "*.pem",
-    "*.key",
-    "id_rsa*",
-    "id_ed25519*",
-    "id_ecdsa*",
+    "!.env.example",
+    "!.env.sample",
+    "!.env.template",
+    "!.env.dist",
     ".netrc",
     ".git-credentials",
     ".npmrc",
@@ -53,7 +57,31 @@ DEFAULT_DENY = [
     ".gnupg/",
 ]
 
-DEFAULT_PROTECT = [ALWAYS_PROTECTED, ".git/hooks/", ".git/config"]
+# Refused as deny-listed only when the file holds a private key (sandboxfs.core.secrets).
+DEFAULT_PRIVATE_KEYS = [
+    "*.pem",
+    "*.key",
+    "*.crt",
+    "*.cer",
+    "*.der",
+    "*.p8",
+    "*.pk8",
+    "*.p12",
+    "*.pfx",
+    "*.ppk",
+    "*.asc",
+    "*.jks",
+    "*.keystore",
+    "id_rsa*",
+    "id_dsa*",
+    "id_ecdsa*",
+    "id_ed25519*",
+]
+
+# .git/config is not here: git's rules protect it at every level, and judge the changes git
+# makes to it through config.lock (sandboxfs.core.gitconfig); a project that lists it here keeps
+# it unchangeable.
+DEFAULT_PROTECT = [ALWAYS_PROTECTED, ".git/hooks/"]
 
 DEFAULT_PERMISSIONS: dict[Trust, dict[Zone, str]] = {
     Trust.UNTRUSTED: {
@@ -182,6 +210,7 @@ class Config(_Strict):
 
     default_trust: Trust = Trust.SESSION
     deny: list[str] = Field(default_factory=lambda: list(DEFAULT_DENY))
+    deny_private_keys: list[str] = Field(default_factory=lambda: list(DEFAULT_PRIVATE_KEYS))
     protect: list[str] = Field(default_factory=lambda: list(DEFAULT_PROTECT))
     permissions: dict[Trust, dict[str, Permission]] = Field(
         default_factory=lambda: {
@@ -251,12 +280,23 @@ class Config(_Strict):
     def zone_limits(self) -> dict[Zone, ZoneLimits]:
         return {Zone(name): limits.limits() for name, limits in self.limits.items()}
 
-    @field_validator("deny", "protect")
+    @field_validator("deny", "deny_private_keys", "protect")
     @classmethod
     def _valid_patterns(cls, value: list[str]) -> list[str]:
         for pattern in value:
-            if not pattern.strip("/") or "\0" in pattern:
+            if not pattern.removeprefix("!").strip("/") or "\0" in pattern:
                 raise ValueError(f"invalid pattern {pattern!r}")
+        return value
+
+    @field_validator("protect")
+    @classmethod
+    def _no_protect_exceptions(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            if pattern.startswith("!"):
+                raise ValueError(
+                    f"invalid pattern {pattern!r}: protect patterns have no exceptions "
+                    f"('!' is for deny:); use inherit_protect: false to drop a default"
+                )
         return value
 
     @field_validator("protect")
@@ -280,6 +320,7 @@ class ProjectConfig(_Strict):
 
     default_trust: Trust | None = None
     deny: list[str] = Field(default_factory=list)
+    deny_private_keys: list[str] = Field(default_factory=list)
     inherit_deny: bool = True
     protect: list[str] = Field(default_factory=list)
     inherit_protect: bool = True
@@ -333,6 +374,9 @@ def _merge(base: Config, override: ProjectConfig) -> dict[str, Any]:
         if pattern not in deny:
             deny.append(pattern)
     merged["deny"] = deny
+    keys = list(base.deny_private_keys) if override.inherit_deny else []
+    keys += [pattern for pattern in override.deny_private_keys if pattern not in keys]
+    merged["deny_private_keys"] = keys
     protect = list(base.protect) if override.inherit_protect else [ALWAYS_PROTECTED]
     protect += [pattern for pattern in override.protect if pattern not in protect]
     merged["protect"] = protect
@@ -407,3 +451,91 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
         if isinstance(candidate, type) and issubclass(candidate, BaseModel):
             return candidate
     return None
+
+
+# Variables that would point the probe below at another repository than the user's git finds.
+_GIT_LOCATION_ENV = ("GIT_DIR", "GIT_WORK_TREE", "GIT_COMMON_DIR", "GIT_INDEX_FILE")
+_GIT_WHERE = ("--git-dir", "--git-common-dir", "--git-path", "hooks")
+# What sandboxfs.core.policy.git_rule protects in a git directory, as protect globs below one
+# that is not named .git ("*" spans "/", as submodules' names do).
+_GIT_DIR_GLOBS = (
+    "config",
+    "config.worktree",
+    "commondir",
+    "hooks/",
+    "branches/",
+    "remotes/",
+    "objects/info/alternates",
+    "modules/*/config",
+    "modules/*/config.worktree",
+    "modules/*/commondir",
+    "modules/*/hooks/",
+    "worktrees/*/commondir",
+    "worktrees/*/config.worktree",
+    "worktrees/*/gitdir",
+)
+
+
+def git_surface_protect(project: Path) -> list[str]:
+    """Protect patterns for the parts of git's code-running surface that sandboxfs's built-in
+    rules (sandboxfs.core.policy.git_rule, which work by the name `.git`) cannot see, found by
+    asking the user's git where they are:
+
+    - the directory git runs hooks from, where core.hooksPath (in any of the user's config
+      files) or a symbolic link `.git/hooks -> ../githooks` puts it inside the project, as
+      husky and `.githooks` setups do (husky keeps the hooks its `.husky/_` runs one level up:
+      that directory is protected);
+    - the git directory and common directory themselves, where `.git` is a symbolic link to a
+      directory inside the project under another name.
+
+    Empty when git is missing or the project is in no work tree."""
+    git = shutil.which("git")
+    if git is None:
+        return []
+    env = {k: v for k, v in os.environ.items() if k not in _GIT_LOCATION_ENV}
+    env["GIT_OPTIONAL_LOCKS"] = "0"
+    try:
+        # Paths relative to the current directory, core.hooksPath applied. rev-parse reads
+        # config only: no hook, fsmonitor or pager runs, so a project another user owns (root
+        # running sandboxfs on it) is read too, where git would stop at safe.directory.
+        result = subprocess.run(
+            [git, "-c", "safe.directory=*", "rev-parse", *_GIT_WHERE],
+            cwd=project,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env=env,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []
+    lines = os.fsdecode(result.stdout).split("\n")
+    if result.returncode != 0 or len(lines) != 4 or lines[3]:
+        return []
+    git_dir, common_dir, hooks = (os.path.join(project, line) for line in lines[:3])
+    real_project = os.path.realpath(project)
+    patterns: list[str] = []
+
+    def add(rel: str | None, *globs: str) -> None:
+        if rel is None or in_git_dir(rel):
+            return  # outside the project, or git_rule's already
+        for pattern in (f"/{glob.escape(rel)}/{g}" for g in globs):
+            if pattern not in patterns:
+                patterns.append(pattern)
+
+    for directory in (git_dir, common_dir):
+        add(_inside(os.path.realpath(directory), real_project), *_GIT_DIR_GLOBS)
+    for rel in (
+        _inside(os.path.normpath(hooks), os.path.normpath(project)),
+        _inside(os.path.realpath(hooks), real_project),
+    ):
+        if rel is not None and os.path.basename(rel) == "_" and os.path.dirname(rel):
+            rel = os.path.dirname(rel)
+        add(rel, "")
+    return patterns
+
+
+def _inside(path: str, root: str) -> str | None:
+    """`path` relative to `root` if it lies strictly inside it, else None."""
+    rel = os.path.relpath(path, root)
+    return None if rel == "." or rel == ".." or rel.startswith("../") else rel

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import faulthandler
+import inspect
 import json
 import logging
 import os
@@ -34,8 +35,8 @@ from .audit import AuditLog
 from .config import Config
 from .core.context import context_document
 from .core.guard import MountInfo
-from .core.policy import Trust
-from .core.store import CONTEXT_NAME, CONTROL_NAME, STATE_DIR_NAME, Store, ensure_dirs
+from .core.policy import Trust, Zone
+from .core.store import CONTEXT_NAME, CONTROL_NAME, STATE_DIR_NAME, Node, Store, ensure_dirs
 from .core.syscalls import CAP_SYS_RESOURCE, drop_effective_capability, make_undumpable
 from .errors import UserError
 from .operations import SandboxOperations
@@ -51,6 +52,7 @@ from .project import (
     state_dir,
     worker_layers,
 )
+from .state import hold
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +256,10 @@ def prepare_store(req: MountRequest) -> Store:
     return Store(dirs, worker_layers(req.project), hidden_identities(req.project, req.mountpoint))
 
 
+def _identity(node: Node) -> tuple[int, int] | None:
+    return node.key[1:] if node.key is not None else None
+
+
 def _setup_logging(req: MountRequest) -> None:
     logs = ensure_dirs(req.project, STATE_DIR_NAME, "logs")
     stream = open(logs / f"{req.session}.log", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
@@ -287,6 +293,12 @@ def serve(
     # daemon that kept CAP_SYS_RESOURCE would let them use root's reserve and pass quotas.
     drop_effective_capability(CAP_SYS_RESOURCE)
     store = prepare_store(req)
+    try:  # the session is in use while this daemon serves it (see sandboxfs.state)
+        session_root = store.zone_roots[Zone.SESSION]
+        in_use = hold(session_dir(req.project, req.workspace, req.session), _identity(session_root))
+    except BaseException:
+        store.close()
+        raise
     _setup_logging(req)
     audit = AuditLog(audit_path(req.project), sync=req.audit_sync or req.config.audit.sync)
     pid = os.getpid()
@@ -305,6 +317,7 @@ def serve(
     except BaseException:
         audit.close()
         store.close()
+        os.close(in_use)
         raise
     ops = SandboxOperations(
         store,
@@ -335,6 +348,7 @@ def serve(
         control_path.unlink(missing_ok=True)
         audit.close()
         store.close()
+        os.close(in_use)
         raise UserError(f"cannot mount {req.mountpoint}: {exc}", exit_code=1) from None
     ops.kernel_store = pyfuse3.notify_store
     lifecycle("mount")
@@ -354,6 +368,7 @@ def serve(
         lifecycle("unmount")
         audit.close()
         store.close()
+        os.close(in_use)
         log.info("unmounted %s", req.mountpoint)
         if after is not None:
             after()
@@ -627,7 +642,9 @@ def _logged(name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
     async def logged(*args: Any) -> Any:
         start = time.perf_counter()
         try:
-            result = await handler(*args)
+            result = handler(*args)
+            if inspect.isawaitable(result):  # forget is a plain function in pyfuse3
+                result = await result
         except pyfuse3.FUSEError as exc:
             outcome = errno.errorcode.get(exc.errno, str(exc.errno))
             raise

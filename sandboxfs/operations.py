@@ -26,7 +26,9 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import pyfuse3
 
+from .core.context import confined_context
 from .core.errors import SandboxError
+from .core.gitconfig import read_bounded
 from .core.guard import Guard, MountInfo
 from .core.policy import Op, Trust, Zone
 from .core.store import (
@@ -169,6 +171,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self.store = store
         self.guard = guard
         self.context_json = context_json
+        self._pid_namespace = os.readlink("/proc/self/ns/pid")
         self.running_as_root = os.geteuid() == 0
         session_root = os.stat(store.zone_roots[Zone.SESSION].fd)
         self.replies = Replies(
@@ -422,8 +425,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     def _entry_stat(
         self, node: Node, name: bytes, dir_fd: int, listed_as_dir: bool
     ) -> StatLike | None:
-        """lstat of a listed entry, or None if it vanished or turned into a deny-listed
-        directory since the listing (which checked it with the type it had then).
+        """lstat of a listed entry, or None if it vanished or turned into a directory the
+        guard leaves out of listings since the listing (which checked it with the type it had
+        then).
 
         PermissionError means the daemon cannot search the directory (no x bit): the caller
         lists the name without attributes, as getdents does natively.
@@ -449,7 +453,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             return dots + zones + [(CONTROL_NAME, 0, 0, True)]
         if node.ino == CONTROL_INO:
             return [*dots, (CONTEXT_NAME, 0, 0, False)]
-        # Deny-listed names are dropped here, before offsets are given, so that the offsets
+        # Names the guard leaves out (Guard.listed: deny-listed ones, only where the level may
+        # not list the zone) are dropped here, before offsets are given, so that the offsets
         # do not jump where a hidden name was and reveal how many sort before a visible one.
         return dots + [
             entry
@@ -483,8 +488,13 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             if wants_write:
                 self.guard.may_write_context(ctx, node)
             # Not audited: the mount's public description, which `sandboxfs status` and
-            # `mount` read to tell a live mount from a dead one.
-            return self._new_handle(BlobHandle(self.context_json), keep_cache=False)
+            # `mount` read to tell a live mount from a dead one. A process in a PID namespace
+            # of its own (a program of `run`) is not shown the host's paths. Never from the
+            # page cache: the two documents differ.
+            document = self.context_json
+            if not self._host_side(ctx.pid):
+                document = confined_context(self.context_json)
+            return self._new_handle(BlobHandle(document), keep_cache=False, direct_io=True)
         if node.zone is None or node.is_dir:
             raise SandboxError(errno.EISDIR)
         self.guard.may_open(ctx, node, read=accmode != os.O_WRONLY, write=wants_write)
@@ -509,6 +519,13 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         handle.read_generation = handle.write_generation = self.guard.generation
         node.open_fds = (*node.open_fds, fd)
         return self._new_handle(handle, keep_cache=keep_cache, direct_io=bool(flags & os.O_DIRECT))
+
+    def _host_side(self, pid: int) -> bool:
+        """Whether `pid` shares the daemon's PID namespace (False when that cannot be told)."""
+        try:
+            return os.readlink(f"/proc/{pid}/ns/pid") == self._pid_namespace
+        except OSError:
+            return False
 
     def _new_handle(
         self, handle: FileHandle | BlobHandle, keep_cache: bool, direct_io: bool = False
@@ -537,12 +554,31 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if handle.write_generation != self.guard.generation:
             self.guard.may_keep(handle, handle.node, False, True, handle.created)
             handle.write_generation = self.guard.generation
+        if handle.node.zone is Zone.STAGED:
+            self._staged_write(handle)
         self.replies.changing(handle.node)
         if handle.sized:
             return self._sized_write(handle, off, buf)
         with self._as_caller(handle.uid, handle.gid):
             written = os.pwrite(handle.fd, buf, off)
         return _wrote(handle, off, written)
+
+    def _staged_write(self, handle: FileHandle) -> None:
+        """A handle may be older than the review that froze its staged commit: every write
+        through it asks the guard again (it alone, of every zone's writes, pays for that).
+
+        The mount runs without the writeback cache, so write(2), O_APPEND, sendfile, the
+        fallbacks of fallocate and copy_file_range (neither is implemented here) and the
+        writeback of a shared mapping all arrive here as WRITE requests."""
+        try:
+            self.guard.may_write_staged(handle, handle.node)
+        except SandboxError:
+            # Pages of a shared mapping the kernel failed to write back stay in its cache as
+            # the program changed them: the next open drops them (keep_cache is False), and
+            # release hands the kernel the file as it is on disk where it can (_release).
+            handle.node.cache_stamp = None
+            handle.partial_pages = True
+            raise
 
     def _sized_write(self, handle: FileHandle, off: int, buf: bytes) -> int:
         """A write in a zone with max_file_bytes or a quota: checked and charged first."""
@@ -843,7 +879,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if exchange and dst_st is not None:
             moving.append((new_parent, name_new, dst_st, old_parent, name_old))
         for parent, name, st, to_parent, to_name in moving:
-            self.guard.may_move(ctx, parent, name, st, to_parent, to_name, src, dst)
+            self.guard.may_move(ctx, parent, name, st, to_parent, to_name, src, dst, self._judged)
         src_fd = self.store.child_dir_fd(old_parent, src_layer, checked=True)
         dst_fd = self.store.child_dir_fd(new_parent, 0, create=True, checked=True)
         src_node = self.store.by_key.get((zone, src_st.st_dev, src_st.st_ino))
@@ -863,6 +899,22 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             if new_parent.zone is Zone.WORKERS and new_parent.parent is self.store.root:
                 src_node.layer = 0
         self.guard.record("rename", src, zone, pid=ctx.pid, uid=ctx.uid, dest=dst)
+
+    def _judged(self, parent: Node, name: bytes, expect: tuple[int, int] | None) -> bytes | None:
+        """The content of parent/name for the guard to judge a rename onto git's config
+        (Guard._judge_config). For the file renamed (`expect`: its (st_dev, st_ino)), every
+        open handle stops writing first, so that what is judged is what stays: git closes
+        its config.lock before the rename, and a later write through a handle kept open (or
+        a shared mapping) fails with EBADF."""
+        if expect is not None:
+            for handle in self._handles.values():
+                if isinstance(handle, FileHandle) and handle.writable:
+                    with contextlib.suppress(OSError):
+                        held = os.fstat(handle.fd)
+                        if (held.st_dev, held.st_ino) == expect:
+                            handle.writable = False
+        dir_fd = self.store.child_dir_fd(parent, 0, checked=True)
+        return read_bounded(dir_fd, name, expect)
 
     # ----- live trust changes (sandboxfs.control) --------------------------------------------
 

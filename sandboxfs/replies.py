@@ -48,7 +48,7 @@ class Replies:
     def attrs(self, node: Node, st: StatLike) -> pyfuse3.EntryAttributes:
         entry = pyfuse3.EntryAttributes()
         entry.st_ino = node.ino
-        entry.generation = 0
+        entry.generation = node.generation
         entry.entry_timeout = self.entry_timeout
         entry.attr_timeout = self.attr_timeout
         entry.st_mode = st.st_mode

@@ -38,6 +38,7 @@ from ..project import (
     worker_layers,
 )
 from ..project import check_id as project_check_id
+from ..state import hold
 
 _READ_CHUNK = 1 << 20
 
@@ -61,11 +62,12 @@ def _identity(zone: Zone, st: StatLike) -> Identity:
 class DiskBackend:
     """The primitives of sandbox.py over a `Store`."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, in_use: int = -1) -> None:
         self.store = store
         self.root = store.root
         self.zone_roots = store.zone_roots
         self._created: set[Identity] = set()
+        self._in_use = in_use  # the session's mark of use (sandboxfs.state.hold), or -1
 
     @property
     def moves(self) -> int:
@@ -73,6 +75,9 @@ class DiskBackend:
 
     def close(self) -> None:
         self.store.close()
+        if self._in_use >= 0:
+            os.close(self._in_use)
+            self._in_use = -1
 
     def find(self, parent: Node, name: bytes) -> tuple[StatLike, int] | None:
         """lstat of parent/name and its workers layer; HiddenEntry for sandboxfs's state and
@@ -214,10 +219,17 @@ def open_disk(
     out as daemon.prepare_store does for a mount."""
     dirs = prepare_zones(project, workspace, session, config, config_source(project, config_file))
     store = Store(dirs, worker_layers(project), hidden_identities(project))
+    try:  # the session is in use while the sandbox is open, as while a mount has it
+        root = store.zone_roots[Zone.SESSION].key
+        in_use = hold(dirs[Zone.SESSION], root[1:] if root is not None else None)
+    except BaseException:
+        store.close()
+        raise
     try:
         audit = AuditLog(audit_path(project), sync=audit_sync or config.audit.sync)
     except BaseException:
         store.close()
+        os.close(in_use)
         raise
     info = MountInfo(session, workspace, str(project), "", via="api")
     try:
@@ -226,8 +238,9 @@ def open_disk(
         with contextlib.suppress(OSError):
             audit.close()
         store.close()
+        os.close(in_use)
         raise
-    return DiskBackend(store), guard, audit
+    return DiskBackend(store, in_use), guard, audit
 
 
 def read_entries(project: Path, session: str, workspace: str) -> list[dict[str, Any]]:

@@ -75,7 +75,8 @@ class ReadOnlyZone(PermissionDenied):
 
 
 class DenyListed(PermissionDenied):
-    """The name matches the deny list: inaccessible at every trust level."""
+    """The name matches the deny list, or the file holds a private key: its contents are
+    refused at every trust level."""
 
 
 class Protected(PermissionDenied):

@@ -22,6 +22,7 @@ from ..core.errors import SandboxError
 from ..core.guard import Guard, MountInfo
 from ..core.limits import Tally
 from ..core.policy import Policy, Trust, Zone
+from ..core.secrets import KeyScanner
 from ..core.store import FIRST_DYNAMIC_INO, ROOT_INO, Node, StatLike
 from ..project import SESSION_SUBDIRS
 
@@ -336,7 +337,33 @@ def open_memory(
         if found.has_quota and found.quota is not None
     }
     sink = MemorySink()
-    policy = Policy(config.matrix(), config.deny, trust, config.protect)
+    policy = Policy(config.matrix(), config.deny, trust, config.protect, config.deny_private_keys)
     info = MountInfo(session, workspace, "", "", via="api")
     guard = Guard(policy, sink, info, moves=lambda: backend.moves, limits=limits, tallies=tallies)
+    guard.inspect_contents(KeyScanner(MemoryContents(backend)))
     return backend, guard, sink
+
+
+class MemoryContents:
+    """What the private-key scanner reads (sandboxfs.core.secrets.Contents), in memory."""
+
+    def __init__(self, backend: MemoryBackend) -> None:
+        self._backend = backend
+
+    def stat(self, parent: Node, name: bytes, layer: int) -> StatLike | None:
+        try:
+            found = self._backend.find(parent, name)
+        except NotADirectoryError:
+            return None
+        except SandboxError as exc:  # the directory is gone (or not made yet): nothing there
+            if exc.errno != errno.ESTALE:
+                raise
+            return None
+        return found[0] if found is not None else None
+
+    def head(self, parent: Node, name: bytes, layer: int, limit: int) -> tuple[StatLike, bytes]:
+        st = self.stat(parent, name, layer)
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise SandboxError(errno.ESTALE, "the file was removed")
+        node = self._backend.remember(parent, name, st, layer)
+        return st, self._backend.read(node, limit)

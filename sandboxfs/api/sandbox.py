@@ -50,6 +50,7 @@ from .disk import check_id, open_disk, read_entries
 from .errors import (
     InvalidPath,
     OutsideSandbox,
+    PermissionDenied,
     SandboxAPIError,
     SandboxIOError,
     SandboxSetupError,
@@ -62,6 +63,16 @@ from .types import Backend, Caller, ClosableSink, FileInfo, NullSink, Permission
 _LOCK = threading.RLock()
 _KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink"}
 _OPS = {op.value: op for op in Op}
+# The actions that change a path (what `stage` can do instead, for the repository).
+_CHANGES = ("write", "append to", "create directory", "rename", "check write on")
+STAGE_HINT = (
+    "to change the repository, propose the change with stage: it goes to /staged/<id>/ for "
+    "the user to review and commit"
+)
+
+
+def _in_repo(path: str | None) -> bool:
+    return path is not None and (path == "/repo" or path.startswith("/repo/"))
 
 
 def _setup_error(exc: UserError | SandboxError | OSError) -> SandboxSetupError:
@@ -97,6 +108,7 @@ class Sandbox:
         self._probe = Guard(
             guard.policy, NullSink(), guard.info, moves=lambda: backend.moves, limits=guard.limits
         )
+        self._probe.inspect_contents(guard.keys)
         self._caller = Caller(os.getpid(), os.getuid(), os.getgid())
         self._zone_names = {zone.value: zone for zone in guard.policy.zones}
         self._held: list[Node] = []
@@ -242,7 +254,8 @@ class Sandbox:
             except (SandboxAPIError, TypeError, ValueError):
                 raise
             except (SandboxError, OSError) as exc:
-                raise api_error(exc, call.action, call.path, call.dest) from None
+                error = api_error(exc, call.action, call.path, call.dest)
+                raise self._stage_hint(error, call.action) from None
             except Exception as exc:
                 self._guard.internal_error(f"api {action}", exc)
                 reason = f"internal error: {type(exc).__name__}: {exc}"
@@ -261,7 +274,36 @@ class Sandbox:
             call.path = parsed.text
         return parsed
 
+    def _stage_hint(self, exc: SandboxAPIError, action: str) -> SandboxAPIError:
+        """A change in /repo that the trust level refuses: say how the repository is changed at
+        this level (where it may stage), rather than only what is refused."""
+        if (
+            not isinstance(exc, PermissionDenied)
+            or exc.rule  # the deny list, protected paths...: staging would not help
+            or action not in _CHANGES
+            or not any(_in_repo(p) for p in (exc.path, exc.dest))
+            or Zone.STAGED not in self._guard.policy.zones
+            or not self._guard.policy.decide_create(Zone.STAGED).allowed
+        ):
+            return exc
+        reason = f"{exc.reason}; {STAGE_HINT}"
+        return make_error(type(exc), action, exc.path, reason, exc.errno, exc.rule, exc.dest)
+
     # ----- resolving --------------------------------------------------------------------------
+
+    def _refuse_closed_zone(
+        self, g: Guard, p: VirtualPath, op: Op, audited: Op | str | None = None
+    ) -> None:
+        """A path below the root of a zone this trust level may not access at all is refused
+        as the zone is (PermissionDenied: "repo is not writable at trust level ..."), for the
+        operation asked, before any name is looked up: every name there gets the same answer,
+        so it tells nothing about what exists. (The mount answers ENOENT at the lookup: a
+        kernel lookup cannot say more.)"""
+        zone = p.zone
+        if zone is None or not p.parts or g.policy.access(zone).any:
+            return
+        decision = g.policy.decide(zone, op)
+        raise g.refuse(self._caller, audited or op, p.text, zone, decision)
 
     def _find(self, g: Guard, op: Op, parent: Node, name: bytes) -> tuple[StatLike, int] | None:
         """backend.find, with sandboxfs's state and other mounts refused as absent (`op`)."""
@@ -293,7 +335,7 @@ class Sandbox:
         policy = g.policy
         if not policy.access(zone).any:
             return SandboxError(errno.ENOENT, policy.decide(zone, Op.READ).reason)
-        pattern = g.denied_pattern(parent, name, True)
+        pattern = None if g.readable(zone) else g.denied_pattern(parent, name, True)
         if pattern is not None:
             decision = policy.deny_list_decision(vpath, pattern, errno.ENOENT)
             return SandboxError(errno.ENOENT, decision.reason, decision.rule)
@@ -359,6 +401,7 @@ class Sandbox:
     # ----- the checks of each operation (shared by the operations and check_permission) -------
 
     def _readable(self, g: Guard, p: VirtualPath) -> Node:
+        self._refuse_closed_zone(g, p, Op.READ)
         node = self._node(g, p)
         if node.is_dir:
             raise SandboxError(errno.EISDIR, f"{p.text} is a directory; list() shows its entries")
@@ -371,6 +414,7 @@ class Sandbox:
         refused the name (the creation then decides, as after a refused lookup in the mount)."""
         if p.zone is None or not p.parts:
             raise SandboxError(errno.EISDIR, f"{p.text} is a directory")
+        self._refuse_closed_zone(g, p, Op.WRITE)
         parent = self._dir(g, p.zone, p.parts[:-1])
         name = p.parts[-1]
         try:
@@ -396,6 +440,7 @@ class Sandbox:
     def _removable(self, g: Guard, p: VirtualPath) -> tuple[Node, bytes, Zone, StatLike, int]:
         if p.zone is None:
             raise SandboxError(errno.EACCES, ZONE_ROOT_REASON)
+        self._refuse_closed_zone(g, p, Op.DELETE)
         parent, name = self._seen_parent(g, p)
         zone = g.may_remove_in(self._caller, parent, name, Op.DELETE.value)
         found = self._find(g, Op.DELETE, parent, name)
@@ -406,6 +451,7 @@ class Sandbox:
         return parent, name, zone, st, layer
 
     def _listable(self, g: Guard, p: VirtualPath) -> Node:
+        self._refuse_closed_zone(g, p, Op.LIST)
         node = self._node(g, p)
         if not node.is_dir:
             raise SandboxError(errno.ENOTDIR, self._not_dir_reason(node))
@@ -448,7 +494,7 @@ class Sandbox:
             try:
                 self._probe_op(operation, p)
             except (SandboxError, OSError) as exc:
-                refused = api_error(exc, operation.value, p.text)
+                refused = self._stage_hint(api_error(exc, operation.value, p.text), call.action)
                 reason, name = refused.reason, type(refused).__name__
                 return Permission(False, operation.value, p.text, zone, trust, reason, name)
             return Permission(True, operation.value, p.text, zone, trust, "")
@@ -490,6 +536,7 @@ class Sandbox:
     def stat(self, path: str) -> FileInfo:
         with self._call("stat", path, checked=False) as call:
             p = self._path(call, path)
+            self._refuse_closed_zone(self._guard, p, Op.READ)
             node = self._node(self._guard, p)
             zone = p.zone.value if p.zone is not None else None
             st: StatLike | None = None
@@ -662,6 +709,7 @@ class Sandbox:
                 if parents:
                     return
                 raise SandboxError(errno.EEXIST, f"{p.text} already exists")
+            self._refuse_closed_zone(self._guard, p, Op.WRITE, "mkdir")
             node = self._backend.zone_roots[p.zone]
             for name in p.parts[:-1]:
                 node = self._ensure_dir(node, name, create=parents, last=False)
@@ -702,6 +750,8 @@ class Sandbox:
                 )
                 raise SandboxError(errno.EACCES, reason)
             g, caller = self._guard, self._caller
+            for end in (ps, pd):
+                self._refuse_closed_zone(g, end, Op.WRITE, "rename")
             old_parent, old_name = self._seen_parent(g, ps)
             new_parent, new_name = self._parent(g, pd)
             zone = g.may_rename_in(caller, old_parent, old_name, new_parent, new_name, True)

@@ -201,8 +201,8 @@ _TOOLS = (
     _Tool(
         "list_files",
         "List the entries of a directory, one virtual path per line, sorted; listing / gives "
-        "the zones. Names on the deny list are hidden, and a recursive listing skips "
-        "directories that may not be listed. {paths} {access} {lists}",
+        "the zones. Deny-listed entries are listed but their contents cannot be read, and a "
+        "recursive listing skips directories that may not be listed. {paths} {access} {lists}",
         _object(
             {
                 "path": _string('Virtual path of the directory (default "/")'),

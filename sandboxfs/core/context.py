@@ -49,6 +49,7 @@ def context(
         **({"control": info.control} if info.control is not None else {}),
         "zones": zones,
         "deny": list(policy.deny_patterns),
+        "deny_private_keys": list(policy.private_key_patterns),
     }
 
 

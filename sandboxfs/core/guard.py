@@ -18,10 +18,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
+from . import gitconfig
 from .errors import SandboxError
 from .limits import Tally, ZoneLimits
 from .policy import (
     CONTEXT_REASON,
+    GIT_ZONES_EXEMPT,
     ZONE_ROOT_REASON,
     Decision,
     Op,
@@ -29,12 +31,21 @@ from .policy import (
     Trust,
     Zone,
     cross_zone_reason,
+    fold,
+    git_name,
+    git_rule,
+    in_git_dir,
 )
+from .secrets import KeyScanner
 from .store import FIRST_DYNAMIC_INO, ROOT_INO, Node, StatLike
 
 _WRITABLE_XATTR_PREFIX = b"user."
 _ACL_XATTRS = (b"system.posix_acl_access", b"system.posix_acl_default")
 _NO_LIMITS = ZoneLimits()
+
+# What a front end gives Guard.may_move to judge a rename onto git's config by content: the bytes
+# of parent/name, or None (see Guard._judge_config).
+ReadFile = Callable[[Node, bytes, tuple[int, int] | None], bytes | None]
 
 
 class Caller(Protocol):
@@ -106,7 +117,9 @@ class Guard:
         """Switch to another trust level (live promotion or demotion); returns the old one.
         Takes effect for the next check: the policy is rebuilt for the new level."""
         old = self.policy
-        self.policy = Policy(old.matrix, old.deny_patterns, trust, old.protect_patterns)
+        self.policy = Policy(
+            old.matrix, old.deny_patterns, trust, old.protect_patterns, old.private_key_patterns
+        )
         self._base_entry["trust"] = trust.value
         self.generation += 1
         return old.trust
@@ -261,9 +274,13 @@ class Guard:
 
         Answers False ("absent") for every absent name, and refuses as absent (ENOENT,
         audited as `read`: the caller was reaching for it) every existing name this level may
-        not know about: deny-listed names, everything in a zone the level cannot access, and
-        existing files of a create-only zone that this mount did not create. The answer is the
-        same whether the name exists or not, so it tells the caller nothing.
+        not know about: everything in a zone the level cannot access, existing files of a
+        create-only zone that this mount did not create, and there deny-listed names. The
+        answer is the same whether the name exists or not, so it tells the caller nothing.
+
+        Where the level may read or list the zone, a deny-listed entry resolves with its real
+        attributes like any other (a file that exists never looks deleted: git would stage its
+        deletion); only its contents are refused (may_open, may_list, may_read_link, ...).
         """
         zone = parent.zone
         assert zone is not None
@@ -273,7 +290,7 @@ class Guard:
             decision = self.policy.decide(zone, Op.READ)
             raise self.refuse(caller, Op.READ, parent.vpath(name), zone, _absent(decision))
         is_dir = st is None or stat.S_ISDIR(st.st_mode)
-        pattern = self.denied_pattern(parent, name, is_dir)
+        pattern = None if self.readable(zone) else self.denied_pattern(parent, name, is_dir)
         if pattern is not None:
             if st is None:
                 return False
@@ -295,49 +312,218 @@ class Guard:
         return self.refuse(caller, op, vpath, parent.zone, Decision(False, err, f"{vpath}: {why}"))
 
     def denied_pattern(self, parent: Node, name: bytes, is_dir: bool) -> str | None:
-        """The deny pattern that parent/name matches (with its type as given), if any."""
+        """The deny pattern that parent/name matches (with its type as given), or that a
+        directory above it matches, if any."""
+        found = self._denied_here(parent, name, is_dir)
+        return found if found is not None else self._denied_dir(parent)
+
+    def _denied_here(self, parent: Node, name: bytes, is_dir: bool) -> str | None:
         text = name.decode("utf-8", "surrogateescape")
         relpath = ""
         if self.policy.has_path_patterns:
             relpath = relpath_of(parent, name)
         return self.policy.denied_name(text, relpath, is_dir)
 
+    def _denied_dir(self, directory: Node) -> str | None:
+        """The deny pattern that `directory` or a directory above it matches (a zone root
+        matches none), remembered on each node until any known path changes (Store.moves)."""
+        moves = self._moves()
+        stale: list[Node] = []
+        found: str | None = None
+        node = directory
+        while node.zone is not None and node.parent is not None and node.parent.zone is not None:
+            memo_moves, memo = node.deny_memo
+            if memo_moves == moves:
+                found = memo
+                break
+            stale.append(node)
+            node = node.parent
+        for node in reversed(stale):  # from the top down, each step one name
+            if found is None:
+                assert node.parent is not None
+                found = self._denied_here(node.parent, node.name, True)
+            node.deny_memo = (moves, found)
+        return found
+
     def listed(self, parent: Node, name: bytes, is_dir: bool) -> bool:
-        """Whether a directory listing shows parent/name (the deny list hides it otherwise)."""
+        """Whether a directory listing shows parent/name: always where the level may read or
+        list the zone (deny-listed entries too), else not a deny-listed one."""
+        if parent.zone is not None and self.readable(parent.zone):
+            return True
         return self.denied_pattern(parent, name, is_dir) is None
 
     def _reject_denied(
-        self, caller: Caller, parent: Node, name: bytes, is_dir: bool, op: Op | str
+        self,
+        caller: Caller,
+        parent: Node,
+        name: bytes,
+        is_dir: bool,
+        op: Op | str,
+        dest: str | None = None,
+        src: str | None = None,
     ) -> None:
         pattern = self.denied_pattern(parent, name, is_dir)
         if pattern is not None:
             vpath = parent.vpath(name)
             decision = self.policy.deny_list_decision(vpath, pattern)
-            raise self.refuse(caller, op, vpath, parent.zone, decision)
+            raise self.refuse(caller, op, src or vpath, parent.zone, decision, dest=dest)
+
+    def _reject_denied_node(self, caller: Caller, op: Op | str, node: Node) -> None:
+        """The contents of an existing deny-listed entry (or of one inside a deny-listed
+        directory) are refused: reading, writing, listing, changing."""
+        if node.parent is not None and node.zone is not None and node.ino >= FIRST_DYNAMIC_INO:
+            self._reject_denied(caller, node.parent, node.name, node.is_dir, op)
+
+    # ----- private keys found by their contents (sandboxfs.core.secrets) --------------------
+
+    # Set by inspect_contents: reads files whose names match a deny_private_keys pattern.
+    keys: KeyScanner | None = None
+
+    def inspect_contents(self, keys: KeyScanner | None) -> None:
+        """Refuse files matching the policy's private-key patterns whose contents hold a
+        private key, as deny-listed ones are (without a scanner, none is)."""
+        self.keys = keys
+
+    def _reject_private_key(
+        self,
+        caller: Caller,
+        op: Op | str,
+        parent: Node,
+        name: bytes,
+        layer: int = 0,
+        st: StatLike | None = None,
+        dest: str | None = None,
+        src: str | None = None,
+    ) -> None:
+        """A regular file at parent/name that matches a private-key pattern and holds a key
+        is never read, changed, renamed, linked or deleted."""
+        keys = self.keys
+        zone = parent.zone
+        if keys is None or zone is None or not self.policy.private_key_patterns:
+            return
+        relpath = relpath_of(parent, name) if self.policy.private_keys.has_paths else ""
+        text = name.decode("utf-8", "surrogateescape")
+        pattern = self.policy.private_keys.match(text, relpath, False)
+        if pattern is None:
+            return
+        what = keys.holds_key(parent, name, layer, st)
+        if what is not None:
+            vpath = parent.vpath(name)
+            decision = self.policy.private_key_decision(vpath, pattern, what)
+            raise self.refuse(caller, op, src or vpath, zone, decision, dest=dest)
+
+    def _reject_private_key_node(
+        self, caller: Caller, op: Op | str, node: Node, dest: str | None = None
+    ) -> None:
+        if node.parent is not None and not node.is_dir and node.ino >= FIRST_DYNAMIC_INO:
+            self._reject_private_key(caller, op, node.parent, node.name, node.layer, dest=dest)
 
     # ----- staged commits under review ------------------------------------------------------------
 
     def _reject_frozen(
-        self, caller: Caller, op: Op | str, parent: Node, name: bytes, dest: str | None = None
+        self,
+        caller: Caller,
+        op: Op | str,
+        parent: Node,
+        name: bytes,
+        dest: str | None = None,
+        src: str | None = None,
     ) -> None:
         """A staged commit the user has shown for review no longer changes: what was reviewed
-        is what lands."""
+        is what lands. `src`: the path audited when parent/name is the target of a rename or
+        link (its `dest`)."""
         if parent.zone is not Zone.STAGED or self._frozen is None:
             return
         top = relpath_of(parent, name).split("/", 1)[0]
+        self._reject_frozen_commit(caller, op, top, parent.vpath(name), dest, src)
+
+    def _reject_frozen_commit(
+        self,
+        caller: Caller,
+        op: Op | str,
+        top: str,
+        vpath: str,
+        dest: str | None = None,
+        src: str | None = None,
+    ) -> None:
+        assert self._frozen is not None
         if self._frozen(top):
-            vpath = parent.vpath(name)
             reason = (
                 f"{vpath}: the staged commit {top} is under review and can no longer change; "
                 f"stage a new commit (a new directory in /staged) instead"
             )
-            raise self.refuse(
-                caller, op, vpath, parent.zone, Decision(False, errno.EACCES, reason), dest=dest
-            )
+            decision = Decision(False, errno.EACCES, reason)
+            raise self.refuse(caller, op, src or vpath, Zone.STAGED, decision, dest=dest)
 
     def _reject_frozen_node(self, caller: Caller, op: Op | str, node: Node) -> None:
-        if node.parent is not None and node.zone is Zone.STAGED:
+        """Every name the store knows for node (hard links stay inside one staged commit: see
+        may_link); a node whose last known name was removed, by the commit of that name (an
+        unknown name may still reach the inode there)."""
+        if node.zone is not Zone.STAGED or self._frozen is None:
+            return
+        if node.parent is not None:
             self._reject_frozen(caller, op, node.parent, node.name)
+        for parent, name in node.links:
+            self._reject_frozen(caller, op, parent, name)
+        if node.parent is None and not node.links:
+            parts = node.last_vpath.split("/", 3)  # "", "staged", id, ...
+            if len(parts) > 2:
+                self._reject_frozen_commit(caller, op, parts[2], node.last_vpath)
+
+    def may_write_staged(self, caller: Caller, node: Node) -> None:
+        """A write through a handle of a file in /staged (write, and what the kernel turns into
+        writes: O_APPEND, writeback of a shared mapping, fallocate's and copy_file_range's
+        fallbacks). The handle may be older than the review that froze its staged commit, so
+        each write asks again; callers skip it for every other zone, where it costs nothing."""
+        self._reject_frozen_node(caller, Op.WRITE, node)
+
+    def _reject_cross_commit_link(
+        self, caller: Caller, node: Node, parent: Node, new_name: bytes, dest: str
+    ) -> None:
+        """A hard link between two staged commits would let a write through the name in one
+        change the other after it is frozen: each staged commit keeps its own inodes."""
+        if parent.zone is not Zone.STAGED or node.parent is None:
+            return
+        top = relpath_of(node.parent, node.name).split("/", 1)[0]
+        to = relpath_of(parent, new_name).split("/", 1)[0]
+        if top != to:
+            src = node.vpath()
+            reason = (
+                f"{src} is in the staged commit {top}: hard links between staged commits are "
+                f"refused (each is reviewed on its own); copy the file instead"
+            )
+            decision = Decision(False, errno.EXDEV, reason)
+            raise self.refuse(caller, "link", src, Zone.STAGED, decision, dest=dest)
+
+    # ----- project zones' directories in /repo (issue 19 §5) ----------------------------------
+
+    # Set by pin_zone_roots: what lies at a path of /repo (relative to it), if a project zone's
+    # directory is there or below it.
+    _zone_root_at: Callable[[str], str | None] | None = None
+
+    def pin_zone_roots(self, zone_root_at: Callable[[str], str | None]) -> None:
+        """Through /repo, the directory of a project zone inside the project, and every
+        directory above it, is never removed, renamed, replaced (or created, should it be
+        missing) nor has its attributes changed, at any trust level, as the zone's own root
+        in / is not: the next mount would open whatever took its place (project.py refuses a
+        link there with one line). `zone_root_at(relpath)` says what is at relpath, or None."""
+        self._zone_root_at = zone_root_at
+
+    def _reject_zone_root(
+        self, caller: Caller, op: Op | str, parent: Node, name: bytes, dest: str | None
+    ) -> None:
+        zone_root_at = self._zone_root_at
+        if zone_root_at is None or parent.zone is not Zone.REPO:
+            return
+        what = zone_root_at(relpath_of(parent, name))
+        if what is not None:
+            vpath = parent.vpath(name)
+            reason = (
+                f"{vpath} {what}: it cannot be removed, renamed, replaced or changed through "
+                f"/repo at any trust level (what is inside it can, where the level allows)"
+            )
+            decision = Decision(False, errno.EBUSY, reason, "protect")
+            raise self.refuse(caller, op, vpath, parent.zone, decision, dest=dest)
 
     # ----- protected paths ------------------------------------------------------------------------
 
@@ -349,24 +535,32 @@ class Guard:
         name: bytes,
         is_dir: bool,
         dest: str | None = None,
+        pointer: bool = False,
     ) -> None:
-        """Protected paths (and everything inside a protected directory) are never changed."""
-        if parent.zone is None or not self._may_protect(parent):
+        """Protected paths (and everything inside a protected directory) are never changed,
+        nor is git's code-running surface (sandboxfs.core.policy.git_rule; `pointer`: the new
+        entry is a symbolic link, or a second name for a file outside every git directory)."""
+        self._reject_zone_root(caller, op, parent, name, dest)
+        if parent.zone is None:
             return
-        pattern = self.policy.protect.match_within(relpath_of(parent, name), is_dir)
-        if pattern is not None:
-            vpath = parent.vpath(name)
-            decision = self.policy.protect_decision(vpath, pattern)
+        git = parent.zone not in GIT_ZONES_EXEMPT
+        if not self._may_protect(parent) and not (
+            git and git_name(name.decode("utf-8", "surrogateescape"))
+        ):
+            return
+        vpath = parent.vpath(name)
+        decision = self.policy.protected(vpath, relpath_of(parent, name), is_dir, pointer, git)
+        if decision is not None:
             raise self.refuse(caller, op, vpath, parent.zone, decision, dest=dest)
 
     def _may_protect(self, directory: Node) -> bool:
-        """Whether a protect pattern could match inside `directory`, remembered on the node
-        until any known path changes (Store.moves)."""
+        """Whether a protect pattern or a git rule could match inside `directory` by path,
+        remembered on the node until any known path changes (Store.moves)."""
         moves = self._moves()
         memo_moves, may = directory.protect_memo
         if memo_moves != moves:
             rel = directory.relpath().decode("utf-8", "surrogateescape")
-            may = self.policy.protect.may_match_under(rel)
+            may = self.policy.may_protect_under(rel, directory.zone not in GIT_ZONES_EXEMPT)
             directory.protect_memo = (moves, may)
         return may
 
@@ -374,11 +568,75 @@ class Guard:
         if node.parent is not None and node.zone is not None:
             self._reject_protected(caller, op, node.parent, node.name, node.is_dir)
 
+    def _judge_config(
+        self,
+        caller: Caller,
+        parent: Node,
+        name: bytes,
+        st: StatLike,
+        to_parent: Node,
+        to_name: bytes,
+        src: str,
+        dst: str,
+        read: ReadFile | None,
+    ) -> bool:
+        """A regular file renamed onto one of git's config files (`config`, `config.worktree`
+        of any git directory git_rule protects: how git writes them, through `config.lock`).
+        False when the destination is not one, or the rename cannot be judged (a directory, a
+        link, a front end without `read`): the destination's protection then refuses it.
+        True when every setting the new content adds or changes is one sandboxfs.core.gitconfig
+        allows; otherwise refused (EROFS, audited as the rename src -> dst with the setting).
+
+        `read(parent, name, expect)` returns the file's content (at most MAX_CONFIG_BYTES),
+        None when it is absent or not the file `expect` ((st_dev, st_ino)) names; for the
+        source, every open handle of the file has stopped writing first, so what is judged
+        is what git will read. A protect pattern matching the destination refuses as always."""
+        zone = to_parent.zone
+        if (
+            read is None
+            or zone is None
+            or zone in GIT_ZONES_EXEMPT
+            or not stat.S_ISREG(st.st_mode)
+            or fold(to_name.decode("utf-8", "surrogateescape")) not in gitconfig.CONFIG_NAMES
+        ):
+            return False
+        relpath = relpath_of(to_parent, to_name)
+        rule = git_rule(relpath)
+        if rule is None or rule.rsplit("/", 1)[-1] not in gitconfig.CONFIG_NAMES:
+            return False
+        self._reject_zone_root(caller, "rename", to_parent, to_name, dst)
+        pattern = self.policy.protect.match_within(relpath, False)
+        if pattern is not None:
+            decision = self.policy.protect_decision(dst, pattern)
+            raise self.refuse(caller, "rename", dst, zone, decision, dest=dst)
+        problem: str | None
+        if st.st_nlink != 1:
+            problem = "the file renamed onto it has other names, through which it could change"
+        elif st.st_size > gitconfig.MAX_CONFIG_BYTES:
+            problem = f"the new content is larger than {gitconfig.MAX_CONFIG_BYTES} bytes"
+        else:
+            new = read(parent, name, (st.st_dev, st.st_ino))
+            if new is None:
+                problem = "the file renamed onto it changed or could not be read"
+            else:
+                refusal = gitconfig.judge(read(to_parent, to_name, None) or b"", new)
+                problem = None if refusal is None else refusal.reason
+        if problem is None:
+            return True
+        reason = (
+            f"{dst}: {problem}: refused ({rule} may change only branch tracking, remotes with "
+            f"ordinary URLs, user.* and similar settings; change others outside the sandbox)"
+        )
+        decision = Decision(False, errno.EROFS, reason, "protect")
+        raise self.refuse(caller, "rename", src, zone, decision, dest=dst)
+
     # ----- reading and changing existing entries --------------------------------------------------
 
     def may_open(self, caller: Caller, node: Node, read: bool, write: bool) -> None:
-        """Opening an existing file to read and/or to write (or truncate)."""
+        """Opening an existing file to read and/or to write (or truncate): never a deny-listed
+        one, nor one that holds a private key (checked last: it reads the file)."""
         assert node.zone is not None
+        self._reject_denied_node(caller, Op.WRITE if write else Op.READ, node)
         if read:
             self.check(caller, Op.READ, node)
         if write:
@@ -391,6 +649,7 @@ class Guard:
             op = Op.WRITE if write else Op.READ
             decision = limits.suffix_decision(node.vpath(), node.zone.value, "opening")
             raise self.refuse(caller, op, node.vpath(), node.zone, decision)
+        self._reject_private_key_node(caller, Op.WRITE if write else Op.READ, node)
 
     def may_keep(self, caller: Caller, node: Node, read: bool, write: bool, created: bool) -> None:
         """A handle opened under an earlier trust level, used again to read or to write: that
@@ -416,7 +675,9 @@ class Guard:
             raise self.refuse(caller, Op.READ, node.vpath(), zone, _absent(decision))
 
     def may_read_link(self, caller: Caller, node: Node) -> None:
+        """A symbolic link's target is its contents: refused for a deny-listed link."""
         self.check(caller, Op.READ, node)
+        self._reject_denied_node(caller, Op.READ, node)
 
     def may_change(self, caller: Caller, node: Node, allow_created: bool = True) -> None:
         """Writes to an existing entry (setattr, xattrs): never to `/`, a zone root or
@@ -434,12 +695,13 @@ class Guard:
                 caller, Op.WRITE, node.vpath(), node.zone, Decision(False, errno.EACCES, reason)
             )
         assert node.zone is not None
+        self._reject_denied_node(caller, Op.WRITE, node)
         self._reject_protected_node(caller, Op.WRITE, node)
         self._reject_frozen_node(caller, Op.WRITE, node)
-        if allow_created and node.created_here and self.policy.access(node.zone).create_only:
-            return
-        self.check(caller, Op.WRITE, node)
-        self._check_layer(caller, node, Op.WRITE)
+        if not (allow_created and node.created_here and self.policy.access(node.zone).create_only):
+            self.check(caller, Op.WRITE, node)
+            self._check_layer(caller, node, Op.WRITE)
+        self._reject_private_key_node(caller, Op.WRITE, node)
 
     def may_write_context(self, caller: Caller, node: Node) -> NoReturn:
         decision = Decision(False, errno.EACCES, CONTEXT_REASON)
@@ -458,18 +720,22 @@ class Guard:
 
     def xattrs_visible(self, caller: Caller, node: Node) -> bool:
         """Whether node's extended attributes may be read (refusals are audited). A zone root
-        the level cannot read or list shows none, like the empty directory it looks like."""
+        the level cannot read or list shows none, like the empty directory it looks like; nor
+        does a deny-listed entry (silently: `ls -l` asks for every file it shows)."""
         if node.zone is None:
             return True
         if node.ino < FIRST_DYNAMIC_INO:
             return self.readable(node.zone)
         self.check(caller, Op.READ, node)
-        return True
+        parent = node.parent
+        return parent is None or self.denied_pattern(parent, node.name, node.is_dir) is None
 
     def may_list(self, caller: Caller, node: Node) -> None:
-        """Opening a directory to list it; allowed listings are audited at once."""
+        """Opening a directory to list it (never a deny-listed one, nor one inside); allowed
+        listings are audited at once."""
         if node.zone is not None:
             self.check(caller, Op.LIST, node)
+            self._reject_denied_node(caller, Op.LIST, node)
             self.did(caller, Op.LIST, node)
 
     def _check_layer(
@@ -536,7 +802,9 @@ class Guard:
                 caller, Op.WRITE, parent.vpath(name), zone, Decision(False, errno.EPERM, reason)
             )
         self._reject_denied(caller, parent, name, True, Op.WRITE)
-        self._reject_protected(caller, Op.WRITE, parent, name, True)
+        if kind == "file":  # CREATE without O_EXCL opens a file the kernel thought absent
+            self._reject_private_key(caller, Op.WRITE, parent, name)
+        self._reject_protected(caller, Op.WRITE, parent, name, True, pointer=kind == "symlink")
         self._reject_frozen(caller, Op.WRITE, parent, name)
         decision = self.policy.decide_create(zone)
         if not decision.allowed:
@@ -601,11 +869,19 @@ class Guard:
         # The source is judged by its current path, whatever name the kernel used for it: a
         # second name for a deny-listed or protected file would carry it out from under its
         # pattern (writing through a hard link writes the protected file).
-        self._reject_denied(caller, node.parent, node.name, node.is_dir, "link")
+        self._reject_denied(caller, node.parent, node.name, node.is_dir, "link", dest)
+        self._reject_private_key_node(caller, "link", node, dest)
         self._reject_protected(caller, "link", node.parent, node.name, node.is_dir, dest=dest)
         self._reject_denied(caller, parent, new_name, False, "link")
-        self._reject_protected(caller, "link", parent, new_name, False, dest=dest)
-        self._reject_frozen(caller, "link", parent, new_name, dest=dest)
+        # Inside a git directory, a second name only for a file of a git directory (git links
+        # its objects into place): one from outside may be a symbolic link.
+        outsider = not in_git_dir(relpath_of(node.parent, node.name))
+        self._reject_protected(caller, "link", parent, new_name, False, dest, outsider)
+        # A new name changes the source too (its link count, and it can be written through
+        # the new name): neither may be in a frozen staged commit, nor the two in different ones.
+        self._reject_frozen(caller, "link", node.parent, node.name, dest=dest)
+        self._reject_frozen(caller, "link", parent, new_name, dest=dest, src=src)
+        self._reject_cross_commit_link(caller, node, parent, new_name, dest)
         assert parent.zone is not None
         # A second name for an existing file changes it (its link count, and every later
         # write through either name): write access, which create-only does not give.
@@ -656,6 +932,8 @@ class Guard:
             vpath = parent.vpath(name)
             reason = f"{vpath} comes from SANDBOXFS_WORKERS_PATH, which is read-only"
             raise self.refuse(caller, op, vpath, zone, Decision(False, errno.EROFS, reason))
+        if not is_dir:
+            self._reject_private_key(caller, Op.DELETE, parent, name, layer)
 
     def removed(self, zone: Zone, st: StatLike) -> None:
         """A name was unlinked or replaced: its inode's bytes and entry leave the quota when it
@@ -713,6 +991,8 @@ class Guard:
 
     def may_rename_to(self, caller: Caller, new_parent: Node, name_new: bytes) -> None:
         self._check_layer(caller, new_parent, Op.WRITE, name_new)
+        # What a rename would replace there: never a file that holds a private key.
+        self._reject_private_key(caller, "rename", new_parent, name_new)
 
     def may_move(
         self,
@@ -724,16 +1004,24 @@ class Guard:
         to_name: bytes,
         src: str,
         dst: str,
+        read: ReadFile | None = None,
     ) -> None:
         """Patterns survive renames: nothing protected is moved away or onto, and no directory
-        is moved while a deny or protect path pattern could match something inside it (it
-        would carry that entry out from under its pattern). Suffixes too: a file keeps an
-        allowed suffix, and one without can only be deleted."""
+        is moved while a deny or protect path pattern, or a git rule that depends on where the
+        directory is, could match something inside it (it would carry that entry out from under
+        its pattern), nor onto such a place. A symbolic link is never moved into a git
+        directory. Suffixes too: a file keeps an
+        allowed suffix, and one without can only be deleted. A file renamed onto one of git's
+        config files is judged by what it changes (`read`: see _judge_config)."""
         is_dir = stat.S_ISDIR(st.st_mode)
+        link = stat.S_ISLNK(st.st_mode)
         self._reject_protected(caller, "rename", parent, name, is_dir, dest=dst)
-        self._reject_protected(caller, "rename", to_parent, to_name, is_dir, dest=dst)
+        if not self._judge_config(caller, parent, name, st, to_parent, to_name, src, dst, read):
+            self._reject_protected(caller, "rename", to_parent, to_name, is_dir, dst, link)
         self._reject_frozen(caller, "rename", parent, name, dest=dst)
-        self._reject_frozen(caller, "rename", to_parent, to_name, dest=dst)
+        self._reject_frozen(caller, "rename", to_parent, to_name, dest=dst, src=src)
+        if stat.S_ISREG(st.st_mode):  # a private key never leaves its name
+            self._reject_private_key(caller, "rename", parent, name, 0, st, dst, src)
         if not is_dir:
             limits = self.limits.get(parent.zone) if parent.zone is not None else None
             if limits is not None:
@@ -742,15 +1030,18 @@ class Guard:
                     caller, limits, to_parent, to_name, "rename", "renaming to", dst, src
                 )
             return
-        for patterns, decide, rel in (
-            (self.policy.deny, self.policy.deny_list_decision, relpath_of(parent, name)),
-            (self.policy.protect, self.policy.protect_decision, relpath_of(parent, name)),
-            (self.policy.protect, self.policy.protect_decision, relpath_of(to_parent, to_name)),
-        ):
-            pattern = patterns.match_below(rel)
-            if pattern is not None:
-                decision = decide(f"{parent.vpath(name)}/...", pattern)
-                raise self.refuse(caller, "rename", src, parent.zone, decision, dest=dst)
+        pattern = self.policy.deny.match_below(relpath_of(parent, name))
+        if pattern is not None:
+            decision = self.policy.deny_list_decision(f"{parent.vpath(name)}/...", pattern)
+            raise self.refuse(caller, "rename", src, parent.zone, decision, dest=dst)
+        # Protect patterns and git's rules that depend on where a directory is (what is inside
+        # .git/modules/, say): neither from under them nor under them.
+        for at, at_name in ((parent, name), (to_parent, to_name)):
+            found = self.policy.protected_below(
+                f"{at.vpath(at_name)}/...", relpath_of(at, at_name), at.zone not in GIT_ZONES_EXEMPT
+            )
+            if found is not None:
+                raise self.refuse(caller, "rename", src, parent.zone, found, dest=dst)
 
 
 def _absent(decision: Decision) -> Decision:

@@ -174,12 +174,27 @@ def fold(text: str) -> str:
 
 class Patterns:
     """A list of globs in the deny-list forms: a trailing "/" matches directories only; a glob
-    containing "/" matches the path relative to the zone root, any other glob a name."""
+    containing "/" matches the path relative to the zone root, any other glob a name. A glob
+    written with a leading "!" is an exception: as in gitignore, the last entry that matches
+    decides, so `.env.*` then `!.env.example` leaves `.env.example` out (an entry below a
+    matching directory stays matched: match_within stops at the directory)."""
 
     def __init__(self, patterns: Sequence[str]) -> None:
         self.written = tuple(patterns)
-        # (folded glob, directories only, as written)
-        parsed = [(fold(p.strip("/")), p.endswith("/"), p) for p in self.written]
+        # (folded glob, directories only, as written); exceptions apart, with their positions
+        parsed: list[tuple[str, bool, str]] = []
+        self._exceptions: list[tuple[int, str, bool, bool]] = []
+        self._ordered: list[tuple[int, str, bool, str, bool]] = []
+        for index, written in enumerate(self.written):
+            exception = written.startswith("!")
+            body = written[1:] if exception else written
+            glob, dir_only = fold(body.strip("/")), body.endswith("/")
+            is_path = "/" in glob or body.startswith("/")
+            if not exception:
+                parsed.append((glob, dir_only, written))
+                self._ordered.append((index, glob, dir_only, written, is_path))
+            else:
+                self._exceptions.append((index, glob, dir_only, is_path))
         self._names = [t for t in parsed if "/" not in t[0] and not t[2].startswith("/")]
         self._paths = [t for t in parsed if "/" in t[0] or t[2].startswith("/")]
         self._name_re = _compile(t[0] for t in self._names)
@@ -197,7 +212,7 @@ class Patterns:
 
     @property
     def has_paths(self) -> bool:
-        return bool(self._paths)
+        return bool(self._paths) or any(t[3] for t in self._exceptions)
 
     def match(self, name: str, relpath: str, is_dir: bool) -> str | None:
         """The pattern that `name` (at zone-relative `relpath`) matches, if any."""
@@ -211,7 +226,23 @@ class Patterns:
             if regex.match(folded):
                 for glob, dir_only, written in patterns:
                     if fnmatch.fnmatchcase(folded, glob) and (is_dir or not dir_only):
-                        return written
+                        return self._unless_excepted(written, name, relpath, is_dir)
+        return None
+
+    def _unless_excepted(self, found: str, name: str, relpath: str, is_dir: bool) -> str | None:
+        """`found` (a matching pattern), unless an exception written after every matching
+        pattern matches too."""
+        if not self._exceptions:
+            return found
+        last = -1
+        for index, glob, dir_only, is_path in self._exceptions:
+            if _fits(glob, dir_only, is_path, name, relpath, is_dir):
+                last = index
+        if last < 0:
+            return found
+        for index, glob, dir_only, written, is_path in self._ordered:
+            if index > last and _fits(glob, dir_only, is_path, name, relpath, is_dir):
+                return written
         return None
 
     def match_within(self, relpath: str, is_dir: bool) -> str | None:
@@ -255,6 +286,143 @@ class Patterns:
         return None
 
 
+# ----- git's code-running surface ------------------------------------------------------------
+#
+# What decides which code the user's git runs later, outside, wherever the user runs it. These
+# rules hold in every zone at every trust level, whatever a config says (sandboxfs.yaml cannot
+# drop them), on top of the protect list: matching paths stay readable where the level allows,
+# and are never created, changed, renamed, linked or deleted through sandboxfs.
+#
+# - A `.git` entry (directory or `gitdir:` file) at any depth, the zone root's included: it
+#   picks the repository, and so the config and hooks, that git uses in and below its directory.
+#   One that exists stays as it is (nested clones and submodule checkouts keep working); none
+#   can be created, replaced, moved or removed.
+# - A file named `HEAD` outside every git directory: with `objects/` and `refs/` next to it, it
+#   makes its directory a bare repository to git run inside it (safe.bareRepository=all is git's
+#   default), and that repository's `config` names programs to run.
+# - Inside a git directory (below any `.git`): what git reads to find config, hooks and the
+#   common directory: `config`, `config.worktree`, `commondir`, `gitdir`, `hooks/`, the legacy
+#   remote definitions `branches/` and `remotes/`, `objects/info/alternates`; and the same below
+#   `modules/` (submodules' git directories, whose names may hold "/") and `worktrees/<id>/`
+#   (linked worktrees') at any depth. No symbolic link, and no second name for a file from
+#   outside, is made inside a git directory: `.git/modules -> ../elsewhere` would send the next
+#   submodule's hooks into the working tree.
+#
+# What these rules cannot see by name (a core.hooksPath inside the project, a `.git/hooks` or
+# `.git` that links to another directory there) sandboxfs.config.git_surface_protect finds by
+# asking the user's git, and adds to the mount's protect list.
+#
+# Deliberately not here: info/attributes and .gitattributes (they only select drivers that
+# config defines), .gitmodules (git takes no `!command` from it), info/exclude, refs, objects,
+# the index, and an interrupted rebase's todo list (see the README).
+
+# Zones git's rules do not hold in: the sandbox's own scratch space under the state dir
+# (`.sandbox/`, never part of the project's work tree), where an agent may `git init` and
+# `git clone`. A repository there is the agent's; git run in it outside runs its config.
+GIT_ZONES_EXEMPT = frozenset({Zone.SESSION, Zone.WORKSPACE})
+
+# Names in a git directory that decide what git runs or where it finds its repository.
+GIT_DIR_ENTRIES = frozenset({"config", "config.worktree", "commondir", "gitdir", "hooks"})
+# At the top of a git directory only: legacy remotes (below modules/ these are ref namespaces).
+_GIT_DIR_TOP_ENTRIES = GIT_DIR_ENTRIES | {"branches", "remotes"}
+# Directories of further git directories: submodules' and linked worktrees'.
+_GIT_DIR_NESTING = frozenset({"modules", "worktrees"})
+_ALTERNATES = frozenset({"alternates", "http-alternates"})
+
+
+def is_dotgit(folded: str) -> bool:
+    """Whether a folded name is `.git` as storage may spell it: any case (folded), and the
+    NTFS spellings git itself refuses (`.git.`, `.git `, the short name `git~1`)."""
+    return folded == ".git" or folded == "git~1" or folded.rstrip(". ") == ".git"
+
+
+def git_name(name: str) -> bool:
+    """Whether `name` is judged by the git rules wherever it is: `.git`, or `HEAD`."""
+    folded = fold(name)
+    return folded == "head" or is_dotgit(folded)
+
+
+def _alternates(rest: Sequence[str]) -> bool:
+    return len(rest) >= 3 and rest[0] == "objects" and rest[1] == "info" and rest[2] in _ALTERNATES
+
+
+def git_dir_rule(rest: Sequence[str]) -> str | None:
+    """The rule that protects `rest` (folded components below a git directory), if one does."""
+    top = rest[0]
+    if top in _GIT_DIR_TOP_ENTRIES:
+        return f".git/{top}"
+    if _alternates(rest):
+        return ".git/objects/info/alternates"
+    if top in _GIT_DIR_NESTING:
+        # modules/<name>/... where <name> may hold "/": every depth may be a git directory.
+        for k in range(2, len(rest)):
+            if rest[k] in GIT_DIR_ENTRIES:
+                return f".git/{top}/**/{rest[k]}"
+            if _alternates(rest[k:]):
+                return f".git/{top}/**/objects/info/alternates"
+    return None
+
+
+def _git_dir_holds(rest: Sequence[str]) -> str | None:
+    """A rule that could protect something strictly inside the directory `rest` (folded
+    components below a git directory): moving it would carry that out from under the rule."""
+    top = rest[0]
+    if top in _GIT_DIR_TOP_ENTRIES:
+        return f".git/{top}"
+    if top in _GIT_DIR_NESTING:
+        return f".git/{top}/**"
+    if top == "objects" and (len(rest) == 1 or (len(rest) == 2 and rest[1] == "info")):
+        return ".git/objects/info/alternates"
+    return None
+
+
+def _folded_parts(relpath: str) -> list[str]:
+    # Split first, then fold: NFKC turns a fullwidth solidus into "/".
+    return [fold(part) for part in relpath.split("/")]
+
+
+def git_rule(relpath: str, pointer: bool = False) -> str | None:
+    """The git rule that protects zone-relative `relpath`, if any (a label for reasons).
+
+    `pointer`: the entry being made there is a symbolic link, or a second name for a file
+    outside every git directory; refused anywhere inside a git directory.
+    """
+    parts = _folded_parts(relpath)
+    last = len(parts) - 1
+    inside = False
+    for i, part in enumerate(parts):
+        if not is_dotgit(part):
+            continue
+        if i == last:
+            return ".git"
+        rule = git_dir_rule(parts[i + 1 :])
+        if rule is not None:
+            return rule
+        inside = True
+    if inside:
+        return ".git/**: no links" if pointer else None
+    return "HEAD" if parts[last] == "head" else None
+
+
+def git_rule_below(relpath: str) -> str | None:
+    """A git rule that could protect something strictly inside the directory at `relpath`,
+    which depends on where that directory is (names judged anywhere, `.git` and `HEAD`, are
+    judged the same wherever it moves)."""
+    parts = _folded_parts(relpath)
+    for i, part in enumerate(parts):
+        if is_dotgit(part):
+            rest = parts[i + 1 :]
+            rule = _git_dir_holds(rest) if rest else ".git"
+            if rule is not None:
+                return rule
+    return None
+
+
+def in_git_dir(relpath: str) -> bool:
+    """Whether zone-relative `relpath` is a `.git` entry or inside one."""
+    return any(is_dotgit(part) for part in _folded_parts(relpath))
+
+
 class Policy:
     """The matrix, the deny list and the protected paths of one mount, with decisions
     precomputed per zone and op.
@@ -269,13 +437,18 @@ class Policy:
         deny_patterns: Sequence[str],
         trust: Trust,
         protect_patterns: Sequence[str] = (),
+        private_key_patterns: Sequence[str] = (),
     ) -> None:
         self.matrix = matrix
         self.trust = trust
         self.deny = Patterns(deny_patterns)
         self.protect = Patterns(protect_patterns)
+        # Files refused as deny-listed ones only when their contents hold a private key
+        # (sandboxfs.core.secrets).
+        self.private_keys = Patterns(private_key_patterns)
         self.deny_patterns = self.deny.written
         self.protect_patterns = self.protect.written
+        self.private_key_patterns = self.private_keys.written
         # The mount's zones, in the order `/` lists them: the built-in ones, then the project's.
         self.zones: tuple[Zone, ...] = tuple(matrix[trust])
         self._decisions = {(zone, op): self._decide(zone, op) for zone in self.zones for op in Op}
@@ -319,8 +492,20 @@ class Policy:
     def deny_list_decision(self, vpath: str, pattern: str, err: int = errno.EACCES) -> Decision:
         return deny(
             err,
-            f"{vpath} matches the deny pattern {pattern!r}; deny-listed names are "
-            f"inaccessible at every trust level",
+            f"{vpath} matches the deny pattern {pattern!r}; deny-listed entries are never "
+            f"read, listed, created, changed, renamed or deleted through sandboxfs, at every "
+            f"trust level (where the level may list the zone they are shown, with their "
+            f"attributes)",
+            "deny",
+        )
+
+    def private_key_decision(self, vpath: str, pattern: str, what: str) -> Decision:
+        """The refusal of a file matching private-key pattern `pattern` that holds `what`."""
+        return deny(
+            errno.EACCES,
+            f"{vpath} holds {what} (files matching {pattern!r} are refused when their contents "
+            f"hold a private key); it is never read, changed, renamed or deleted through "
+            f"sandboxfs, at every trust level",
             "deny",
         )
 
@@ -332,6 +517,69 @@ class Policy:
             f"sandboxfs",
             "protect",
         )
+
+    def git_decision(self, vpath: str, rule: str) -> Decision:
+        """The refusal of a change to `vpath` that git rule `rule` (from git_rule) protects."""
+        if rule == ".git":
+            why = (
+                "a .git entry picks the repository, and so the config and hooks, that git uses "
+                "there; an existing one stays as it is and none is created below a zone root "
+                "(make scratch repositories in /tmp)"
+            )
+        elif rule == "HEAD":
+            why = (
+                "a file named HEAD outside .git makes its directory a bare repository to git, "
+                "whose config names programs to run"
+            )
+        elif rule.endswith(": no links"):
+            return deny(
+                errno.EROFS,
+                f"{vpath}: no symbolic link, and no second name for a file from outside, is made "
+                f"inside a git directory, at any trust level: one there would move what git "
+                f"reads into the working tree (git's code-running surface)",
+                "protect",
+            )
+        else:
+            why = f"git runs code or finds its repository from what {rule} holds"
+        return deny(
+            errno.EROFS,
+            f"{vpath} is protected, part of git's code-running surface ({rule}): {why}; it can "
+            f"be read where the trust level allows, but never created, changed, renamed, linked or "
+            f"deleted through sandboxfs, at any trust level",
+            "protect",
+        )
+
+    def protected(
+        self, vpath: str, relpath: str, is_dir: bool, pointer: bool = False, git: bool = True
+    ) -> Decision | None:
+        """The refusal of creating, changing, renaming, linking or deleting the entry at
+        zone-relative `relpath` (`vpath` names it in the reason), or of anything inside it:
+        by the protect list, or (`git`: in a zone git's rules apply to, GIT_ZONES_EXEMPT) by
+        git's rules (`git_rule`; `pointer` as there)."""
+        pattern = self.protect.match_within(relpath, is_dir)
+        if pattern is not None:
+            return self.protect_decision(vpath, pattern)
+        if not git:
+            return None
+        rule = git_rule(relpath, pointer)
+        return self.git_decision(vpath, rule) if rule is not None else None
+
+    def protected_below(self, vpath: str, relpath: str, git: bool = True) -> Decision | None:
+        """The refusal of moving the directory at `relpath` away or onto: something inside it
+        would leave, or come under, a protect pattern or a git rule that depends on its path."""
+        pattern = self.protect.match_below(relpath)
+        if pattern is not None:
+            return self.protect_decision(vpath, pattern)
+        if not git:
+            return None
+        rule = git_rule_below(relpath)
+        return self.git_decision(vpath, rule) if rule is not None else None
+
+    def may_protect_under(self, dir_relpath: str, git: bool = True) -> bool:
+        """Whether anything in the directory at `dir_relpath` could be protected by its path
+        (a protect pattern, or being in a git directory). `.git` and `HEAD` are protected by
+        name anywhere: `git_name` tells those apart without the path."""
+        return self.protect.may_match_under(dir_relpath) or (git and in_git_dir(dir_relpath))
 
     @property
     def root_create_reason(self) -> str:
@@ -371,6 +619,11 @@ class Policy:
             f"directories may be created and written, existing ones cannot be read, listed, "
             f"changed or deleted; {self._alternatives(op)}"
         )
+
+
+def _fits(glob: str, dir_only: bool, is_path: bool, name: str, relpath: str, is_dir: bool) -> bool:
+    subject = relpath if is_path else name
+    return bool(subject) and (is_dir or not dir_only) and fnmatch.fnmatchcase(fold(subject), glob)
 
 
 def _compile(patterns: Iterable[str]) -> re.Pattern[str] | None:

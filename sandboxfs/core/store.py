@@ -5,9 +5,16 @@ Every name is resolved one component at a time from a directory descriptor with
 outside a zone's directory. No backing call crosses a mount point (the `find -xdev` rule): an
 entry that is the root of another mount — another sandboxfs, bindfs, a tmpfs, a bind mount — is
 treated as absent, recognised without sending a request into it (see `syscalls.lstat_at`), and
-every open refuses to cross one (`RESOLVE_NO_XDEV`). Inode numbers are sandboxfs's own: backing
-`st_ino` values of two filesystems (or two zones) can collide, and the kernel must never confuse
-them.
+every open refuses to cross one (`RESOLVE_NO_XDEV`).
+
+Inode numbers (the kernel's node ids, which are also the `st_ino` it shows) are the backing
+files' own, as bindfs and containers show them, so that what git recorded in its index outside
+still matches inside and nothing is hashed again. Where a backing number cannot be used (below
+FIRST_DYNAMIC_INO, at or above SPARE_INO_BASE, or held by another live node: a second
+filesystem's or zone's file with the same number, or a file that took a deleted one's number
+while the kernel still knows the old one) a number of sandboxfs's own is used, from
+SPARE_INO_BASE up and never given twice. A node id is therefore unique among the nodes the
+kernel knows, and the generation tells apart two nodes that had the same id one after the other.
 """
 
 from __future__ import annotations
@@ -44,6 +51,11 @@ CONTEXT_INO = 3
 # The built-in zone roots; project zones follow (up to FIRST_DYNAMIC_INO - 1).
 ZONE_INO = {zone: 4 + i for i, zone in enumerate(BUILTIN_ZONES)}
 FIRST_DYNAMIC_INO = 64
+# Numbers sandboxfs makes up start here: above what local filesystems hand out in practice
+# (ext4's are 32 bits; XFS's and btrfs's stay below 2**48), below 2**53 (JavaScript reads
+# st_ino as a double). Backing numbers from here up (overlayfs with xino, some network
+# filesystems) are not passed on.
+SPARE_INO_BASE = 1 << 48
 
 CONTROL_NAME = b".sandboxfs"
 CONTEXT_NAME = b"context.json"
@@ -141,9 +153,15 @@ class Node:
     # Birth time of the backing inode (0 where the filesystem has none): an inode number reused
     # after a delete outside the mount is another file, and gets another node.
     birth_ns: int = 0
+    # Told to the kernel with the node id: a node given a backing number gets a larger one than
+    # every earlier node that had the number (0 for the fixed and spare numbers, given once).
+    generation: int = 0
     # For a directory: whether a protect pattern could match inside it, as of the given count
     # of path changes (Store.moves; see SandboxOperations._may_protect).
     protect_memo: tuple[int, bool] = (-1, False)
+    # For a directory: the deny pattern that it or a directory above it matches (None: none),
+    # as of the given count of path changes (see Guard.denied_pattern).
+    deny_memo: tuple[int, str | None] = (-1, None)
 
     def relpath(self) -> bytes:
         """The path below the zone root, b"" for the root itself."""
@@ -191,18 +209,24 @@ class Store:
         # Counts every change of a known node's parent or name (renames through the mount,
         # names found moved): what is remembered about a path is valid until it changes.
         self.moves = 0
-        self._next_ino = FIRST_DYNAMIC_INO
+        self._next_spare = SPARE_INO_BASE
+        # The generation of nodes given a backing number now: one more after each node dropped,
+        # so a number's next node always has a larger one (and nodes made in between share one
+        # int object: no memory per node beyond the slot).
+        self._generation = 1
+        # Where each zone's directory was named (the project's zones: see project_zone_dirs).
+        self.zone_paths = dict(zone_dirs)
+        self.project = zone_dirs[Zone.REPO]
         zones = [*BUILTIN_ZONES, *(z for z in zone_dirs if z not in ZONE_INO)]
-        for index, zone in enumerate(zones):
-            node = Node(4 + index, zone, self.root, zone.value.encode(), True)
-            if zone is Zone.WORKERS:
-                self.layer_fds = [_open_dir_or_missing(p) for p in worker_layers]
-            else:
-                node.fd = os.open(zone_dirs[zone], _DIR_OPEN)
-                st = os.stat(node.fd)
-                node.key = (zone, st.st_dev, st.st_ino)
-            self.zone_roots[zone] = node
-            self.nodes[node.ino] = node
+        try:
+            project_fd = os.open(self.project, _DIR_OPEN)
+            try:
+                self._open_zones(zones, zone_dirs, project_fd)
+            finally:
+                os.close(project_fd)
+        except BaseException:
+            self.close()
+            raise
         # On FUSE or network storage a DONT_SYNC statx may be stale: stat again (with sync)
         # whatever is not a mount root.
         self.resync = any(
@@ -210,6 +234,27 @@ class Store:
             for fd in [*self.layer_fds, *(n.fd for n in self.zone_roots.values())]
             if fd >= 0
         )
+
+    def _open_zones(self, zones: list[Zone], zone_dirs: dict[Zone, Path], project_fd: int) -> None:
+        for index, zone in enumerate(zones):
+            node = Node(4 + index, zone, self.root, zone.value.encode(), True)
+            self.zone_roots[zone] = node
+            self.nodes[node.ino] = node
+            if zone is Zone.WORKERS:
+                self.layer_fds = [
+                    _open_dir_or_missing(p, self.project, project_fd) for p in self.layer_paths
+                ]
+                continue
+            try:
+                node.fd = _open_dir(zone_dirs[zone], self.project, project_fd)
+            except OSError as exc:
+                raise SandboxError(
+                    exc.errno or errno.EIO,
+                    f"cannot open the directory of zone {zone.value}, {zone_dirs[zone]}: "
+                    f"{_open_failure(exc)}",
+                ) from None
+            st = os.stat(node.fd)
+            node.key = (zone, st.st_dev, st.st_ino)
 
     def close(self) -> None:
         for node in self.nodes.values():
@@ -247,10 +292,8 @@ class Store:
             del self.by_key[key]
             node = None
         if node is None:
-            node = Node(
-                self._next_ino, zone, parent, name, is_dir, key=key, layer=layer, birth_ns=birth
-            )
-            self._next_ino += 1
+            node = Node(0, zone, parent, name, is_dir, key=key, layer=layer, birth_ns=birth)
+            self._number(node, st.st_ino)
             self.nodes[node.ino] = node
             self.by_key[key] = node
         elif node.parent is not parent or node.name != name:
@@ -262,10 +305,19 @@ class Store:
         node.lookups += 1
         return node
 
+    def _number(self, node: Node, backing: int) -> None:
+        """Give a new node the backing file's inode number where no live node has it, else a
+        spare one (see the module's docstring)."""
+        if FIRST_DYNAMIC_INO <= backing < SPARE_INO_BASE and backing not in self.nodes:
+            node.ino, node.generation = backing, self._generation
+        else:
+            node.ino = self.spare_ino()
+
     def spare_ino(self) -> int:
-        """An inode number that no node will ever have (for entries shown without attributes)."""
-        self._next_ino += 1
-        return self._next_ino - 1
+        """An inode number no other node or entry ever has (for a node whose backing number
+        cannot be used, and for entries shown without attributes)."""
+        self._next_spare += 1
+        return self._next_spare - 1
 
     def forget(self, ino: int, count: int) -> None:
         node = self.nodes.get(ino)
@@ -275,6 +327,7 @@ class Store:
         if node.lookups > 0:
             return
         del self.nodes[ino]
+        self._generation += 1
         if node.key is not None and self.by_key.get(node.key) is node:
             del self.by_key[node.key]
         self._drop_fd(node)
@@ -345,12 +398,14 @@ class Store:
         return self._cache_fd(node, fd)
 
     def _zone_root_fd(self, node: Node) -> int:
-        """The descriptor of the backing directory that node's relpath starts from."""
-        top = node
+        """The descriptor of the backing directory that node's relpath starts from: the zone
+        root's, or for /workers the layer of the entry below its root that the path passes
+        through (the workers root itself is no directory: its layer says nothing)."""
+        top, below = node, node
         while top.parent is not None and top.parent.zone is not None:
-            top = top.parent
+            below, top = top, top.parent
         if top.zone is Zone.WORKERS:
-            return self.layer_fd(top.layer, create=False)
+            return self.layer_fd(below.layer, create=False)
         return top.fd
 
     def _open_checked(self, dir_fd: int, path: bytes, node: Node) -> int:
@@ -388,10 +443,11 @@ class Store:
     def layer_fd(self, layer: int, create: bool) -> int:
         fd = self.layer_fds[layer] if layer < len(self.layer_fds) else -1
         if fd < 0 and create and layer == 0:
-            path = self.layer_paths[0]
+            path = self.layer_paths[0]  # <project>/.workers: made in the project's descriptor
+            project_fd = self.zone_roots[Zone.REPO].fd
             with contextlib.suppress(FileExistsError):
-                os.mkdir(path.name, 0o755, dir_fd=os.open(path.parent, _DIR_OPEN))
-            fd = self.layer_fds[0] = _open_dir_or_missing(path)
+                os.mkdir(path.name, 0o755, dir_fd=project_fd)
+            fd = self.layer_fds[0] = _open_dir_or_missing(path, self.project, project_fd)
         if fd < 0:
             raise SandboxError(errno.ENOENT, "no such workers directory")
         return fd
@@ -733,11 +789,39 @@ def _forget_link(node: Node, parent: Node, name: bytes) -> None:
     node.links = tuple((p, n) for p, n in node.links if not (p is parent and n == name))
 
 
-def _open_dir_or_missing(path: Path) -> int:
+def _open_dir(path: Path, project: Path, project_fd: int) -> int:
+    """An O_PATH descriptor of a zone's directory (or a workers layer).
+
+    One inside the project is opened from the project's descriptor in one openat2 that
+    follows no symlink on the way (RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH): the sandbox can
+    make links in the project through /repo, and a zone's directory must never lead anywhere
+    else. The project itself and directories beside it are named by the user and opened by
+    path (the last component never a link). Mounts may be crossed here: a zone may be one.
+    """
+    if path != project and path.is_relative_to(project):
+        rel = os.fsencode(path.relative_to(project))
+        resolve = RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH
+        return openat2(project_fd, rel, _DIR_OPEN, 0, resolve)
+    return os.open(path, _DIR_OPEN)
+
+
+def _open_failure(exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return "a symbolic link is on the way from the project, and none is followed"
+    if exc.errno == errno.ENOTDIR:
+        return "not a directory (a symbolic link?)"
+    return exc.strerror or str(exc)
+
+
+def _open_dir_or_missing(path: Path, project: Path, project_fd: int) -> int:
+    """_open_dir, or -1 where the directory is missing, not a directory or reached only
+    through a link in the project (as if missing: nothing is listed or created there)."""
     try:
-        return os.open(path, _DIR_OPEN)
-    except (FileNotFoundError, NotADirectoryError):
-        return -1
+        return _open_dir(path, project, project_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return -1
+        raise
 
 
 def _scan(fd: int) -> list[tuple[bytes, int, bool]]:

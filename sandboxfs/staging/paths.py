@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 
-from ..core.policy import Patterns, fold
+from ..core.policy import Patterns, fold, git_rule
 from ..core.store import STATE_DIR_NAME
 from .format import MODE_EXEC
 
@@ -75,6 +75,9 @@ def path_problem(path: str, deny: Patterns, protect: Patterns) -> str | None:
         return "is not a normalized path (an empty or '.' component)"
     if any(fold(part) == ".git" for part in parts):
         return "is inside .git, which a staged commit never writes"
+    rule = git_rule(path)  # HEAD outside .git, and .git's other spellings
+    if rule is not None:
+        return f"is part of git's code-running surface ({rule}), which a staged commit never writes"
     if fold(parts[0]) == fold(STATE_DIR_NAME):
         return f"is inside {STATE_DIR_NAME}, sandboxfs's state directory"
     pattern = deny.match_within(path, False)

@@ -11,8 +11,8 @@ ratio of each to native and their geometric mean. Everything is unmounted, and t
 Workloads (names and sizes follow the reference instrument /work/shared/bench/fsbench.py):
   meta   create 5,000 files of 1 KiB in 50 dirs (python), lstat them all, `ls -lR`, `rm -rf`
   tree   `tar -xf` of a source tree (~2,400 files: the running Python's stdlib, or a synthetic
-         deterministic tree when that is too small), `grep -r -c`, `git init && add -A &&
-         commit`, `git status --porcelain`, `rm -rf`
+         deterministic tree when that is too small), `grep -r -c`, `git init` (outside the
+         mount: sandboxfs makes no .git) `&& add -A && commit`, `git status --porcelain`, `rm -rf`
   data   `dd` 512 MiB bs=1M conv=fsync (--size), global `sync`, cold read (after
          drop_caches, root only), warm read
   rand   4 KiB random reads of a cached 256 MiB file: fio (psync) if installed, else a
@@ -46,7 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sandboxfs.config import DEFAULT_DENY
+from sandboxfs.config import DEFAULT_DENY, DEFAULT_PRIVATE_KEYS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CMD_TIMEOUT = 900
@@ -64,9 +64,9 @@ METRICS: list[tuple[str, str, bool, str]] = [
         "tar -xf source tree ({tree_files} files, {tree_mb} MB, {tree_kind})",
     ),
     ("tree.grep", "s", False, "grep -r -c -F import (reads every file)"),
-    ("tree.git_commit", "s", False, "git init && git add -A && git commit"),
+    ("tree.git_commit", "s", False, "git init (outside) && git add -A && git commit"),
     ("tree.git_status", "s", False, "git status --porcelain"),
-    ("tree.rm", "s", False, "rm -rf tree incl. .git"),
+    ("tree.rm", "s", False, "rm -rf tree incl. .git (but its config and hooks)"),
     ("data.write", "s", False, "dd {size} MiB bs=1M conv=fsync"),
     ("data.sync", "s", False, "global `sync` right after the dd write"),
     ("data.read_cold", "s", False, "dd read {size} MiB after drop_caches"),
@@ -85,8 +85,13 @@ METRIC_INFO = {m[0]: m for m in METRICS}
 WORKLOADS = ["meta", "tree", "data", "rand", "micro"]
 
 # sandboxfs's default deny list (config/defaults.yaml): files matching it cannot be created
-# through the mount, so they are left out of the source tree (same tree for every target).
-DENY_GLOBS = [pattern.rstrip("/") for pattern in DEFAULT_DENY]
+# through the mount, and those matching its private-key patterns may hold keys that cannot be
+# read back, so both are left out of the source tree (same tree for every target).
+DENY_GLOBS = [
+    pattern.rstrip("/")
+    for pattern in (*DEFAULT_DENY, *DEFAULT_PRIVATE_KEYS)
+    if not pattern.startswith("!")
+]
 
 MICRO_SCRIPT = r"""
 import json, os, sys, time
@@ -371,6 +376,9 @@ class Target:
         self.label = label
         self.dir = directory
         self.work = os.path.join(directory, f"bench.{label}.{os.getpid()}")
+        # The directory behind `directory` when it is a sandboxfs zone (what the user sees
+        # outside), else None.
+        self.backing: str | None = None
         self.args = args
         self.pid = pid  # daemon whose CPU time is reported
         self.values: dict[str, list[float]] = {}
@@ -383,6 +391,12 @@ class Target:
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.work, *parts)
+
+    def native(self, path: str) -> str:
+        """`path` (under self.dir) as the user reaches it outside the mount."""
+        if self.backing is None:
+            return path
+        return os.path.join(self.backing, os.path.relpath(path, self.dir))
 
 
 def git_env(args: argparse.Namespace) -> dict[str, str]:
@@ -446,7 +460,9 @@ def tree_rep(t: Target, i: int) -> dict[str, float]:
     src = os.path.join(dest, "Lib")
     r["tree.grep"], _ = run_cmd(["grep", "-r", "-c", "-F", "import", "."], cwd=src, ok=(0, 1))
     t0 = time.perf_counter()
-    run_cmd(["git", "init", "-q", "-b", "main"], cwd=src, env=env)
+    # The user's repository exists before the agent runs: sandboxfs refuses a new .git below a
+    # zone root (issue 19), so `git init` runs outside; add and commit write through the mount.
+    run_cmd(["git", "init", "-q", "-b", "main"], cwd=t.native(src), env=env)
     run_cmd(["git", "add", "-A"], cwd=src, env=env)
     run_cmd(["git", "commit", "-q", "-m", "import"], cwd=src, env=env)
     r["tree.git_commit"] = time.perf_counter() - t0
@@ -456,7 +472,15 @@ def tree_rep(t: Target, i: int) -> dict[str, float]:
     )
     if out.strip():
         raise StepError(f"git status not clean: {out[:200]!r}")
-    r["tree.rm"], _ = run_cmd(["rm", "-rf", dest])
+    # Through sandboxfs, rm removes everything but the .git entry itself with its config and
+    # hooks, which never change through the mount: rm says so (exit 1); the user removes them.
+    r["tree.rm"], _ = run_cmd(["rm", "-rf", dest], ok=(0, 1) if t.backing else (0,))
+    if t.backing is not None:
+        left = t.native(dest)
+        for dirpath, _dirs, files in os.walk(left):
+            if files and "/.git" not in dirpath[len(left) :]:
+                raise StepError(f"rm -rf left {dirpath}: {files[:3]}")
+        shutil.rmtree(left)
     settle()
     return r
 
@@ -738,6 +762,7 @@ class Bench:
         self.loopdev = ""
         self.loop_mounted = False
         self.sfs_mnt = ""
+        self.sfs_backing = ""
         self.bind_mnt = ""
         self.profiler: subprocess.Popen[bytes] | None = None
         self.daemon_pid: int | None = None
@@ -809,6 +834,24 @@ class Bench:
         )
         if not os.path.isdir(work):
             raise SystemExit(f"{work} is not a directory")
+        project = os.path.join(self.base, "project")
+        session = next(
+            (
+                line.split(": ", 1)[1].strip()
+                for line in p.stdout.splitlines()
+                if line.startswith("session: ")
+            ),
+            "",
+        )
+        self.sfs_backing = (
+            project
+            if a.zone == "repo"
+            else os.path.join(
+                project, ".sandbox", "workspaces", "default", "sessions", session, "working"
+            )
+        )
+        if not os.path.isdir(self.sfs_backing):
+            raise SystemExit(f"{self.sfs_backing} (behind {work}) is not a directory")
         return work
 
     def mount_bindfs(self) -> str | None:
@@ -1137,6 +1180,7 @@ def main() -> int:
         targets.append(Target("native", os.path.join(bench.base, "native"), a))
         work = bench.mount_sandboxfs()
         targets.append(Target("sandboxfs", work, a, pid=bench.daemon_pid))
+        targets[-1].backing = bench.sfs_backing
         bmnt = bench.mount_bindfs()
         if bmnt:
             targets.append(Target("bindfs", bmnt, a))

@@ -371,30 +371,41 @@ def test_renaming_and_linking_to_deny_listed_names(
         repo = m.mnt / "repo"
         working = m.mnt / "session" / "working"
         assert sh(f"echo data > {repo}/x.txt").returncode == 0
-        # `.ssh` looks absent, and a non-directory cannot be renamed to a name with a trailing
-        # slash: the kernel answers ENOTDIR itself, so no RENAME reaches the daemon; what does
-        # is the refused lookup of `.ssh` (the first request naming it), audited as a read.
-        refused(sh(f"mv {repo}/x.txt {repo}/.ssh/"), "Not a directory")
-        entry = denial(m, "/repo/.ssh", "read", errno="ENOENT")
-        assert entry["comm"] == "mv" and "deny pattern" in entry["reason"], entry
         denied = "Permission denied"
         # command -> (virtual path audited, message, op audited there)
         attacks = {
             f"mv {repo}/x.txt {repo}/.env": ("/repo/.env", denied, "rename"),
-            f"mv {repo}/x.txt {repo}/x.pem": ("/repo/x.pem", denied, "rename"),
-            f"mv {repo}/x.txt {repo}/.ssh": ("/repo/.ssh", denied, "rename"),
-            f"ln {repo}/x.txt {repo}/.env": ("/repo/.env", denied, "link"),
-            f"ln -s x.txt {repo}/id_rsa.pub": ("/repo/id_rsa.pub", denied, "write"),
+            f"mv {repo}/x.txt {repo}/.npmrc": ("/repo/.npmrc", denied, "rename"),
+            # .ssh exists (and is shown): mv moves into it, which the deny list refuses.
+            f"mv {repo}/x.txt {repo}/.ssh": ("/repo/.ssh/x.txt", denied, "rename"),
+            f"mv {repo}/src {repo}/.aws": ("/repo/.aws", denied, "rename"),
+            f"ln {repo}/x.txt {repo}/.git-credentials": ("/repo/.git-credentials", denied, "link"),
+            f"ln -s x.txt {repo}/.pypirc": ("/repo/.pypirc", denied, "write"),
             f"sh -c 'echo > {repo}/.env'": ("/repo/.env", denied, "write"),
-            f"sh -c 'echo > {repo}/src/deploy.key'": ("/repo/src/deploy.key", denied, "write"),
+            f"sh -c 'echo > {repo}/src/.env.production'": (
+                "/repo/src/.env.production",
+                denied,
+                "write",
+            ),
             f"mkdir {working}/.ssh": ("/session/working/.ssh", denied, "write"),
             f"sh -c 'echo > {working}/.env.local'": (
                 "/session/working/.env.local",
                 denied,
                 "write",
             ),
+            f"rm -f {repo}/.env": ("/repo/.env", denied, "delete"),
+            f"ls {repo}/.ssh": ("/repo/.ssh", denied, "list"),
         }
-        for command, (_, message, _) in attacks.items():
+        # A private key (found by its contents) is never read, moved, linked or deleted.
+        keys = {
+            f"cat {repo}/server.pem": ("/repo/server.pem", denied, "read"),
+            f"cp {repo}/server.pem {working}/copy": ("/repo/server.pem", denied, "read"),
+            f"mv {repo}/server.pem {repo}/server.txt": ("/repo/server.pem", denied, "rename"),
+            f"ln {repo}/server.pem {repo}/copy.txt": ("/repo/server.pem", denied, "link"),
+            f"rm -f {repo}/server.pem": ("/repo/server.pem", denied, "delete"),
+            f"sh -c 'echo > {repo}/server.pem'": ("/repo/server.pem", denied, "write"),
+        }
+        for command, (_, message, _) in {**attacks, **keys}.items():
             refused(sh(command), message)
         # statement -> (virtual path audited, errno, op audited there)
         probes = {
@@ -403,18 +414,17 @@ def test_renaming_and_linking_to_deny_listed_names(
                 "EACCES",
                 "rename",
             ),
-            f"os.link({str(repo / 'x.txt')!r}, {str(repo / 'a.key')!r})": (
-                "/repo/a.key",
+            f"os.link({str(repo / 'x.txt')!r}, {str(repo / '.env.test')!r})": (
+                "/repo/.env.test",
                 "EACCES",
                 "link",
             ),
             f"create({str(repo / '.netrc')!r})": ("/repo/.netrc", "EACCES", "write"),
-            # An exchange needs an existing target, and server.pem looks absent: the kernel
-            # answers ENOENT itself after the refused lookup (audited as a read).
+            # An exchange would put the key under another name.
             f"renameat2({str(repo / 'x.txt')!r}, {str(repo / 'server.pem')!r}, RENAME_EXCHANGE)": (
                 "/repo/server.pem",
-                "ENOENT",
-                "read",
+                "EACCES",
+                "rename",
             ),
         }
         for statement, (_, err, _) in probes.items():
@@ -424,17 +434,25 @@ def test_renaming_and_linking_to_deny_listed_names(
             entry = denial(m, vpath, op, entries=denials)
             assert "deny pattern" in entry["reason"], entry
             assert entry["errno"] == "EACCES", entry
+        for vpath, _, op in keys.values():
+            entry = denial(m, vpath, op, entries=denials)
+            assert "holds a private key" in entry["reason"], entry
+            assert entry["errno"] == "EACCES", entry
         for vpath, err, op in probes.values():
             entry = denial(m, vpath, op, entries=denials, errno=err)
-            assert "deny pattern" in entry["reason"], entry
+            assert "deny pattern" in entry["reason"] or "private key" in entry["reason"], entry
         assert (project / "x.txt").read_text() == "data\n"
         assert (project / ".env").read_text() == "API_KEY=secret\n"
         assert (project / "server.pem").read_text() == "-----BEGIN PRIVATE KEY-----\n"
         assert sorted(p.name for p in (project / ".ssh").iterdir()) == ["id_rsa"]
-        for name in ("x.pem", "a.key", ".netrc", "id_rsa.pub", "src/deploy.key"):
+        assert (project / "src" / "main.py").exists()
+        for name in (".npmrc", ".aws", ".git-credentials", ".pypirc", "src/.env.production"):
+            assert not (project / name).exists(), name
+        for name in (".env.test", ".netrc", "server.txt", "copy.txt"):
             assert not (project / name).exists(), name
         assert not (backing(m, "session") / "working" / ".ssh").exists()
         assert not (backing(m, "session") / "working" / ".env.local").exists()
+        assert not (backing(m, "session") / "working" / "copy").exists()
         assert_healthy(m, pid)
 
 
@@ -747,10 +765,11 @@ def test_full_repo_filesystem(mount_at: Callable[..., Any], small_fs: Path, tmp_
         filled = sh(f"head -c 2000000 /dev/zero > {m.mnt}/repo/big", timeout=30)
         refused(filled, "No space left on device")
         assert os.statvfs(small_fs).f_bavail == 0
-        assert sh(f"ls {m.mnt}/repo", timeout=10).stdout.split() == ["README.md", "big", "src"]
+        listed = sh(f"ls {m.mnt}/repo", timeout=10).stdout.split()
+        assert listed == ["README.md", "big", "server.pem", "src"]
         assert sh(f"cat {m.mnt}/repo/README.md", timeout=10).stdout == "# demo project\n"
-        refused(sh(f"cat {m.mnt}/repo/.env", timeout=10), "No such file or directory")
-        assert denial(m, "/repo/.env", "read")["errno"] == "ENOENT"
+        refused(sh(f"cat {m.mnt}/repo/.env", timeout=10), "Permission denied")
+        assert denial(m, "/repo/.env", "read")["errno"] == "EACCES"
         # Other zones live on another disk and are unaffected.
         assert sh(f"echo ok > {m.mnt}/session/working/ok", timeout=10).returncode == 0
         assert sh(f"rm {m.mnt}/repo/big", timeout=10).returncode == 0

@@ -46,18 +46,15 @@ CASEFOLD_FS = Path(__file__).with_name("casefold_fs.py")
 EROFS_TEXT = "Read-only file system"
 SECRET = "API_KEY=secret\n"
 CONFIG = "deny:\n  - config/production.yaml\n"
-# Spellings of names that exist (as .env, id_rsa, .ssh/, config/production.yaml, .sandbox/)
-# and must look absent through a mount at every trust level, `full` included.
-SPELLINGS = (
-    ".ENV",
-    ".Env",
-    "ID_RSA",
-    ".SSH/config",
-    "CONFIG/Production.YAML",
-    ".SANDBOX/audit.jsonl",
-    ".Sandbox",
-)
-HIDDEN = {".env", "id_rsa", ".ssh", ".sandbox"}  # case-folded names `ls -a /repo` must not show
+# What the private key holds (assembled here, so no scanner mistakes the test for a leak).
+KEY_TEXT = "-----BEGIN " + "OPENSSH PRIVATE KEY-----\nprivate\n"
+# Spellings of names that exist (as .env, id_rsa, .ssh/, config/production.yaml) whose contents
+# must be refused through a mount at every trust level, `full` included...
+REFUSED = (".ENV", ".Env", "ID_RSA", ".SSH/config", "CONFIG/Production.YAML")
+# ... and of the state dir, which must look absent.
+SPELLINGS = (".SANDBOX/audit.jsonl", ".Sandbox")
+SHOWN = {".env", "id_rsa", ".ssh"}  # case-folded names `ls -a /repo` shows
+HIDDEN = {".sandbox"}  # and must not show
 
 
 @pytest.fixture
@@ -100,7 +97,7 @@ def project(casefold: Path) -> Path:
     (p / "config").mkdir()
     (p / "README.md").write_text("# p\n")
     (p / ".env").write_text(SECRET)
-    (p / "id_rsa").write_text("private\n")
+    (p / "id_rsa").write_text(KEY_TEXT)
     (p / ".ssh" / "config").write_text("Host *\n")
     (p / "config" / "production.yaml").write_text("password: hunter2\n")
     (p / "config" / "staging.yaml").write_text("fine: yes\n")
@@ -172,32 +169,35 @@ def test_the_storage_folds_case(project: Path) -> None:
     assert folded_names(project).count("readme.md") == 1
 
 
-def test_secrets_stay_hidden_whatever_the_case(tmp_path: Path, project: Path) -> None:
-    """At trust `full`: every spelling of a deny-listed name, of a `deny:` path and of the state
-    dir looks absent, listings leave them out, and each reach for one is audited."""
+def test_secrets_stay_unreadable_whatever_the_case(tmp_path: Path, project: Path) -> None:
+    """At trust `full`: every spelling of a deny-listed name, of a private key and of a `deny:`
+    path is shown but its contents refused (EACCES), and each read is audited; the state dir
+    looks absent and is left out of listings."""
     assert run(["cat", project / ".ENV"]).stdout == SECRET, "the storage does not fold case"
     problems: list[str | None] = []
     with sandbox_mount(tmp_path / "mnt", project, "full") as m:
         repo = m.mnt / "repo"
+        for rel in REFUSED:
+            problems.append(fails_with(run(["cat", repo / rel]), EACCES_TEXT))
         for rel in SPELLINGS:
             problems.append(fails_with(run(["cat", repo / rel]), ENOENT_TEXT))
         problems.append(fails_with(run(["stat", repo / ".Sandbox"]), ENOENT_TEXT))
         listed = run(["ls", "-a", repo])
         assert listed.returncode == 0, listed.stderr
-        names = listed.stdout.split()
-        if "README.md" not in names or HIDDEN & {n.casefold() for n in names}:
-            problems.append(f"ls -a /repo: {names}")
+        names = {n.casefold() for n in listed.stdout.split()}
+        if "readme.md" not in names or HIDDEN & names or not names >= SHOWN:
+            problems.append(f"ls -a /repo: {sorted(names)}")
         config = run(["ls", "-a", repo / "CONFIG"]).stdout.split()
-        if config.count("staging.yaml") != 1 or "production.yaml" in config:
+        if config.count("staging.yaml") != 1 or config.count("production.yaml") != 1:
             problems.append(f"ls -a /repo/CONFIG: {config}")
         assert run(["cat", repo / "Readme.MD"]).stdout == "# p\n"  # the storage, through it
         entries = denied(m)
-    refused = {e["path"] for e in entries if e["op"] == "read" and e["errno"] == "ENOENT"}
-    for rel in SPELLINGS:
+    for rel, err in [*((r, "EACCES") for r in REFUSED), *((r, "ENOENT") for r in SPELLINGS)]:
+        refused = {e["path"] for e in entries if e["op"] == "read" and e["errno"] == err}
         parts = rel.split("/")
         reached = {"/repo/" + "/".join(parts[: i + 1]) for i in range(len(parts))}
         if not reached & refused:
-            problems.append(f"no read/ENOENT audit entry for /repo/{rel}: {sorted(refused)}")
+            problems.append(f"no read/{err} audit entry for /repo/{rel}: {sorted(refused)}")
     assert_none(problems)
 
 
@@ -208,13 +208,15 @@ def test_no_spelling_creates_or_changes_what_is_refused(tmp_path: Path, project:
     with sandbox_mount(tmp_path / "mnt", project, "full") as m:
         repo = m.mnt / "repo"
         before = folded_names(project)  # with the state dir the mount made
-        problems.append(fails_with(run(f"echo x > {repo}/SERVER.PEM"), EACCES_TEXT))
+        problems.append(fails_with(run(f"echo x > {repo}/.NETRC"), EACCES_TEXT))
+        problems.append(fails_with(run(f"echo x > {repo}/Id_Rsa"), EACCES_TEXT))  # a key
         problems.append(fails_with(run(["mkdir", repo / ".SANDBOX"]), EACCES_TEXT))
         problems.append(fails_with(run(f"echo x >> {repo}/SANDBOXFS.YAML"), EROFS_TEXT))
         problems.append(fails_with(run(f"echo x > {repo}/Sandboxfs.Yaml"), EROFS_TEXT))
         denials = [(e["op"], e["path"], e["errno"]) for e in denied(m)]
     for expected in [
-        ("write", "/repo/SERVER.PEM", "EACCES"),
+        ("write", "/repo/.NETRC", "EACCES"),
+        ("write", "/repo/Id_Rsa", "EACCES"),
         ("write", "/repo/.SANDBOX", "EACCES"),
     ]:
         if expected not in denials:

@@ -297,6 +297,8 @@ def test_mount_status_umount(tmp_path: Path, project: Path) -> None:
         listed = sandboxfs("status", "--json")
         assert listed.returncode == 0, listed.stderr
         rows = [r for r in json.loads(listed.stdout) if r["mountpoint"] == str(mnt)]
+        sizes = [r.pop("state_dir_bytes") for r in rows]  # what .sandbox/ takes on disk
+        assert len(sizes) == 1 and isinstance(sizes[0], int) and sizes[0] > 0, sizes
         assert rows == [
             {
                 "mountpoint": str(mnt),
@@ -311,7 +313,9 @@ def test_mount_status_umount(tmp_path: Path, project: Path) -> None:
         ]
         one = sandboxfs("status", mnt, "--json")
         assert one.returncode == 0, one.stderr
-        assert json.loads(one.stdout) == rows
+        one_rows = json.loads(one.stdout)
+        assert [r.pop("state_dir_bytes") > 0 for r in one_rows] == [True]
+        assert one_rows == rows
 
         down = sandboxfs("umount", mnt)
         assert down.returncode == 0, down.stderr
@@ -558,8 +562,8 @@ def test_in_project_mountpoint_is_invisible_and_does_not_hang(
         assert deep.returncode != 0
         made = sh(f"mkdir {m.mnt}/repo/mnt/x", timeout=20)
         assert made.returncode != 0
-        git_like = sh(f"find {m.mnt}/repo -maxdepth 3", timeout=20)
-        assert git_like.returncode == 0, git_like.stderr
+        git_like = sh(f"find {m.mnt}/repo -maxdepth 3 -name .ssh -prune -o -print", timeout=20)
+        assert git_like.returncode == 0, git_like.stderr  # .ssh is listed, never opened
         assert f"{m.mnt}/repo/mnt" not in git_like.stdout.split()
 
 

@@ -608,29 +608,36 @@ def test_deny_list_at_full(mount_at: Callable[..., Any], project: Path) -> None:
     failures: list[str] = []
     with mount_at("full", "--new-session", SESSION_ID) as m:
         repo = m.mnt / "repo"
-        # (refused run, deny pattern in its reason, errno): deny-listed names look absent to
-        # whatever looks them up (ENOENT); creating or renaming or linking onto one is EACCES.
+        # (refused run, deny pattern in its reason, errno): deny-listed entries are listed and
+        # stat-able; reading their contents, listing a deny-listed directory, and creating,
+        # deleting, renaming or linking onto one is EACCES.
         checks: list[tuple[Ran, str | None, str]] = []
 
-        ran = run("cat", repo / ".env")
-        checks.append((ran, ".env", ENOENT))
-        ran = run("cat", repo / "server.pem")
-        checks.append((ran, "*.pem", ENOENT))
+        checks.append((run("cat", repo / ".env"), ".env", EACCES))
+        checks.append((run("cat", repo / "server.pem"), "*.pem", EACCES))  # holds a key
 
         listing = run("ls", "-a", repo)
         names = set(listing.out.split())
         if listing.rc != 0 or "README.md" not in names:
             failures.append(f"ls -a repo: {listing}")
-        for hidden in (".env", "server.pem", ".ssh", ".sandbox"):
-            if hidden in names:
-                failures.append(f"ls -a repo shows {hidden}: {sorted(names)}")
+        for shown in (".env", "server.pem", ".ssh"):
+            if shown not in names:
+                failures.append(f"ls -a repo does not show {shown}: {sorted(names)}")
+        if ".sandbox" in names:
+            failures.append(f"ls -a repo shows .sandbox: {sorted(names)}")
+        size = run("stat", "-c", "%s %i", repo / ".env")
+        real = os.stat(project / ".env")
+        if size.out.split() != [str(real.st_size), str(real.st_ino)]:
+            failures.append(f"stat .env: {size} (outside: {real.st_size} {real.st_ino})")
 
-        checks.append((run("ls", repo / ".ssh"), ".ssh/", ENOENT))
-        checks.append((shell(f"echo > '{repo}/new.key'"), "*.key", EACCES))
+        checks.append((run("ls", repo / ".ssh"), ".ssh/", EACCES))
+        checks.append((run("cat", repo / ".ssh" / "id_rsa"), ".ssh/", EACCES))
+        checks.append((shell(f"echo > '{repo}/.netrc'"), ".netrc", EACCES))
+        checks.append((run("rm", "-f", repo / ".env"), ".env", EACCES))
         checks.append((run("mv", repo / "README.md", repo / ".env"), ".env", EACCES))
-        checks.append((run("ln", repo / "README.md", repo / "x.pem"), "*.pem", EACCES))
+        checks.append((run("ln", repo / "README.md", repo / ".npmrc"), ".npmrc", EACCES))
         # Every zone, not only the repo.
-        checks.append((shell(f"echo > '{m.mnt}/session/working/a.pem'"), "*.pem", EACCES))
+        checks.append((shell(f"echo > '{m.mnt}/session/working/.env.local'"), ".env.*", EACCES))
 
         for ran, _, err in checks:
             if not refused_as(ran, err):
@@ -640,12 +647,12 @@ def test_deny_list_at_full(mount_at: Callable[..., Any], project: Path) -> None:
             failures.append("README.md changed")
         if (project / ".env").read_text() != "API_KEY=secret\n":
             failures.append(".env changed")
-        for absent in (project / "new.key", project / "x.pem"):
+        for absent in (project / ".netrc", project / ".npmrc"):
             if os.path.lexists(absent):
                 failures.append(f"{absent.name} was created in the repo")
-        session_pem = sandbox_dir(project) / "sessions" / SESSION_ID / "working" / "a.pem"
-        if os.path.lexists(session_pem):
-            failures.append("session/working/a.pem was created")
+        session_env = sandbox_dir(project) / "sessions" / SESSION_ID / "working" / ".env.local"
+        if os.path.lexists(session_env):
+            failures.append("session/working/.env.local was created")
 
         entries = m.audit("--denied")
         for ran, pattern, err in checks:

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from sandboxfs import staged_cli
+from sandboxfs.cli import main as cli_main
 from sandboxfs.errors import UserError
 from tests.conftest import mounted, sh
 
@@ -241,7 +242,7 @@ def test_commit_lands_one_commit_with_both_trailers(tmp_path: Path) -> None:
     assert state["status"] == "committed" and state["commit"] == head and state["branch"] == "main"
     assert staged_dir(repo, "c1").is_dir()  # the staged files stay until discarded
     listed = staged(repo, "list", "--json")
-    row = json.loads(listed.out)
+    [row] = json.loads(listed.out)  # a list is one JSON array
     assert (row["status"], row["applies"], row["commit"]) == ("committed", "-", head)
     again = staged(repo, "commit", "c1")
     refused(again, "c1", "committed as")
@@ -314,7 +315,7 @@ def test_a_target_with_uncommitted_changes_is_refused(tmp_path: Path, how: str) 
         ({}, ["../x"], "../x leaves the repository"),
         ({}, ["/etc/passwd"], "/etc/passwd leaves the repository"),
         ({".env": "SECRET=1\n"}, None, ".env is deny-listed (.env)"),
-        ({"config/id_rsa": "key\n"}, None, "config/id_rsa is deny-listed (id_rsa*)"),
+        ({"config/.netrc": "key\n"}, None, "config/.netrc is deny-listed (.netrc)"),
         ({".git/hooks/pre-commit": "#!/bin/sh\n"}, None, ".git/hooks/pre-commit is inside .git"),
         ({"sandboxfs.yaml": "deny: []\n"}, None, "sandboxfs.yaml is protected"),
         ({".sandbox/audit.jsonl": "{}\n"}, None, "sandboxfs's state directory"),
@@ -511,11 +512,95 @@ def test_discard(tmp_path: Path) -> None:
     review = repo / ".sandbox/workspaces/default/review/c1"
     assert (review / "snapshot/files/src/new.py").read_text() == "new\n"
     assert json.loads((review / "state.json").read_text())["status"] == "discarded"
-    row = json.loads(staged(repo, "list", "--json").out)
+    [row] = json.loads(staged(repo, "list", "--json").out)
     assert (row["id"], row["status"], row["applies"]) == ("c1", "discarded", "-")
     refused(staged(repo, "commit", "c1"), "c1", "discarded")
     assert not (repo / "src/new.py").exists()
     assert audit_entries(repo)[-2]["detail"] == "discard"
+
+
+def review_dir(repo: Path, commit_id: str) -> Path:
+    return repo / ".sandbox" / "workspaces" / "default" / "review" / commit_id
+
+
+def test_prune_removes_what_committed_and_discarded_ones_leave(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path)
+    stage(repo, "landed", {"src/one.py": "one\n"})
+    stage(repo, "dropped", {"src/two.py": "two\n"})
+    stage(repo, "waiting", {"src/three.py": "three\n"})
+    assert staged(repo, "commit", "landed").code == 0
+    assert staged(repo, "discard", "dropped").code == 0
+    assert staged_dir(repo, "landed").is_dir() and review_dir(repo, "dropped").is_dir()
+
+    # Finished less than an hour ago: nothing to prune yet.
+    recent = staged(repo, "prune", "--older-than", "1h", "--yes")
+    assert recent.code == 0 and recent.out.startswith("nothing to prune"), recent
+    # No terminal and no --yes: it says what it would remove, and removes nothing.
+    unasked = staged(repo, "prune", "--older-than", "0s")
+    assert unasked.code == 2 and len(unasked.err.strip().splitlines()) == 1, unasked
+    assert "would remove 2 staged commits" in unasked.err and "--yes" in unasked.err
+    assert sorted(line.split()[0] for line in unasked.out.splitlines()[1:]) == [
+        "dropped",
+        "landed",
+    ]
+    dry = staged(repo, "prune", "--older-than", "0s", "--dry-run", "--json")
+    assert dry.code == 0 and sorted(p["id"] for p in dry.json()["would_remove"]) == [
+        "dropped",
+        "landed",
+    ]
+    assert [p["id"] for p in dry.json()["kept_pending"]] == ["waiting"]
+    assert review_dir(repo, "landed").is_dir()
+
+    pruned = staged(repo, "prune", "--older-than", "0s", "--yes")
+    assert pruned.code == 0, pruned
+    assert "pruned 2 staged commits" in pruned.out
+    assert "kept 1 pending staged commit" in pruned.err and "--pending" in pruned.err
+    for commit_id in ("landed", "dropped"):
+        assert not staged_dir(repo, commit_id).exists()
+        assert not review_dir(repo, commit_id).exists()
+    assert staged_dir(repo, "waiting").is_dir()  # pending: never without --pending
+    assert [row["id"] for row in staged(repo, "list", "--json").json()] == ["waiting"]
+    assert git(repo, "show", "HEAD:src/one.py") == "one\n"  # the commit itself stays
+    details = [e["detail"] for e in audit_entries(repo) if e.get("op") == "stage"]
+    assert sum(1 for d in details if d.startswith("prune (committed ")) == 1
+    assert sum(1 for d in details if d.startswith("prune (discarded ")) == 1
+
+    everything = staged(repo, "prune", "--older-than", "0s", "--pending", "--yes", "--json")
+    assert everything.code == 0, everything
+    assert [p["id"] for p in everything.json()["removed"]] == ["waiting"]
+    assert everything.json()["freed_bytes"] > 0
+    assert not staged_dir(repo, "waiting").exists() and not review_dir(repo, "waiting").exists()
+    assert staged(repo, "list", "--json").json() == []  # an empty list is still one array
+    assert not any((repo / ".sandbox" / ".pruning").iterdir())
+
+
+def test_prune_goes_by_when_it_was_committed_or_discarded(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path)
+    for commit_id in ("old", "new"):
+        stage(repo, commit_id, {f"src/{commit_id}.py": "x\n"})
+        assert staged(repo, "discard", commit_id).code == 0
+    state_file = review_dir(repo, "old") / "state.json"
+    state = json.loads(state_file.read_text())
+    state["discarded_at"] = "2020-01-01T00:00:00Z"
+    state_file.write_text(json.dumps(state))
+    result = staged(repo, "prune", "--older-than", "7d", "--yes", "--json")
+    assert result.code == 0, result
+    assert [p["id"] for p in result.json()["removed"]] == ["old"]
+    assert not review_dir(repo, "old").exists() and review_dir(repo, "new").is_dir()
+
+
+@pytest.mark.parametrize("value", ["7x", "", "-1d", "1.5h", "7", "d", "7 d", "1D"])
+def test_prune_refuses_a_bad_duration(
+    tmp_path: Path, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    repo = make_repo(tmp_path)
+    stage(repo, "c1", {"a.py": "a\n"})
+    argv = ["staged", "prune", "--older-than", value, "--pending", "--yes", "--project", str(repo)]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "--older-than" in err and ("invalid duration" in err or "expected one" in err), err
+    assert staged_dir(repo, "c1").is_dir()
 
 
 def test_a_repository_without_commits(tmp_path: Path) -> None:

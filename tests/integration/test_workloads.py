@@ -172,12 +172,12 @@ git ls-files -s
 def test_git_workflow_in_repo_matches_native(
     mount_at: Callable[..., Any], project: Path, tmp_path: Path
 ) -> None:
+    # The user's project ignores its secrets, as real ones do: inside, deny-listed files are
+    # shown but unreadable, so `git add -A` would stop at one that is neither tracked nor
+    # ignored (README, "Deny list").
+    (project / ".gitignore").write_text(".env\n.ssh/\n*.pem\n")
     native = tmp_path / "native-project"
     shutil.copytree(project, native, symlinks=True)
-    # what the mount shows of the project: the deny list hides the secrets
-    for secret in (".env", "server.pem"):
-        (native / secret).unlink()
-    shutil.rmtree(native / ".ssh")
     run(GIT_INIT, cwd=native, **GIT_ENV)
     expected = run(GIT_WORKFLOW, cwd=native, **GIT_ENV)
     run(GIT_INIT, cwd=project, **GIT_ENV)  # the user's repo, before mounting
@@ -223,6 +223,12 @@ def test_git_clone_of_native_bare_repo(mount_at: Callable[..., Any], tmp_path: P
     run(f"git clone -q {bare} {native_clone}", **GIT_ENV)
     with mount_at("full") as m:
         target = m.mnt / "repo" / "third_party" / "origin"
+        target.parent.mkdir()
+        # A new .git below the repo would choose what the user's git runs there (issue 19 §4):
+        # `git clone` into /repo is refused; into the workspace, the agent's own, it works.
+        cloned = sh(f"git clone -q {bare} {target}", **GIT_ENV)
+        assert cloned.returncode != 0 and "Read-only file system" in cloned.stderr, cloned
+        target = m.mnt / "workspace" / "third_party" / "origin"
         target.parent.mkdir()
         run(f"git clone -q {bare} {target}", **GIT_ENV)
         assert run("git status --porcelain", cwd=target).stdout == ""

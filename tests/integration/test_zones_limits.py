@@ -319,6 +319,13 @@ def test_mv_across_zones_copies_and_ln_is_exdev(session: Mount) -> None:
     assert "Invalid cross-device link" in linked.stderr
     assert not (session_dir(m) / "working" / "x").exists()
 
+    # The table says it was not done (not `ok`), and why.
+    for op, path in (("rename", "/docs/move-me.md"), ("link", "/docs/a.md")):
+        table = ok(sandboxfs("audit", "--project", m.project, "--session", m.session, "--op", op))
+        rows = [row for row in table.splitlines()[1:] if f"{path} -> /session/working/" in row]
+        assert rows, table
+        assert all(row.split()[3] == "failed" and "EXDEV: " in row for row in rows), rows
+
 
 def test_failed_move_across_zones_keeps_the_source(session: Mount) -> None:
     """docs/big.md (2000 bytes) does not fit session's max_file_bytes (1000): mv's copy fails,
@@ -497,6 +504,50 @@ def test_hard_link_does_not_open_a_file_with_another_suffix(session: Mount) -> N
     assert "not for reading" not in read.stdout, "the hard link opened secret.bin"
     assert "not for reading" not in direct.stdout, "secret.bin opened after the hard link"
     failed(linked, "Permission denied")
+
+
+# ----- /workers: layers of SANDBOXFS_WORKERS_PATH ------------------------------------------------
+
+
+def test_workers_layers_show_their_subdirectories(
+    tmp_path: Path, project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory in the second or a later layer is listed and read below its top, as one in
+    <project>/.workers is (each name below /workers comes whole from the first layer that has
+    it), and stays read-only at every depth."""
+    trees = {
+        project / ".workers": "own",
+        tmp_path / "layer1": "one",
+        tmp_path / "layer2": "two",
+    }
+    for base, name in trees.items():
+        (base / name / "deep").mkdir(parents=True)
+        (base / name / "f.txt").write_text(f"{name} f\n")
+        (base / name / "deep" / "g.txt").write_text(f"{name} g\n")
+        (base / "shared").mkdir(exist_ok=True)
+        (base / "shared" / f"{name}.txt").write_text(f"{name}\n")
+    monkeypatch.setenv("SANDBOXFS_WORKERS_PATH", f"{tmp_path / 'layer1'}:{tmp_path / 'layer2'}")
+    with mounted(tmp_path / "mnt", project, "full") as m:
+        workers = m.mnt / "workers"
+        assert ok(sh(f"ls {workers}")).split() == ["one", "own", "review.worker", "shared", "two"]
+        for name in trees.values():
+            assert ok(sh(f"ls {workers}/{name}")).split() == ["deep", "f.txt"]
+            assert ok(sh(f"ls {workers}/{name}/deep")).split() == ["g.txt"]
+            assert ok(sh(f"cat {workers}/{name}/f.txt {workers}/{name}/deep/g.txt")) == (
+                f"{name} f\n{name} g\n"
+            )
+            found = ok(sh(f"cd {workers}/{name} && find . | sort")).split()
+            assert found == [".", "./deep", "./deep/g.txt", "./f.txt"]
+        # `shared` is in every layer: the first one's directory is shown, whole
+        assert ok(sh(f"ls {workers}/shared")).split() == ["own.txt"]
+        # layer 0 is writable at full; the others are read-only below their top too
+        ok(sh(f"touch {workers}/own/deep/new.txt"))
+        assert (project / ".workers" / "own" / "deep" / "new.txt").exists()
+        for name in ("one", "two"):
+            failed(sh(f"touch {workers}/{name}/deep/new.txt"), "Read-only file system")
+            failed(sh(f"rm {workers}/{name}/deep/g.txt"), "Read-only file system")
+        assert not (tmp_path / "layer1" / "one" / "deep" / "new.txt").exists()
+        assert (tmp_path / "layer2" / "two" / "deep" / "g.txt").exists()
 
 
 # ----- the user's state dir is never a zone -----------------------------------------------------

@@ -175,8 +175,9 @@ def _expected(spec: str, op: str) -> type[SandboxAPIError] | None:
     letters = "" if create_only else spec
     readable = "r" in letters or "l" in letters
     refused_change = ReadOnlyZone if readable else PermissionDenied
+    closed = not letters and not create_only  # the whole zone is refused: no name is told
     if op == "read":
-        return None if "r" in letters else NotFound  # hidden: answered as absent
+        return None if "r" in letters else PermissionDenied if closed else NotFound
     if op == "list":
         return None if "l" in letters else PermissionDenied
     if op == "write-new":
@@ -184,6 +185,8 @@ def _expected(spec: str, op: str) -> type[SandboxAPIError] | None:
     if op == "write":
         return None if "w" in letters else refused_change
     assert op == "delete"  # the name is looked up first: hidden ones are absent
+    if closed:
+        return PermissionDenied
     return None if "d" in letters else refused_change if readable else NotFound
 
 
@@ -263,6 +266,55 @@ def test_max_chars_and_max_bytes_truncate(make: Maker) -> None:
         sb.read_text("/session/u.txt", encoding="no-such-codec")
     with pytest.raises(TypeError):
         sb.read_bytes("/session/u.txt", max_bytes="2")  # type: ignore[arg-type]
+
+
+# ----- a zone closed to the trust level ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("trust", ["untrusted", "session"])
+def test_a_closed_zone_is_refused_as_a_zone_for_any_name(make: Maker, trust: str) -> None:
+    """/repo below workspace: every name in it, existing or not, gets the same refusal
+    (PermissionDenied, naming the zone), so nothing is told about what exists; a change says
+    `not writable` (never `not readable`, even below a directory) and points to stage."""
+    sb = make(trust)
+    for path in ("/repo/README.md", "/repo/missing.txt", "/repo/src/main.py", "/repo/no/such"):
+        read = raises(PermissionDenied, lambda p=path: sb.read_text(p), "repo is not readable")
+        assert read.errno == errno.EACCES and read.path == path
+        raises(PermissionDenied, lambda p=path: sb.stat(p), "repo is not readable")
+        raises(PermissionDenied, lambda p=path: sb.delete(p), "repo is not deletable")
+        assert sb.check_permission("read", path).error == "PermissionDenied"
+    raises(PermissionDenied, lambda: sb.list("/repo/src"), "repo is not listable")
+    for path in ("/repo/new.txt", "/repo/src/new.py", "/repo/no/such/dir.py"):
+        for change in (sb.write, sb.append):
+            exc = raises(
+                PermissionDenied,
+                lambda p=path, c=change: c(p, "x"),
+                f"repo is not writable at trust level {trust}",
+                "propose the change with stage",
+            )
+            assert "not readable" not in str(exc)
+        permission = sb.check_permission("write", path)
+        assert permission.error == "PermissionDenied" and "stage" in permission.reason
+    raises(PermissionDenied, lambda: sb.mkdir("/repo/src/new", parents=True), "not writable")
+    raises(PermissionDenied, lambda: sb.rename("/session/a.txt", "/repo/x"), "not writable")
+    assert sb.read_text("/session/a.txt") == "a of session\n"
+    refused = [
+        (e["op"], e["path"], e["errno"]) for e in sb.audit_entries() if e["allowed"] is False
+    ]
+    assert ("read", "/repo/missing.txt", "EACCES") in refused  # a missing name, as any other
+    assert ("write", "/repo/src/new.py", "EACCES") in refused
+    assert ("rename", "/repo/x", "EACCES") in refused
+
+
+def test_a_change_in_a_readable_repo_points_to_stage(make: Maker) -> None:
+    sb = make("workspace")
+    hint = "propose the change with stage"
+    raises(ReadOnlyZone, lambda: sb.write("/repo/src/main.py", "x"), "not writable", hint)
+    raises(ReadOnlyZone, lambda: sb.mkdir("/repo/new"), "not writable", hint)
+    raises(NotFound, lambda: sb.read_text("/repo/missing.txt"), "does not exist")
+    # a refusal that staging cannot get round says nothing of it
+    assert hint not in str(raises(DenyListed, lambda: sb.write("/repo/.env", "x")))
+    assert hint not in str(raises(ReadOnlyZone, lambda: sb.write("/workers/a.txt", "x")))
 
 
 # ----- create-only staging --------------------------------------------------------------------
@@ -350,22 +402,59 @@ def test_stage_refuses_bad_keys_and_checks_everything_first(make: Maker) -> None
 
 
 def test_deny_list(make: Maker) -> None:
+    """The mount's rule: deny-listed entries are listed and stat-able where the level may list
+    the zone; their contents are refused, and they are never created, changed, renamed or
+    deleted (a file that exists never looks deleted)."""
     sb = make("full")
-    for path in ("/repo/.env", "/repo/server.pem", "/repo/.ssh/id_rsa", "/repo/.ssh"):
-        raises(DenyListed, lambda p=path: sb.read_text(p), "deny", "every trust level")
+    for path in ("/repo/.env", "/repo/.ssh/id_rsa"):
+        raises(DenyListed, lambda p=path: sb.read_text(p), "deny pattern", "every trust level")
+    raises(DenyListed, lambda: sb.list("/repo/.ssh"), "'.ssh/'")
     raises(DenyListed, lambda: sb.write("/repo/.env", "x"), "'.env'")
-    raises(DenyListed, lambda: sb.write("/session/.env", "x"), "'.env'")  # absent: the same
-    raises(DenyListed, lambda: sb.read_text("/session/.env.local"), "'.env.*'")
+    raises(DenyListed, lambda: sb.write("/session/.env", "x"), "'.env'")
+    raises(DenyListed, lambda: sb.write("/repo/.ssh/config", "x"), "'.ssh/'")
+    raises(NotFound, lambda: sb.read_text("/session/.env.local"), "does not exist")
     raises(DenyListed, lambda: sb.mkdir("/session/.aws"), "'.aws/'")
     raises(DenyListed, lambda: sb.delete("/repo/.env"))
     sb.write("/session/x.txt", "x")
     raises(DenyListed, lambda: sb.rename("/session/x.txt", "/session/.env"))
+    raises(DenyListed, lambda: sb.rename("/repo/.env", "/repo/env.txt"))
     listed = sb.list("/repo", recursive=True)
-    assert "/repo/README.md" in listed
-    assert not [p for p in listed if ".env" in p or ".pem" in p or ".ssh" in p], listed
+    assert {"/repo/README.md", "/repo/.env", "/repo/server.pem", "/repo/.ssh"} <= set(listed)
+    assert "/repo/.ssh/id_rsa" not in listed  # a deny-listed directory is not listed
+    assert sb.stat("/repo/.env").size == len("API_KEY=secret\n")
+    assert sb.stat("/repo/.ssh/id_rsa").kind == "file"
     assert sb.check_permission("read", "/repo/.env").error == "DenyListed"
+    assert sb.check_permission("read", "/repo/README.md").allowed
+    # Templates are ordinary files.
+    sb.write("/session/.env.example", "API_KEY=\n")
+    assert sb.read_text("/session/.env.example") == "API_KEY=\n"
     if make.disk:
         assert (make.project / ".env").read_text() == "API_KEY=secret\n"
+
+
+def test_private_keys_by_contents(make: Maker) -> None:
+    """`*.pem`, `*.key`, `id_rsa*`...: refused only when the contents hold a private key."""
+    sb = make("full")
+    raises(DenyListed, lambda: sb.read_text("/repo/server.pem"), "holds a private key", "'*.pem'")
+    raises(DenyListed, lambda: sb.write("/repo/server.pem", "x"), "holds a private key")
+    raises(DenyListed, lambda: sb.delete("/repo/server.pem"), "holds a private key")
+    raises(DenyListed, lambda: sb.rename("/repo/server.pem", "/repo/s.txt"), "private key")
+    raises(DenyListed, lambda: sb.rename("/repo/README.md", "/repo/server.pem"), "private key")
+    assert sb.check_permission("read", "/repo/server.pem").error == "DenyListed"
+    cert = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    sb.write("/session/ca.pem", cert)
+    assert sb.read_text("/session/ca.pem") == cert
+    sb.write("/session/id_rsa.pub", "ssh-rsa AAAA user@host\n")
+    assert sb.read_text("/session/id_rsa.pub").startswith("ssh-rsa")
+    sb.write("/session/new.key", "-----BEGIN OPENSSH PRIVATE KEY-----\nb3Bl\n")
+    raises(DenyListed, lambda: sb.read_text("/session/new.key"), "OPENSSH PRIVATE KEY")
+    assert sb.check_permission("read", "/session/ca.pem").allowed
+    staged = sb.stage({"certs/ca.pem": cert, "certs/new.key": "not a key\n"}, "certs")
+    assert sb.read_text(f"{staged.path}/files/certs/ca.pem") == cert
+    denial = [e for e in sb.audit_entries() if e["path"] == "/session/new.key" and not e["allowed"]]
+    assert denial and denial[-1]["op"] == "read" and denial[-1]["errno"] == "EACCES"
+    if make.disk:
+        assert (make.project / "server.pem").read_text() == "-----BEGIN PRIVATE KEY-----\n"
 
 
 def test_protected_paths(make: Maker) -> None:
@@ -373,7 +462,7 @@ def test_protected_paths(make: Maker) -> None:
     assert "default_trust" in sb.read_text("/repo/sandboxfs.yaml")  # readable
     assert sb.read_text("/repo/.git/config") == "[core]\n"
     raises(Protected, lambda: sb.write("/repo/sandboxfs.yaml", "x"), "protected", "never")
-    raises(Protected, lambda: sb.append("/repo/.git/config", "x"), "'.git/config'")
+    raises(Protected, lambda: sb.append("/repo/.git/config", "x"), "(.git/config)")
     raises(Protected, lambda: sb.write("/repo/.git/hooks/post-checkout", "x"), "'.git/hooks/'")
     raises(Protected, lambda: sb.delete("/repo/.git/hooks/pre-commit"))
     raises(Protected, lambda: sb.rename("/repo/.git/hooks", "/repo/hooks"))
@@ -456,7 +545,7 @@ def test_every_error_type(make: Maker) -> None:
         (ReadOnlyZone, lambda: sb.write("/repo/a.txt", "x"), errno.EROFS, "writable zones"),
         (PermissionDenied, lambda: sb.delete("/repo"), errno.EACCES, "zone roots"),
         (OutsideSandbox, lambda: sb.write("/x.txt", "x"), errno.ENOENT, "paths start with"),
-        (DenyListed, lambda: sb.read_text("/repo/.env"), errno.ENOENT, "deny pattern"),
+        (DenyListed, lambda: sb.read_text("/repo/.env"), errno.EACCES, "deny pattern"),
         (Protected, lambda: sb.write("/repo/.git/config", "x"), errno.EROFS, "protected"),
         (InvalidPath, lambda: sb.stat("/../x"), errno.EINVAL, "'..'"),
     ]
@@ -665,7 +754,7 @@ def test_state_dir_is_invisible(disk: Maker) -> None:
 def test_entries_land_in_the_project_log(disk: Maker) -> None:
     sb = disk("untrusted")
     sb.write("/session/a.txt", "x")
-    raises(NotFound, lambda: sb.read_text("/repo/README.md"))
+    raises(PermissionDenied, lambda: sb.read_text("/repo/README.md"), "repo is not readable")
     sb.close()
     log = audit_path(disk.project)
     lines = [json.loads(line) for line in log.read_text().splitlines()]
@@ -710,6 +799,22 @@ def test_workers_layers(disk: Maker, tmp_path: Path, monkeypatch: pytest.MonkeyP
     raises(ReadOnlyZone, lambda: sb.delete("/workers/lint.worker"), "read-only")
     sb.write("/workers/mine.worker", "name: mine\n")
     assert (disk.project / ".workers" / "mine.worker").exists()
+
+
+def test_workers_layers_below_their_top(
+    disk: Maker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A subdirectory of the second layer is read from that layer, not looked for in the first."""
+    shared = tmp_path / "shared-workers"
+    (shared / "sub" / "deep").mkdir(parents=True)
+    (shared / "sub" / "f.txt").write_text("from the shared layer\n")
+    (shared / "sub" / "deep" / "g.txt").write_text("deeper\n")
+    monkeypatch.setenv("SANDBOXFS_WORKERS_PATH", str(shared))
+    sb = disk("full")
+    assert sb.list("/workers/sub") == ["/workers/sub/deep", "/workers/sub/f.txt"]
+    assert sb.read_text("/workers/sub/f.txt") == "from the shared layer\n"
+    assert sb.read_text("/workers/sub/deep/g.txt") == "deeper\n"
+    raises(ReadOnlyZone, lambda: sb.write("/workers/sub/deep/new", "x"), "SANDBOXFS_WORKERS_PATH")
 
 
 def test_fails_closed_while_the_audit_log_cannot_be_written(

@@ -347,7 +347,8 @@ def test_refusals_say_what_is_allowed_instead(sb: Sandbox) -> None:
     result = sb.call_tool("write_file", {"path": "/repo/README.md", "content": "x"})
     assert result == (
         "Error: Cannot write '/repo/README.md': repo is not writable at trust level session; "
-        "writable zones: session, workspace, staged"
+        "writable zones: session, workspace, staged; to change the repository, propose the "
+        "change with stage: it goes to /staged/<id>/ for the user to review and commit"
     )
     result = sb.call_tool("read_file", {"path": "/repo/README.md"})
     assert result.startswith("Error: Cannot read '/repo/README.md'")

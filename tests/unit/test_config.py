@@ -18,8 +18,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO_ROOT / "config").glob("example-*.yaml"))
 
 DEFAULT_DENY = [
-    ".env", ".env.*", "*.pem", "*.key", "id_rsa*", "id_ed25519*", "id_ecdsa*", ".netrc",
+    ".env", ".env.*", "!.env.example", "!.env.sample", "!.env.template", "!.env.dist", ".netrc",
     ".git-credentials", ".npmrc", ".pypirc", ".ssh/", ".aws/", ".gnupg/",
+]  # fmt: skip
+DEFAULT_PRIVATE_KEYS = [
+    "*.pem", "*.key", "*.crt", "*.cer", "*.der", "*.p8", "*.pk8", "*.p12", "*.pfx", "*.ppk",
+    "*.asc", "*.jks", "*.keystore", "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*",
 ]  # fmt: skip
 
 TOP_LEVEL_KEYS = [
@@ -64,6 +68,7 @@ def test_defaults_match_spec() -> None:
     defaults = config.defaults()
     assert defaults.default_trust is Trust.SESSION
     assert defaults.deny == DEFAULT_DENY
+    assert defaults.deny_private_keys == DEFAULT_PRIVATE_KEYS
     assert defaults.cache.entry_timeout == defaults.cache.attr_timeout == 10.0
     assert set(defaults.permissions) == set(Trust)
     for row in defaults.permissions.values():
@@ -185,7 +190,24 @@ def test_inherit_deny_false_without_deny_clears(tmp_path: Path) -> None:
 
 def test_default_patterns_are_not_repeated(tmp_path: Path) -> None:
     _write(tmp_path, "deny: ['.env', '*.pem', extra]\n")
-    assert config.load(tmp_path).deny == [*DEFAULT_DENY, "extra"]
+    assert config.load(tmp_path).deny == [*DEFAULT_DENY, "*.pem", "extra"]
+
+
+def test_private_key_patterns_add_to_defaults_and_follow_inherit_deny(tmp_path: Path) -> None:
+    _write(tmp_path, "deny_private_keys: ['*.pem', '*.secret']\n")
+    assert config.load(tmp_path).deny_private_keys == [*DEFAULT_PRIVATE_KEYS, "*.secret"]
+    _write(tmp_path, "inherit_deny: false\ndeny_private_keys: ['*.secret']\n")
+    loaded = config.load(tmp_path)
+    assert (loaded.deny, loaded.deny_private_keys) == ([], ["*.secret"])
+
+
+def test_exceptions_only_in_deny(tmp_path: Path) -> None:
+    _write(tmp_path, "deny: ['!.env.local']\n")
+    assert config.load(tmp_path).deny == [*DEFAULT_DENY, "!.env.local"]
+    _write(tmp_path, "protect: ['!.git/hooks/']\n")
+    assert "protect patterns have no exceptions" in _load_error(tmp_path)
+    _write(tmp_path, "deny: ['!']\n")
+    assert "invalid pattern" in _load_error(tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -30,11 +30,13 @@ from sandboxfs.config import defaults
 from sandboxfs.core.context import context_document
 from sandboxfs.core.guard import Guard, MountInfo, ProcessNames
 from sandboxfs.core.policy import Policy, Trust, Zone
+from sandboxfs.core.secrets import KeyScanner, StoreContents
 from sandboxfs.core.store import (
     CONTEXT_INO,
     CONTROL_INO,
     FIRST_DYNAMIC_INO,
     ROOT_INO,
+    SPARE_INO_BASE,
     ZONE_INO,
     Store,
 )
@@ -125,11 +127,14 @@ class Harness:
         hidden = {(st.st_dev, st.st_ino) for st in map(os.stat, (state, self.mountpoint))}
         self.store = Store(self.dirs, [self.project / ".workers", self.layer2], hidden)
         config = defaults()
-        self.policy = Policy(config.matrix(), config.deny, trust, config.protect)
+        self.policy = Policy(
+            config.matrix(), config.deny, trust, config.protect, config.deny_private_keys
+        )
         self.log_path = state / "audit.jsonl"
         self.audit = AuditLog(self.log_path)
         info = MountInfo(SESSION_ID, WORKSPACE_ID, str(self.project), str(self.mountpoint))
         self.guard = Guard(self.policy, self.audit, info, moves=lambda: self.store.moves)
+        self.guard.inspect_contents(KeyScanner(StoreContents(self.store)))
         self.ops = SandboxOperations(
             self.store,
             self.guard,
@@ -493,31 +498,21 @@ async def test_opendir_of_a_file_is_enotdir(make: Callable[[str], Harness]) -> N
     await fails(h.ops.opendir(notes, CTX), errno.ENOTDIR)
 
 
-async def test_readdir_omits_deny_listed_and_state_entries(make: Callable[[str], Harness]) -> None:
-    h = make("full")
-    names = (await h.listdir(ZONE_INO[Zone.REPO])).names
-    for hidden in (b".env", b"server.pem", b".ssh", b".sandbox", b"mnt"):
-        assert hidden not in names
-    for shown in (b"README.md", b"src", b".workers"):
-        assert shown in names
-    h.allowed("list", "/repo", "repo")
-
-
-async def test_readdir_hides_an_entry_that_became_a_deny_listed_directory(
-    make: Callable[[str], Harness], monkeypatch: pytest.MonkeyPatch
+async def test_readdir_lists_deny_listed_entries_but_not_state_entries(
+    make: Callable[[str], Harness],
 ) -> None:
-    """`.ssh/` matches directories only: an entry listed as a file that is a directory by the
-    time it is stat'ed is checked again, and hidden."""
+    """A file that exists never looks deleted: where the level may list the zone, deny-listed
+    entries are listed (with their real attributes); only sandboxfs's state and other mounts
+    are left out."""
     h = make("full")
-    listed = h.store.list_entries
-
-    def as_files(node: Any) -> list[Any]:
-        return [(name, layer, ino, False) for name, layer, ino, _ in listed(node)]
-
-    monkeypatch.setattr(h.store, "list_entries", as_files)
-    names = (await h.listdir(ZONE_INO[Zone.REPO])).names
-    assert b".ssh" not in names
-    assert b"src" in names
+    replies = await h.listdir(ZONE_INO[Zone.REPO])
+    for hidden in (b".sandbox", b"mnt"):
+        assert hidden not in replies.names
+    for shown in (b".env", b"server.pem", b".ssh", b"README.md", b"src", b".workers"):
+        assert shown in replies.names
+    inode = {name: ino for name, ino, _ in replies.got}
+    assert inode[b".env"] == os.stat(h.project / ".env").st_ino
+    h.allowed("list", "/repo", "repo")
 
 
 async def listed_attrs(h: Harness, dir_vpath: str) -> dict[bytes, SimpleNamespace]:
@@ -1210,7 +1205,8 @@ async def test_forget_drops_node_when_count_reaches_zero(make: Callable[[str], H
     second = await h.ops.lookup(working, b"notes.txt", CTX)
     inode = first.st_ino
     assert second.st_ino == inode
-    assert h.store.nodes[inode].lookups == 2
+    old = h.store.nodes[inode]
+    assert old.lookups == 2
     forget(h.ops, inode, 1)
     assert inode in h.store.nodes
     assert (await h.ops.getattr(inode, CTX)).st_ino == inode
@@ -1223,8 +1219,75 @@ async def test_forget_drops_node_when_count_reaches_zero(make: Callable[[str], H
     forget(h.ops, 123456, 1)
     assert ZONE_INO[Zone.SESSION] in h.store.nodes
     again = await h.ops.lookup(working, b"notes.txt", CTX)
-    assert again.st_ino != inode  # a fresh node
-    assert h.store.nodes[again.st_ino].lookups == 1
+    assert again.st_ino == inode  # the backing file's number again, on a fresh node
+    assert h.store.nodes[inode] is not old and h.store.nodes[inode].lookups == 1
+    assert again.generation != first.generation
+
+
+async def test_inode_numbers_are_the_backing_files(make: Callable[[str], Harness]) -> None:
+    """st_ino (the node id) is the backing file's inode number in a lookup, a listing, a create
+    and a mkdir, as bindfs shows it: what git recorded in its index outside matches inside."""
+    h = make("full")
+    repo = await h.ino("/repo")
+    src = await h.ino("/repo/src")
+    assert src == os.lstat(h.project / "src").st_ino
+    main = await h.ops.lookup(src, b"main.py", CTX)
+    assert main.st_ino == os.lstat(h.project / "src" / "main.py").st_ino
+    assert main.generation != 0
+    listed = {name: ino for name, ino, _ in (await h.listdir(repo)).got}
+    assert listed[b"README.md"] == os.lstat(h.project / "README.md").st_ino
+    assert listed[b"src"] == src
+    created = await h.write_new(src, b"new.py", b"x = 1\n")
+    assert created == os.lstat(h.project / "src" / "new.py").st_ino
+    made = await h.ops.mkdir(src, b"pkg", 0o755, CTX)
+    assert made.st_ino == os.lstat(h.project / "src" / "pkg").st_ino
+
+
+async def test_inode_number_taken_by_a_live_node_gets_a_spare(
+    make: Callable[[str], Harness],
+) -> None:
+    """A backing number that another node the kernel knows already has is never handed out
+    twice: the same file seen through a second zone (<project>/.workers is /repo/.workers and
+    /workers), a file that took a deleted one's number while the kernel still knows the old
+    one, and numbers below the fixed ones get numbers of sandboxfs's own, given once."""
+    h = make("full")
+    dot_workers = await h.ino("/repo/.workers")
+    in_repo = await h.ops.lookup(dot_workers, b"review.worker", CTX)
+    backing = os.lstat(h.project / ".workers" / "review.worker").st_ino
+    assert in_repo.st_ino == backing
+    workers = await h.ino("/workers")
+    in_workers = await h.ops.lookup(workers, b"review.worker", CTX)
+    assert in_workers.st_ino >= SPARE_INO_BASE and in_workers.generation == 0
+    assert h.store.nodes[in_workers.st_ino] is not h.store.nodes[backing]
+    # The listing shows the number the lookup gave.
+    assert (b"review.worker", in_workers.st_ino) in {
+        (n, i) for n, i, _ in (await h.listdir(workers)).got
+    }
+
+    # Outside, notes.txt is deleted and a directory takes its inode number, while the kernel
+    # still holds the file's node.
+    working = await h.ino("/session/working")
+    parent = h.store.get(working)
+    notes = await h.ops.lookup(working, b"notes.txt", CTX)
+    st = h.store.lstat(h.store.dir_fd(parent), b"notes.txt")
+    assert st is not None and st.st_ino == notes.st_ino
+    st.st_mode = stat.S_IFDIR | 0o755
+    reused = h.store.remember(parent, b"newdir", st)
+    assert reused.ino >= SPARE_INO_BASE and reused is not h.store.nodes[notes.st_ino]
+    # Once the kernel forgot the old node, the number is the backing file's again.
+    forget(h.ops, notes.st_ino, 1)
+    forget(h.ops, reused.ino, 1)
+    st.st_mode = stat.S_IFREG | 0o644
+    again = h.store.remember(parent, b"notes.txt", st)
+    assert again.ino == notes.st_ino and again.generation not in (0, notes.generation)
+
+    # Numbers the fixed nodes use, and those at or above SPARE_INO_BASE, are never passed on.
+    for number in (ROOT_INO, CONTEXT_INO, FIRST_DYNAMIC_INO - 1, SPARE_INO_BASE + 10**6):
+        st.st_ino, st.st_dev = number, st.st_dev + 1
+        node = h.store.remember(parent, b"x%d" % number, st)
+        assert SPARE_INO_BASE <= node.ino < SPARE_INO_BASE + 10**6 and node.generation == 0
+    spares = [n.ino for n in h.store.nodes.values() if n.ino >= SPARE_INO_BASE]
+    assert len(spares) == len(set(spares))
 
 
 # ===== create-only /staged at untrusted ==========================================================
@@ -1317,31 +1380,120 @@ async def test_staged_create_only_no_truncate_after_release(
 
 
 async def test_deny_list_at_full(make: Callable[[str], Harness]) -> None:
+    """Deny-listed entries resolve with their real attributes; their contents are refused,
+    and they are never created, changed, renamed or deleted (EACCES, audited)."""
     h = make("full")
     repo = ZONE_INO[Zone.REPO]
-    # Deny-listed names look absent; reaching for an existing one is audited as a read.
-    await fails(h.ops.lookup(repo, b".env", CTX), errno.ENOENT)
-    h.denial("read", "/repo/.env", "repo", "ENOENT", "matches the deny pattern '.env'; deny-listed")
-    await fails(h.ops.lookup(repo, b"server.pem", CTX), errno.ENOENT)
-    h.denial("read", "/repo/server.pem", "repo", "ENOENT", "'*.pem'")
-    await fails(h.ops.lookup(repo, b".ssh", CTX), errno.ENOENT)
-    h.denial("read", "/repo/.ssh", "repo", "ENOENT", "'.ssh/'")
-    assert (await h.ops.lookup(repo, b".env.local", CTX)).st_ino == 0  # absent: same answer
-    assert not h.entries(path="/repo/.env.local")
-
-    await fails(h.ops.create(repo, b".env", 0o600, os.O_WRONLY | os.O_TRUNC, CTX), errno.EACCES)
-    h.denial("write", "/repo/.env", "repo", "EACCES", "'.env'")
-    assert (h.project / ".env").read_text() == "API_KEY=secret\n"
-    working = await h.ino("/session/working")
-    await fails(h.ops.create(working, b"deploy.key", 0o600, os.O_WRONLY, CTX), errno.EACCES)
-    await fails(h.ops.mkdir(working, b".aws", 0o700, CTX), errno.EACCES)
-    notes = await h.ino("/session/working/notes.txt")
-    await fails(h.ops.rename(working, b"notes.txt", working, b"id_rsa", 0, CTX), errno.EACCES)
-    await fails(h.ops.link(notes, working, b"x.pem", CTX), errno.EACCES)
+    env = await h.ops.lookup(repo, b".env", CTX)
+    real = os.stat(h.project / ".env")
+    assert (env.st_ino, env.st_size, env.st_mtime_ns) == (real.st_ino, 15, real.st_mtime_ns)
+    assert not h.entries(path="/repo/.env")  # a lookup is no read
+    assert (await h.ops.lookup(repo, b".env.local", CTX)).st_ino == 0  # absent
+    for flags in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR, os.O_WRONLY | os.O_TRUNC):
+        await fails(h.ops.open(env.st_ino, flags, CTX), errno.EACCES)
+    reads = h.entries(op="read", path="/repo/.env", allowed=False)
+    assert len(reads) == 1 and "matches the deny pattern '.env'" in reads[0]["reason"]
+    assert len(h.entries(op="write", path="/repo/.env", allowed=False)) == 3
+    await fails(h.ops.setattr(env.st_ino, env, fields(update_size=True), None, CTX), errno.EACCES)
+    await fails(h.ops.setattr(env.st_ino, env, fields(update_mode=True), None, CTX), errno.EACCES)
+    await fails(h.ops.setxattr(env.st_ino, b"user.x", b"1", CTX), errno.EACCES)
+    await fails(h.ops.getxattr(env.st_ino, b"user.x", CTX), pyfuse3.ENOATTR)  # none shown
+    assert await h.ops.listxattr(env.st_ino, CTX) == []
     await fails(h.ops.unlink(repo, b".env", CTX), errno.EACCES)
+    h.denial("delete", "/repo/.env", "repo", "EACCES", "'.env'")
     await fails(h.ops.rename(repo, b".env", repo, b"env.txt", 0, CTX), errno.EACCES)
-    assert (h.project / ".env").exists()
-    assert not (h.dirs[Zone.SESSION] / "working" / "deploy.key").exists()
+    await fails(h.ops.link(env.st_ino, repo, b"env.txt", CTX), errno.EACCES)
+    await fails(h.ops.create(repo, b".env", 0o600, os.O_WRONLY | os.O_TRUNC, CTX), errno.EACCES)
+    assert (h.project / ".env").read_text() == "API_KEY=secret\n"
+    assert os.stat(h.project / ".env").st_mtime_ns == real.st_mtime_ns
+
+    # A deny-listed directory: resolved, never listed; what is inside resolves and is refused.
+    ssh = await h.ops.lookup(repo, b".ssh", CTX)
+    await fails(h.ops.opendir(ssh.st_ino, CTX), errno.EACCES)
+    h.denial("list", "/repo/.ssh", "repo", "EACCES", "'.ssh/'")
+    key = await h.ops.lookup(ssh.st_ino, b"id_rsa", CTX)
+    assert key.st_size == len("private\n")
+    await fails(h.ops.open(key.st_ino, os.O_RDONLY, CTX), errno.EACCES)
+    h.denial("read", "/repo/.ssh/id_rsa", "repo", "EACCES", "'.ssh/'")
+    await fails(h.ops.create(ssh.st_ino, b"config", 0o600, os.O_WRONLY, CTX), errno.EACCES)
+    await fails(h.ops.unlink(ssh.st_ino, b"id_rsa", CTX), errno.EACCES)
+    await fails(h.ops.rmdir(repo, b".ssh", CTX), errno.EACCES)
+    await fails(h.ops.rename(repo, b".ssh", repo, b"ssh", 0, CTX), errno.EACCES)
+    assert sorted(os.listdir(h.project / ".ssh")) == ["id_rsa"]
+
+    # Names the deny list refuses are not created, nor renamed or linked onto.
+    working = await h.ino("/session/working")
+    notes = await h.ino("/session/working/notes.txt")
+    await fails(h.ops.create(working, b".netrc", 0o600, os.O_WRONLY, CTX), errno.EACCES)
+    await fails(h.ops.mkdir(working, b".aws", 0o700, CTX), errno.EACCES)
+    await fails(h.ops.rename(working, b"notes.txt", working, b".env.prod", 0, CTX), errno.EACCES)
+    await fails(h.ops.link(notes, working, b".npmrc", CTX), errno.EACCES)
+    await fails(h.ops.symlink(working, b".pypirc", b"notes.txt", CTX), errno.EACCES)
+    assert sorted(os.listdir(h.dirs[Zone.SESSION] / "working")) == ["notes.txt"]
+    # Templates meant to be committed are ordinary files.
+    await h.write_new(working, b".env.example", b"API_KEY=\n")
+    assert await h.read_file(await h.ino("/session/working/.env.example")) == b"API_KEY=\n"
+
+
+async def test_deny_listed_symlink_target_is_refused(make: Callable[[str], Harness]) -> None:
+    h = make("full")
+    (h.project / ".netrc").symlink_to("README.md")
+    link = await h.ops.lookup(ZONE_INO[Zone.REPO], b".netrc", CTX)
+    assert stat.S_ISLNK(link.st_mode)
+    await fails(h.ops.readlink(link.st_ino, CTX), errno.EACCES)
+    h.denial("read", "/repo/.netrc", "repo", "EACCES", "'.netrc'")
+
+
+async def test_deny_listed_names_look_absent_where_the_zone_cannot_be_listed(
+    make: Callable[[str], Harness],
+) -> None:
+    """At levels that may not know a zone's names (create-only /staged at untrusted), an
+    existing deny-listed name still looks absent, as every existing name there does."""
+    h = make("untrusted")
+    (h.dirs[Zone.STAGED] / "c0" / ".env").write_text("SECRET=1\n")
+    c0 = await h.ino("/staged/c0")
+    await fails(h.ops.lookup(c0, b".env", CTX), errno.ENOENT)
+    h.denial("read", "/staged/c0/.env", "staged", "ENOENT", "'.env'")
+    assert (await h.ops.lookup(c0, b".env.local", CTX)).st_ino == 0
+    await fails(h.ops.create(c0, b".env.local", 0o600, os.O_WRONLY, CTX), errno.EACCES)
+
+
+async def test_private_keys_are_refused_by_their_contents(make: Callable[[str], Harness]) -> None:
+    """`*.pem`, `*.key`, `id_rsa*`...: refused like deny-listed files only when the file holds
+    a private key; certificates, public keys and other files with those names are ordinary."""
+    h = make("full")
+    repo = ZONE_INO[Zone.REPO]
+    (h.project / "ca.pem").write_text(
+        "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    )
+    (h.project / "id_rsa.pub").write_text("ssh-rsa AAAAB3Nza user@host\n")
+    for name in (b"ca.pem", b"id_rsa.pub"):
+        assert await h.read_file((await h.ops.lookup(repo, name, CTX)).st_ino)
+    server = await h.ops.lookup(repo, b"server.pem", CTX)  # a PEM PRIVATE KEY block
+    for flags in (os.O_RDONLY, os.O_WRONLY, os.O_WRONLY | os.O_TRUNC):
+        await fails(h.ops.open(server.st_ino, flags, CTX), errno.EACCES)
+    entry = h.entries(op="read", path="/repo/server.pem", allowed=False)[0]
+    assert "holds a private key (a PEM PRIVATE KEY block)" in entry["reason"]
+    assert "'*.pem'" in entry["reason"] and entry["errno"] == "EACCES"
+    await fails(
+        h.ops.setattr(server.st_ino, server, fields(update_size=True), None, CTX), errno.EACCES
+    )
+    await fails(h.ops.unlink(repo, b"server.pem", CTX), errno.EACCES)
+    await fails(h.ops.rename(repo, b"server.pem", repo, b"server.txt", 0, CTX), errno.EACCES)
+    await fails(h.ops.rename(repo, b"README.md", repo, b"server.pem", 0, CTX), errno.EACCES)
+    await fails(h.ops.link(server.st_ino, repo, b"copy.txt", CTX), errno.EACCES)
+    # A CREATE without O_EXCL (after a lookup the kernel still caches as negative) would open it.
+    await fails(h.ops.create(repo, b"server.pem", 0o644, os.O_RDWR, CTX), errno.EACCES)
+    assert (h.project / "server.pem").read_text() == "-----BEGIN PRIVATE KEY-----\n"
+    assert not (h.project / "server.txt").exists() and not (h.project / "copy.txt").exists()
+
+    # A new key file may be created and written; once it holds a key, it is refused.
+    working = await h.ino("/session/working")
+    ino = await h.write_new(working, b"deploy.key", b"-----BEGIN EC PRIVATE KEY-----\nMHc\n")
+    await fails(h.ops.open(ino, os.O_RDONLY, CTX), errno.EACCES)
+    # The same name without a key is readable again: the answer follows the contents.
+    (h.dirs[Zone.SESSION] / "working" / "deploy.key").write_text("not a key\n")
+    assert await h.read_file(ino) == b"not a key\n"
 
 
 async def test_state_dir_and_mountpoint_are_invisible_in_repo(

@@ -269,13 +269,7 @@ DENIED = [
     (".env", True, ".env"),
     (".env.local", False, ".env.*"),
     (".env.production", False, ".env.*"),
-    ("server.pem", False, "*.pem"),
-    ("tls.key", False, "*.key"),
-    ("id_rsa", False, "id_rsa*"),
-    ("id_rsa.pub", False, "id_rsa*"),
-    ("id_ed25519", False, "id_ed25519*"),
-    ("id_ed25519.pub", False, "id_ed25519*"),
-    ("id_ecdsa", False, "id_ecdsa*"),
+    (".env.example.bak", False, ".env.*"),
     (".netrc", False, ".netrc"),
     (".git-credentials", False, ".git-credentials"),
     (".npmrc", False, ".npmrc"),
@@ -294,6 +288,17 @@ NOT_DENIED = [
     ("server.pem.txt", False),
     ("my_id_rsa", False),
     ("README.md", False),
+    # Templates meant to be committed: exceptions to `.env.*`.
+    (".env.example", False),
+    (".env.sample", False),
+    (".ENV.Template", False),
+    (".env.dist", False),
+    # Refused by their contents only (deny_private_keys), never by name.
+    ("server.pem", False),
+    ("tls.key", False),
+    ("id_rsa", False),
+    ("id_rsa.pub", False),
+    ("id_ed25519", False),
     (".ssh", False),  # `.ssh/` is directories only
     (".aws", False),
     (".gnupg", False),
@@ -322,17 +327,53 @@ def test_default_deny_patterns_do_not_overmatch(name: str, is_dir: bool) -> None
 
 def test_deny_decision_is_eacces_naming_the_pattern() -> None:
     policy = _policy("full")
-    pattern = policy.denied_name("server.pem", "", False)
+    pattern = policy.denied_name(".env.local", "", False)
     assert pattern is not None
-    decision = policy.deny_list_decision("/repo/certs/server.pem", pattern)
+    decision = policy.deny_list_decision("/repo/config/.env.local", pattern)
     assert (decision.allowed, decision.errno) == (False, EACCES)
-    assert "/repo/certs/server.pem" in decision.reason
-    assert repr("*.pem") in decision.reason
+    assert "/repo/config/.env.local" in decision.reason
+    assert repr(".env.*") in decision.reason
     assert "\n" not in decision.reason
 
 
+def test_exceptions_last_matching_entry_decides() -> None:
+    """`!glob` is an exception; as in gitignore the last entry that matches decides, so a
+    project can refuse a template again by naming it after the defaults."""
+    policy = _policy("full", deny=[".env.*", "!.env.example", "*.example"])
+    assert policy.denied_name(".env.example", "", False) == "*.example"
+    policy = _policy("full", deny=[".env.*", "!.env.example"])
+    assert policy.denied_name(".env.example", "", False) is None
+    assert policy.denied_name(".env.local", "", False) == ".env.*"
+    policy = _policy("full", deny=[*config.defaults().deny, ".env.example"])
+    assert policy.denied_name(".env.example", "a/.env.example", False) == ".env.example"
+    # Path exceptions, and exceptions that match directories only.
+    policy = _policy("full", deny=["data/*", "!data/public.csv", "keys/", "!keys/"])
+    assert policy.has_path_patterns
+    assert policy.denied_name("public.csv", "data/public.csv", False) is None
+    assert policy.denied_name("x.csv", "data/x.csv", False) == "data/*"
+    assert policy.denied_name("keys", "keys", True) is None
+
+
+def test_an_exception_does_not_reopen_a_denied_directory() -> None:
+    policy = _policy("full", deny=[".ssh/", "!config"])
+    assert policy.deny.match_within(".ssh/config", False) == ".ssh/"
+
+
+def test_default_private_key_patterns() -> None:
+    keys = config.defaults().deny_private_keys
+    policy = Policy(config.defaults().matrix(), [], Trust.FULL, (), keys)
+    for name in ("server.pem", "tls.key", "id_rsa", "id_rsa.pub", "a.p12", "b.pfx", "k.ppk"):
+        assert policy.private_keys.match(name, "", False) is not None, name
+    for name in ("README.md", "key.txt", "pem", "my_id_rsa"):
+        assert policy.private_keys.match(name, "", False) is None, name
+    assert policy.private_key_patterns == tuple(keys)
+    decision = policy.private_key_decision("/repo/a.key", "*.key", "a private key (DER)")
+    assert (decision.allowed, decision.errno, decision.rule) == (False, EACCES, "deny")
+    assert "/repo/a.key holds a private key (DER)" in decision.reason
+
+
 def test_non_utf8_names_do_not_crash() -> None:
-    policy = _policy("full", deny=[*config.defaults().deny, "data/*.bin"])
+    policy = _policy("full", deny=[*config.defaults().deny, "*.pem", "data/*.bin"])
     assert policy.has_path_patterns
     pem = b"\xff\xfe.pem".decode("utf-8", "surrogateescape")
     plain = b"caf\xe9.txt".decode("utf-8", "surrogateescape")
