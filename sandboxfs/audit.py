@@ -702,6 +702,17 @@ def _row(cells: Sequence[str]) -> str:
     return "  ".join(padded).rstrip()
 
 
+def _result(entry: dict[str, Any]) -> str:
+    """The RESULT cell: `DENIED` (refused by the policy), `failed` (not refused, yet not done:
+    a rename or link across zones, EXDEV, which `mv` answers by copying), or `ok`."""
+    allowed = entry.get("allowed")
+    if allowed is False:
+        return "DENIED"
+    if allowed is None and entry.get("errno") is not None:
+        return "failed"
+    return "ok"
+
+
 def _table_row(entry: dict[str, Any], clock: Clock | None = None) -> str:
     path = _text(entry.get("path"))
     if entry.get("path") is None and entry.get("detail") is not None:
@@ -712,9 +723,9 @@ def _table_row(entry: dict[str, Any], clock: Clock | None = None) -> str:
     process = _text(entry.get("comm"))
     if pid is not None:
         process = f"{process or '?'}[{_text(pid)}]"
-    denied = entry.get("allowed") is False
+    result = _result(entry)
     reason = ""
-    if denied:
+    if result != "ok":  # refused, or failed (EXDEV): the errno and why
         code = entry.get("errno")
         name = errno.errorcode.get(code, str(code)) if isinstance(code, int) else _text(code)
         reason = ": ".join(part for part in (name, _text(entry.get("reason"))) if part)
@@ -723,7 +734,7 @@ def _table_row(entry: dict[str, Any], clock: Clock | None = None) -> str:
     cells = [
         (clock or _UTC).show(entry.get("ts")),
         _text(entry.get("op")),
-        "DENIED" if denied else "ok",
+        result,
         _text(entry.get("zone")),
         path,
         process,

@@ -35,19 +35,19 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from . import audit as audit_mod
+from . import subcommands as subcommands_mod
 from .core.policy import BUILTIN_ZONES, Op, Trust
 from .errors import UserError
 from .project import audit_path, validate_project
 
 P = TypeVar("P", bound=argparse.ArgumentParser)
 
-SUBCOMMANDS = ("show", "verify", "prune")
 OPS = (
     *(o.value for o in Op),
     "rename",
@@ -61,38 +61,9 @@ OPS = (
     "prune",
     "trust",
     "stage",
+    "home",
 )
 _AGE_HELP = "an ISO 8601 time (2026-11-22T08:00:00Z) or an age (30s, 10m, 2h, 7d)"
-
-
-class _AuditParser(argparse.ArgumentParser):
-    """The `audit` parser. argparse has no default subcommand, so arguments that name none are
-    given to `show`, and options written before the subcommand are moved after it; options
-    that the subcommand does not take are refused by the subcommand, naming its own --help."""
-
-    subcommands: dict[str, argparse.ArgumentParser]
-    value_options: frozenset[str]  # options that take a value, which may look like a subcommand
-
-    def parse_known_args(  # Any: as all of ArgumentParser's overloads at once
-        self, args: Iterable[str] | None = None, namespace: Any = None
-    ) -> tuple[Any, list[str]]:
-        argv = self._subcommand_first(list(sys.argv[1:] if args is None else args))
-        parsed, extras = super().parse_known_args(argv, namespace)
-        if extras:
-            self.subcommands[argv[0]].error(f"unrecognized arguments: {' '.join(extras)}")
-        return parsed, extras
-
-    def _subcommand_first(self, args: list[str]) -> list[str]:
-        if args[:1] and args[0] in (*SUBCOMMANDS, "-h", "--help"):
-            return args
-        is_value = False
-        for i, arg in enumerate(args):
-            if arg == "--":
-                break
-            if arg in SUBCOMMANDS and not is_value:  # not `--op prune` or `--session show`
-                return [arg, *args[:i], *args[i + 1 :]]
-            is_value = arg in self.value_options
-        return ["show", *args]
 
 
 def add_parser(
@@ -138,7 +109,7 @@ def add_parser(
         description="Drop the entries older than --before T from the start of the log; the rest "
         "stays verifiable. Asks first, or needs --yes when stdin is not a terminal.",
     )
-    options = [
+    for parser in (show, verify, prune):
         parser.add_argument(
             "--project",
             type=Path,
@@ -146,30 +117,18 @@ def add_parser(
             metavar="DIR",
             help="project directory (default: .)",
         )
-        for parser in (show, verify, prune)
-    ]
-    options += _show_options(show, trust_type, when_type, positive_type)
-    options.append(
-        prune.add_argument(
-            "--before",
-            type=when_type,
-            required=True,
-            metavar="T",
-            help=f"drop entries older than T: {_AGE_HELP}",
-        )
+    _show_options(show, trust_type, when_type, positive_type)
+    prune.add_argument(
+        "--before",
+        type=when_type,
+        required=True,
+        metavar="T",
+        help=f"drop entries older than T: {_AGE_HELP}",
     )
     prune.add_argument(
         "-y", "--yes", action="store_true", help="do not ask (needed when stdin is no terminal)"
     )
-
-    # `sub` made `audit` of the caller's class; _AuditParser's parsing is added to that class,
-    # since argparse offers no other way to give one subcommand's parser a default subcommand.
-    audit.__class__ = type("AuditParser", (_AuditParser, type(audit)), {})
-    strict = cast(_AuditParser, audit)
-    strict.subcommands = {"show": show, "verify": verify, "prune": prune}
-    strict.value_options = frozenset(
-        name for option in options if option.nargs != 0 for name in option.option_strings
-    )
+    subcommands_mod.with_default(audit, {"show": show, "verify": verify, "prune": prune}, "show")
 
 
 def _show_options(
@@ -178,7 +137,7 @@ def _show_options(
     when_type: Callable[[str], datetime],
     positive_type: Callable[[str], int],
 ) -> list[argparse.Action]:
-    """Add show's filters and output options; returns them, for `_AuditParser.value_options`."""
+    """Add show's filters and output options; returns them."""
     add = show.add_argument
     allowed = show.add_mutually_exclusive_group()
     return [
@@ -215,7 +174,11 @@ def _show_options(
             help="only the last N matching entries; with --follow, print the last N before the "
             "new ones (default: none, only new ones)",
         ),
-        add("--json", action="store_true", help="JSON lines (ts in UTC, as stored), not a table"),
+        add(
+            "--json",
+            action="store_true",
+            help="one JSON object a line, as in the log (ts in UTC, as stored), not a table",
+        ),
         add(
             "--follow",  # no -f: that is mount's --foreground, and means nothing else anywhere
             action="store_true",
@@ -294,24 +257,10 @@ def _prune(args: argparse.Namespace, path: Path) -> int:
     if count == 0:
         print(f"nothing to prune: no entries older than {before} at the start of {path}")
         return 0
-    if not args.yes:
-        if not sys.stdin.isatty():
-            raise UserError(
-                f"audit prune would drop {count} entries older than {before} from {path}: "
-                "pass --yes, there is no terminal to ask on"
-            )
-        if not _confirm(f"drop {count} entries older than {before} from {path}? [y/N] "):
-            _note("nothing pruned")
-            return 1
+    what = f"drop {count} entries older than {before} from {path}"
+    if not subcommands_mod.ask_first("audit prune", what, args.yes):
+        _note("nothing pruned")
+        return 1
     dropped = audit_mod.prune(path, args.before)
     print(f"pruned {dropped} entries older than {before} from {path}")
     return 0
-
-
-def _confirm(question: str) -> bool:
-    """Ask on the terminal; only y or yes is yes (end of input is no)."""
-    print(question, end="", file=sys.stderr, flush=True)
-    answer = sys.stdin.readline()
-    if not answer:
-        print(file=sys.stderr)
-    return answer.strip().lower() in ("y", "yes")

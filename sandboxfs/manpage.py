@@ -50,7 +50,8 @@ FILES = [
         "<project>/.sandbox/",
         "Everything sandboxfs keeps for the project: workspaces, sessions, "
         "staged changes, daemon logs, and the audit log .sandbox/audit.jsonl. It ignores itself in "
-        "git.",
+        "git. Nothing in it is removed by itself: sessions prune, staged prune and audit prune "
+        "trim it; sessions lists what the sessions take, status shows its size.",
     ),
     (
         "~/.local/state/sandboxfs/",

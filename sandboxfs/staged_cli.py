@@ -1,10 +1,13 @@
-"""`sandboxfs staged list|show|diff|commit|discard`: review an agent's staged commits and land
-them in git (the model is sandboxfs.staging).
+"""`sandboxfs staged list|show|diff|commit|discard|prune`: review an agent's staged commits and
+land them in git (the model is sandboxfs.staging).
 
 Every subcommand takes `--project DIR` (default: .), `--workspace ID` (default: default) and
-`--json`. `show`, `diff` and `commit` freeze the staged commit (a snapshot in the review state,
-which the agent cannot reach), so what is reviewed is what lands; each of them, and `discard`,
-is audited as op `stage`.
+`--json` (`list`: one JSON array; the others: one JSON object). `show`, `diff` and `commit`
+freeze the staged commit (a snapshot in the review state, which the agent cannot reach), so
+what is reviewed is what lands; each of them, `discard` and `prune` is audited as op `stage`.
+`prune --older-than DURATION` removes what committed and discarded staged commits leave (their
+files in /staged and their review), and with `--pending` the pending ones too; it asks first
+as `audit prune` does (sandboxfs.staging.prune).
 
 Exit codes: 0 done; 1 refused (a commit that cannot land, with one line per reason: `sandboxfs:
 staged commit ID not committed: REASON`; a staged commit too large to review); 2 bad input
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import config as config_mod
+from . import subcommands as subcommands_mod
 from .errors import UserError
 from .project import validate_project
 from .staging import (
@@ -47,10 +51,12 @@ from .staging import (
     make_plan,
     record,
 )
+from .staging import prune as pruning
+from .state import finish_interrupted, format_duration, format_size
 
 P = TypeVar("P", bound=argparse.ArgumentParser)
 
-SUBCOMMANDS = ("list", "show", "diff", "commit", "discard")
+SUBCOMMANDS = ("list", "show", "diff", "commit", "discard", "prune")
 COLORS = ("auto", "always", "never")
 _BOLD, _RED, _GREEN, _CYAN, _YELLOW, _RESET = (
     "\x1b[1m",
@@ -114,9 +120,17 @@ def add_parser(sub: argparse._SubParsersAction[P]) -> None:
             description="Mark the staged commit discarded and remove it from /staged; the "
             "snapshot and state in the review directory are kept for the record.",
         ),
+        "prune": subcommands.add_parser(
+            "prune",
+            help="remove what committed and discarded staged commits leave, after a while",
+            description="Remove the files in /staged and the review (state, snapshot) of the "
+            "staged commits committed or discarded more than DURATION ago; with --pending also "
+            "of the pending ones unchanged for that long (never otherwise). Each is audited as "
+            "op stage. Lists them and asks first, or needs --yes when stdin is not a terminal.",
+        ),
     }
     for name, parser in parsers.items():
-        if name != "list":
+        if name not in ("list", "prune"):
             parser.add_argument("commit_id", metavar="ID", help="the staged commit's id")
         parser.add_argument(
             "--project",
@@ -131,7 +145,11 @@ def add_parser(sub: argparse._SubParsersAction[P]) -> None:
             metavar="ID",
             help="workspace whose /staged to use (default: default)",
         )
-        parser.add_argument("--json", action="store_true", help="print JSON, not text")
+        parser.add_argument(
+            "--json",
+            action="store_true",
+            help="one JSON array, not a table" if name == "list" else "one JSON object, not text",
+        )
     for name in ("show", "diff"):
         parsers[name].add_argument(
             "--color",
@@ -154,6 +172,26 @@ def add_parser(sub: argparse._SubParsersAction[P]) -> None:
         metavar="DIGEST",
         help="refuse unless the staged commit's digest (from show or diff) is DIGEST",
     )
+    prune = parsers["prune"]
+    prune.add_argument(
+        "--older-than",
+        type=subcommands_mod.duration,
+        required=True,
+        metavar="DURATION",
+        help="committed or discarded (with --pending: last changed) more than DURATION ago: "
+        + subcommands_mod.DURATION_HELP,
+    )
+    prune.add_argument(
+        "--pending",
+        action="store_true",
+        help="also the pending ones (never reviewed, or reviewed and not committed)",
+    )
+    prune.add_argument(
+        "--dry-run", action="store_true", help="only list what would be removed; remove nothing"
+    )
+    prune.add_argument(
+        "-y", "--yes", action="store_true", help="do not ask (needed when stdin is no terminal)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -167,6 +205,7 @@ def main(args: argparse.Namespace) -> int:
         "diff": _diff,
         "commit": _commit,
         "discard": _discard,
+        "prune": _prune,
     }
     return run[args.staged_action](args, ws)
 
@@ -209,9 +248,8 @@ def _list(args: argparse.Namespace, ws: Workspace) -> int:
         _note(f"ignored {line}")
     repo = _repo(ws, need_git=False)
     rows = [_list_row(ws.load(commit_id, repo.git), repo) for commit_id in ids]
-    if args.json:
-        for row in rows:
-            print(json.dumps(row, sort_keys=True))
+    if args.json:  # a list: one JSON array (see "JSON output" in the README)
+        print(json.dumps(rows, sort_keys=True, indent=2))
         return 0
     if not rows:
         print(f"no staged commits in workspace {ws.name} of {ws.project}")
@@ -661,3 +699,96 @@ def _discard(args: argparse.Namespace, ws: Workspace) -> int:
         committed = " (it stays committed)" if state["status"] == "committed" else ""
         print(f"discarded staged commit {commit_id}{committed}; its review record is in {kept}")
     return 0
+
+
+# ----- prune --------------------------------------------------------------------------------------
+
+
+def _prune(args: argparse.Namespace, ws: Workspace) -> int:
+    finish_interrupted(ws.project)
+    now = datetime.now(UTC)
+    older = args.older_than
+    chosen, waiting = pruning.select(pruning.candidates(ws), older, now, args.pending)
+    shown = format_duration(older.total_seconds())
+
+    def note_kept() -> None:
+        if waiting:
+            _note(
+                f"kept {len(waiting)} pending staged commit{'' if len(waiting) == 1 else 's'} "
+                f"unchanged for more than {shown} (--pending prunes them too)"
+            )
+
+    count = len(chosen)
+    what = (
+        f"remove {count} staged commit{'' if count == 1 else 's'} "
+        f"({format_size(sum(p.bytes for p in chosen))}) finished more than {shown} ago from "
+        f"workspace {ws.name} of {ws.project}"
+    )
+    if not chosen or args.dry_run:
+        note_kept()
+        if args.json:
+            _prune_json([], chosen if args.dry_run else [], waiting, [])
+        elif not chosen:
+            print(f"nothing to prune: no staged commit finished more than {shown} ago")
+        else:
+            print("\n".join(_prune_table(chosen)))
+            print(f"would {what}")
+        return 0
+    if not args.yes and not args.json:
+        print("\n".join(_prune_table(chosen)))
+    if not subcommands_mod.ask_first("staged prune", what, args.yes):
+        _note("nothing pruned")
+        return 1
+    note_kept()
+    removed: list[pruning.Prunable] = []
+    failed: list[tuple[pruning.Prunable, str]] = []
+    for item in chosen:
+        problem = pruning.prune(ws, item, older)
+        if problem is None:
+            removed.append(item)
+        else:
+            failed.append((item, problem))
+            _note(f"staged commit {escape_name(item.commit_id)}: {problem}")
+    if args.json:
+        _prune_json(removed, [], waiting, failed)
+    else:
+        print(
+            f"pruned {len(removed)} staged commit{'' if len(removed) == 1 else 's'} "
+            f"({format_size(sum(p.bytes for p in removed))}) from workspace {ws.name} of "
+            f"{ws.project}"
+        )
+    return 1 if failed else 0
+
+
+def _prune_table(chosen: Sequence[pruning.Prunable]) -> list[str]:
+    rows = [["ID", "STATUS", "SINCE (UTC)", "SIZE", "SESSION"]]
+    for item in chosen:
+        rows.append(
+            [
+                escape_name(item.commit_id),
+                item.status,
+                iso(item.when).replace("T", " ").removesuffix("Z"),
+                format_size(item.bytes),
+                escape_name(item.session or "-"),
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return [
+        "  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), r[-1]]) for r in rows
+    ]
+
+
+def _prune_json(
+    removed: Sequence[pruning.Prunable],
+    would: Sequence[pruning.Prunable],
+    kept: Sequence[pruning.Prunable],
+    failed: Sequence[tuple[pruning.Prunable, str]],
+) -> None:
+    doc = {
+        "removed": [p.as_json() for p in removed],
+        "would_remove": [p.as_json() for p in would],
+        "kept_pending": [p.as_json() for p in kept],
+        "failed": [{**p.as_json(), "error": why} for p, why in failed],
+        "freed_bytes": sum(p.bytes for p in removed),
+    }
+    print(json.dumps(doc, sort_keys=True, indent=2))

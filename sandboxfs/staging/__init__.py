@@ -13,6 +13,7 @@ repository's code, or imports pyfuse3 or trio. The modules, each importing only 
 - plan: a staged commit against HEAD, three-way: what would land, and what stands in the way
 - review: a workspace's staged commits, their review state, freezing, pending
 - land: the audit entry, and landing a frozen staged commit as one commit
+- prune: removing what committed, discarded (and, when asked, pending) staged commits leave
 """
 
 from .format import (

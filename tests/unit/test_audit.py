@@ -692,6 +692,30 @@ def test_format_table(mixed_log: Path) -> None:
     assert format_table([]) == lines[0]
 
 
+def test_format_table_shows_a_rename_across_zones_as_failed_not_ok() -> None:
+    """EXDEV is no refusal (`allowed` is null: mv copies instead), but nothing was renamed."""
+    reason = "renames cannot cross zones (repo -> session); copy the file instead"
+    entries = [
+        _entry(
+            op=op,
+            path="/repo/a",
+            dest="/session/working/a",
+            zone="repo",
+            allowed=None,
+            errno="EXDEV",
+            reason=reason,
+            ts=_ts(0),
+        )
+        for op in ("rename", "link")
+    ]
+    for row in format_table(entries).splitlines()[1:]:
+        cells = row.split()
+        assert cells[3] == "failed", row
+        assert "ok" not in cells[:4]
+        assert row.endswith(f"EXDEV: {reason}")
+        assert "/repo/a -> /session/working/a" in row
+
+
 def test_format_table_keeps_long_paths_and_escapes_control_characters() -> None:
     long_path = "/workspace/" + "d/" * 60 + "file.txt"
     table = format_table(
@@ -1041,7 +1065,8 @@ def test_prune_keeps_the_keyed_chain_and_head(tmp_path: Path) -> None:
     writer.close()
     assert verify(path).ok and _anchor(path).head_id == 11
 
-    assert prune(path, T0 + timedelta(days=1)) == 7  # everything: the header takes id 11
+    # everything, the entry just recorded (stamped now) included: the header takes id 11
+    assert prune(path, datetime.now(UTC) + timedelta(days=1)) == 7
     assert [(e["op"], e["id"]) for e in read_entries(path)] == [("prune", 11)]
     result = verify(path)
     assert result.ok and result.entries == 0, result.message
