@@ -20,10 +20,26 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import audit_cli, completion, confine, control, manpage, netproxy, staged_cli, staging
+from . import (
+    audit_cli,
+    completion,
+    confine,
+    control,
+    manpage,
+    netproxy,
+    sessions_cli,
+    staged_cli,
+    staging,
+    state,
+    toolchain,
+    userconfig,
+)
 from . import config as config_mod
 from . import doctor as doctor_mod
+from . import home as home_mod
+from . import project as project_mod
 from . import run as run_mod
+from .audit_anchor import state_root
 from .core.policy import Trust
 from .daemon import (
     NOT_YOURS,
@@ -124,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="HOST[:PORT]",
         help="with --net allow: a host the program may reach (name, *.suffix or address; "
-        "no port: 80 and 443); repeatable",
+        "no port: 80 and 443; NAME=IP: the name, also at that non-global address); repeatable",
     )
     run.add_argument(
         "--env",
@@ -145,6 +161,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="fsync every audit entry before the operation returns",
     )
     run.add_argument("--quiet", "-q", action="store_true", help="no summary line at exit")
+    run.add_argument(
+        "--agent",
+        metavar="NAME",
+        help="an agent profile: its hosts (with --net allow, the default then), environment "
+        "variables and exposed paths: " + ", ".join(userconfig.BUILTIN_AGENTS) + " or your own",
+    )
+    run.add_argument(
+        "--expose",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="show this host file or directory read-only at the same path inside (never a "
+        "home, a secret, the project or sandboxfs's state); repeatable",
+    )
     run.add_argument(
         "argv",
         nargs=argparse.REMAINDER,
@@ -181,7 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
             "It takes effect for the next operation: the kernel's cached names, attributes and "
             "file pages are dropped, and open files and directories are checked again.",
         )
-        change.add_argument("mountpoint", type=Path, help="the mount, as `sandboxfs status` shows")
+        change.add_argument(
+            "mountpoint",
+            nargs="?",
+            metavar="MOUNTPOINT|SESSION",
+            help="the mount or the session id, as `sandboxfs status` shows them; left out: "
+            "the only running session of the project",
+        )
+        change.add_argument(
+            "--project", type=Path, default=None, help="the project (default: this directory)"
+        )
         change.add_argument(
             "--trust", type=_trust, required=True, metavar="LEVEL", help="the new trust level"
         )
@@ -189,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     audit_cli.add_parser(sub, trust_type=_trust, when_type=_when, positive_type=_positive)
     staged_cli.add_parser(sub)
+    sessions_cli.add_parser(sub)
+    home_mod.add_parser(sub)
     shell = sub.add_parser(
         "completion",
         help="print the bash or zsh completion script",
@@ -393,13 +434,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_mod.load(project, args.config)
     workspace = check_id("workspace", args.workspace)
     session, _ = choose_session(project, workspace, args.session, args.new_session)
-    net = args.net or cfg.run.network
+    user = userconfig.load()
+    profile = userconfig.agent(args.agent, user) if args.agent else None
+    net = args.net or ("allow" if profile and profile.allow_hosts else cfg.run.network)
     hosts = args.allow_host or ([] if args.net and args.net != "allow" else cfg.run.allow_hosts)
     if args.allow_host and net != "allow":
         raise UserError("--allow-host needs --net allow")
+    if profile is not None:
+        hosts = list(dict.fromkeys([*profile.allow_hosts, *hosts]))
     try:
         allow = tuple(netproxy.parse_allow_host(h) for h in hosts) if net == "allow" else ()
-        env = dict(confine.parse_env_option(e, os.environ) for e in args.env)
+        env = profile.environment(os.environ) if profile is not None else {}
+        env.update(confine.parse_env_option(e, os.environ) for e in args.env)
         cwd = confine.virtual_cwd(args.cwd) if args.cwd is not None else None
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -408,12 +454,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             "--net allow needs at least one --allow-host HOST[:PORT] (or run.allow_hosts in "
             "the config); use --net none for no network"
         )
+    trust = args.trust or cfg.default_trust
+    tools = _run_toolchain(args, project, command, env, user, profile)
     req = run_mod.RunRequest(
         project=project,
-        trust=args.trust or cfg.default_trust,
+        trust=trust,
         workspace=workspace,
         session=session,
-        config=cfg,
+        config=project_mod.with_home(cfg, project, workspace, trust),
         command=tuple(command),
         config_file=args.config,
         net=net,
@@ -422,8 +470,50 @@ def cmd_run(args: argparse.Namespace) -> int:
         cwd=cwd,
         audit_sync=args.audit_sync,
         quiet=args.quiet,
+        tools=tools,
     )
     return run_mod.run(req)
+
+
+def _run_toolchain(
+    args: argparse.Namespace,
+    project: Path,
+    command: list[str],
+    env: dict[str, str],
+    user: userconfig.UserConfig,
+    profile: userconfig.AgentProfile | None,
+) -> toolchain.Toolchain:
+    """What CMD needs of the host and what the user exposes (sandboxfs.toolchain): one line
+    and exit 125 for a path that may not be exposed, 127 when CMD cannot run inside."""
+    limits = toolchain.Limits.of(project, [project_mod.state_dir(project), state_root()])
+    exposed = [(path, f"{userconfig.path()}: expose:") for path in user.expose]
+    if profile is not None:
+        exposed += [(path, f"--agent {args.agent}: expose:") for path in profile.expose]
+    exposed += [(path, "--expose") for path in args.expose]
+    tools = toolchain.expose(exposed, caller_env=os.environ, limits=limits, tools=None)
+    for program in profile.programs if profile is not None else ():
+        if program == command[0]:
+            continue
+        try:
+            toolchain.resolve(
+                [program],
+                caller_env=os.environ,
+                limits=limits,
+                project=project,
+                tools=tools,
+                strict=False,
+            )
+        except toolchain.NotRunnable as exc:
+            if not args.quiet:
+                print(f"sandboxfs: warning: --agent {args.agent}: {exc.message}", file=sys.stderr)
+    return toolchain.resolve(
+        command,
+        caller_env=os.environ,
+        limits=limits,
+        project=project,
+        tools=tools,
+        strict="PATH" not in env,
+    )
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -509,6 +599,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             raise UserError(f"{args.mountpoint} is not a sandboxfs mount")
         mounts = [wanted]
     rows: list[dict[str, Any]] = []
+    sizes: dict[str, int | None] = {}  # per project: several mounts of one are measured once
     for mp in mounts:
         context = read_context(Path(mp), timeout=2.0)
         if isinstance(context, dict):
@@ -523,6 +614,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                     # `sandboxfs run` sessions name their command
                     **({"command": context["command"]} if "command" in context else {}),
                     "pending": _pending_staged(context),
+                    "state_dir_bytes": _state_dir_bytes(context, sizes),
                 }
             )
         elif context == NOT_YOURS:
@@ -535,11 +627,27 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not rows:
         print("no sandboxfs mounts")
         return 0
-    headers = ["MOUNTPOINT", "STATE", "TRUST", "SESSION", "WORKSPACE", "PID", "PENDING", "PROJECT"]
+    headers = [
+        "MOUNTPOINT",
+        "STATE",
+        "TRUST",
+        "SESSION",
+        "WORKSPACE",
+        "PID",
+        "PENDING",
+        "STATE DIR",
+        "PROJECT",
+    ]
     if any(r.get("owner") for r in rows):
         headers.insert(2, "OWNER")  # other users' mounts
     if any(r.get("command") for r in rows):
         headers.append("COMMAND")  # `sandboxfs run` sessions
+    for shown in rows:
+        size = shown.get("state_dir_bytes")
+        # one word, as every other cell: `du -h` style, 12.5MiB
+        shown["state dir"] = (
+            state.format_size(size).replace(" ", "") if isinstance(size, int) else None
+        )
     table = [[_status_cell(r.get(k.lower())) for k in headers] for r in rows]
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
     for row in [headers, *table]:
@@ -547,11 +655,44 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trust_target(target: str | None, project: Path | None) -> Path:
+    """The mount that promote/demote aim at: a mountpoint, a session id, or (none given) the
+    only running session of the project."""
+    mounts = sandboxfs_mounts()
+    if target is not None and os.path.abspath(target) in mounts:
+        return Path(os.path.abspath(target))
+    live = []
+    for mnt in mounts:
+        context = read_context(Path(mnt), timeout=2.0)
+        if isinstance(context, dict):
+            live.append((mnt, context))
+    if target is not None and ("/" in target or os.path.exists(target)):
+        raise UserError(f"{target} is not a sandboxfs mount (see 'sandboxfs status')")
+    if target is not None:
+        found = [mnt for mnt, context in live if context.get("session") == target]
+        if len(found) == 1:
+            return Path(found[0])
+        sessions = ", ".join(sorted({str(c.get("session")) for _, c in live})) or "none"
+        raise UserError(
+            f"{target} is neither a sandboxfs mount nor a running session "
+            f"(running sessions: {sessions}; see 'sandboxfs status')"
+        )
+    where = (project or Path.cwd()).resolve()
+    found = [mnt for mnt, context in live if context.get("project") == str(where)]
+    if len(found) == 1:
+        return Path(found[0])
+    if not found:
+        raise UserError(f"no session of {where} is running (see 'sandboxfs status')")
+    sessions = ", ".join(
+        sorted(str(c.get("session")) for m, c in live if c.get("project") == str(where))
+    )
+    raise UserError(f"{len(found)} sessions of {where} are running ({sessions}): name one")
+
+
 def cmd_trust(args: argparse.Namespace) -> int:
     """promote and demote: one request on the mount's control socket."""
-    mountpoint = Path(os.path.abspath(args.mountpoint))
-    if str(mountpoint) not in sandboxfs_mounts():
-        raise UserError(f"{args.mountpoint} is not a sandboxfs mount (see 'sandboxfs status')")
+    mountpoint = _trust_target(args.mountpoint, args.project)
+    args.mountpoint = str(mountpoint)
     context = read_context(mountpoint, timeout=5.0)
     if not isinstance(context, dict):
         why = "it is another user's mount" if context == NOT_YOURS else f"it is {context}"
@@ -591,6 +732,17 @@ def _pending_staged(context: dict[str, Any]) -> int | None:
         return None
 
 
+def _state_dir_bytes(context: dict[str, Any], sizes: dict[str, int | None]) -> int | None:
+    """What the mount's project's state dir takes on disk (None: unknown); the table shows it
+    as STATE DIR, and `sandboxfs sessions` tells what in it."""
+    project = context.get("project")
+    if not isinstance(project, str):
+        return None
+    if project not in sizes:
+        sizes[project] = state.state_dir_bytes(Path(project)) if Path(project).is_dir() else None
+    return sizes[project]
+
+
 def _status_cell(value: Any) -> str:
     if isinstance(value, list):
         return shlex.join(str(v) for v in value)
@@ -619,6 +771,8 @@ COMMANDS = {
     "demote": cmd_trust,
     "audit": audit_cli.main,
     "staged": staged_cli.main,
+    "sessions": sessions_cli.main,
+    "home": home_mod.main,
 }
 
 

@@ -4,7 +4,8 @@ Everything here is pure (it reads the host's /etc and / to mirror them, and noth
 the view can be tested without starting anything. The root of the sandbox is an allowlist, not
 the host's root with holes: the mount at /sandbox, the system read-only (/usr, the /bin and
 /lib* links, /etc without its secrets), and private /tmp, /proc and /dev. Homes, /root, /run,
-/var, /sys, /mnt, /media, the host's /tmp and the real project are simply not there.
+/var, /sys, /mnt, /media, the host's /tmp and the real project are simply not there (but for
+what sandboxfs.toolchain shows of a home for CMD, read-only: its package or prefix, never more).
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ SYNC_FD, STDERR_FD, SECCOMP_FD, STATUS_FD = 3, 4, 5, 6
 # bubblewrap reads its options from here (--args), not from its argv: /proc/1/cmdline inside
 # would otherwise show every host path it binds, the user's home among them.
 ARGS_FD = 8
+# (--net none and allow) The sandbox's /etc/resolv.conf, which bubblewrap reads and closes: it
+# names the only nameserver inside, run's stub, which answers nothing and tells the user.
+DNS_FD = 9
 
 
 def system_args(root: Path = Path("/")) -> list[str]:
@@ -204,21 +208,25 @@ def bwrap_args(
     cwd: str,
     net: str,
     root: Path = Path("/"),
+    tools: Sequence[str] = (),
 ) -> list[str]:
     """bubblewrap's options for `run` (handed over on ARGS_FD); `launcher_argv` follows them.
+    `tools`: what sandboxfs.toolchain shows of the host for CMD (read-only binds and links,
+    at the same paths), set up last, over the private /tmp.
 
     Own user, PID, IPC, UTS and cgroup namespaces; no capabilities and no further user
     namespaces; a new session (no controlling terminal but the one the launcher takes); dies
-    with its parent. The network namespace is bubblewrap's (`none`), the host's (`host`), or the
-    one the supervisor made with the proxy's listener in it (`allow`: bwrap shares it).
+    with its parent. The network namespace is the host's (`host`), or the one the supervisor
+    made, loopback only, with its DNS stub (and for `allow` the proxy's listener) in it: bwrap
+    shares it, and /etc/resolv.conf inside is the one run hands over on DNS_FD.
     """
+    own_network = net != "host"
     args = [
         "--unshare-user",
         "--unshare-ipc",
         "--unshare-pid",
         "--unshare-uts",
         "--unshare-cgroup-try",
-        *(["--unshare-net"] if net == "none" else []),
         "--disable-userns",
         "--cap-drop",
         "ALL",
@@ -231,7 +239,16 @@ def bwrap_args(
         "--json-status-fd",
         str(STATUS_FD),
         *system_args(root),
-        *etc_args(root / "etc", resolv_conf=net == "host"),
+        *etc_args(
+            root / "etc",
+            hidden=(*ETC_HIDDEN, "resolv.conf") if own_network else ETC_HIDDEN,
+            resolv_conf=not own_network,
+        ),
+        *(
+            ["--perms", "0644", "--ro-bind-data", str(DNS_FD), "/etc/resolv.conf"]
+            if own_network
+            else []
+        ),
         *proc_args(root / "proc"),
         "--dev",
         "/dev",
@@ -247,6 +264,7 @@ def bwrap_args(
         "--bind",
         str(mountpoint),
         SANDBOX,
+        *tools,
         "--remount-ro",
         "/",
         "--chdir",
@@ -275,9 +293,11 @@ def sandbox_env(
     trust: str,
     extra: Mapping[str, str],
     proxy: bool,
+    path: str = PATH,
 ) -> dict[str, str]:
-    """The program's whole environment: a short allowlist of the caller's, then --env."""
-    env = {"PATH": PATH, "HOME": home}
+    """The program's whole environment: a short allowlist of the caller's, then --env.
+    `path`: the system's PATH, after the directories of CMD's toolchain (sandboxfs.toolchain)."""
+    env = {"PATH": path, "HOME": home}
     for name, value in caller.items():
         if name in ENV_PASSED or name.startswith(ENV_PASSED_PREFIXES):
             env[name] = value

@@ -4,18 +4,26 @@ The program runs in a network namespace of its own that has nothing but loopback
 binds a listening socket in it and hands it to `Proxy`, which serves HTTP proxy requests on it
 from outside, so outbound connections are made from the host. Only hosts named by `--allow-host`
 are admitted (CONNECT for HTTPS and anything else tunnelled, absolute-form requests for plain
-HTTP); everything else gets a plain-text HTTP error that says why, so a model can act on it.
+HTTP); everything else gets a plain-text HTTP error that says why and which flag would allow it,
+in the body and in the reason phrase (which is what pip, requests and http.client show:
+`Tunnel connection failed: 403 sandboxfs refused pypi.org:443 (...); to allow it: ...`).
 
-The proxy resolves names itself and connects only to globally routable addresses, unless an
-IP-literal rule lists the address exactly: an allowed *name* must not become a way to reach the
-host's own services (loopback), its LAN, or a cloud metadata endpoint, however its DNS is pointed.
+The proxy resolves names itself and connects only to globally routable addresses, unless a rule
+lists the address exactly: an IP-literal rule, or `NAME=ADDRESS`, which admits the name and lets
+it connect at that one non-global address. An allowed *name* alone must not become a way to reach
+the host's own services (loopback), its LAN, or a cloud metadata endpoint, however its DNS is
+pointed. A name that is not admitted is never resolved (that would carry it out as a query).
 
 Every request that names a host is reported once through `on_decision`, before the client learns
 the outcome, so the audit entry exists first. If reporting fails the request is refused (fail
-closed). Reported as refused (`allowed=False`): a host not in the allowlist, or one whose
-addresses are all refused. Reported as allowed (`allowed=True`): a connection made, and also a
-resolution or connection failure *after* the policy admitted the host (reason "connect failed:
-...", answered 502), since the policy did not refuse it; the reason tells the two apart.
+closed). Reported as refused (`allowed=False`, with `cause` and `fix`): a host not in the
+allowlist, or one whose addresses are all refused (403). Reported as failed (`allowed=True` with
+an `error`): admitted by the policy, but the name did not resolve or no address could be
+connected to (502; the caller audits it as a failure, not as a refusal). Otherwise connected.
+
+`DnsStub` is the sandbox's only nameserver (with `--net none` too): it answers every query
+REFUSED, resolving nothing, and reports the name so that `run` can say that the network is off,
+or that names go through the proxy. `Notices` prints each refusal once on `run`'s stderr.
 
 Everything is stdlib and thread-based: one accept thread and one thread per connection, with
 non-blocking sockets waited on with poll() together with a wake-up socket that `close()` makes
@@ -33,10 +41,13 @@ import os
 import re
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from .confine import PROXY_ADDRESS
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +56,11 @@ HEADER_TIMEOUT = 30.0  # seconds for a client to send its complete request heade
 CONNECT_TIMEOUT = 10.0  # seconds to connect to each upstream address
 SEND_TIMEOUT = 30.0  # seconds to deliver an error response to a client that does not read
 MAX_CONNECTIONS = 512  # connections served at once; more are closed at once (bounds threads)
+NOTICE_LIMIT = 20  # refused hosts that `run` names on its stderr; the audit has every one
 WEB_PORTS = (80, 443)  # what a rule without a port admits
 _RELAY_BUFFER = 64 * 1024
 _THREAD_PREFIX = "sandboxfs-netproxy"
-_EXPECTED = "expected HOST, HOST:PORT, *.DOMAIN[:PORT], IP[:PORT] or [IPv6]:PORT"
+_EXPECTED = "expected HOST, HOST:PORT, *.DOMAIN[:PORT], IP[:PORT], [IPv6]:PORT or HOST[:PORT]=IP"
 
 _IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
@@ -77,11 +89,19 @@ class HostRule:
 
     host: str  # lowercase (IDNA) name, "*.suffix" wildcard, or IP literal (IPv6 without brackets)
     port: int | None  # None: the web ports 80 and 443 only
+    # `NAME=ADDRESS`: the name may also be connected at this address (an IP literal) when that
+    # address is loopback, private or otherwise not global; None: its global addresses only.
+    address: str | None = None
 
 
 @dataclass(frozen=True)
 class NetDecision:
-    """What the proxy decided for one request naming a host, for the caller's audit entry."""
+    """What the proxy decided for one request naming a host, for the caller's audit entry.
+
+    Three outcomes: connected (`allowed`, no `error`); refused by the policy (not `allowed`:
+    `cause` says why in a few words, `fix` is the `--allow-host` flag that would admit it);
+    admitted but not completed (`allowed` and an `error`: the name did not resolve, the
+    upstream refused or did not answer)."""
 
     host: str
     port: int
@@ -90,6 +110,32 @@ class NetDecision:
     address: str | None  # the IP address connected to (allowed) or refused
     client: tuple[str, int]  # peer address of the client connection (inside the sandbox)
     method: str  # "CONNECT" or the HTTP method
+    cause: str | None = None  # (refused, failed) the reason in brief, without the fix
+    fix: str | None = None  # (refused) the flag that would admit it: "--allow-host pypi.org"
+    error: str | None = None  # (failed) what failed, as an error name: ECONNREFUSED, EAI_NONAME
+
+    @property
+    def failed(self) -> bool:
+        """Admitted by the policy, but the connection could not be made."""
+        return self.allowed and self.error is not None
+
+    def target(self) -> str:
+        """`host:port` as a user would type it (IPv6 in brackets), made safe to print."""
+        return printable(_with_port(self.host, self.port))
+
+    def notice(self) -> str | None:
+        """The one line `run` prints on its stderr the first time a host is refused or cannot
+        be reached (None for a connection made): what, why, and the flag that would allow it.
+        The same words (after "sandboxfs") are the reason phrase of the proxy's 403 or 502,
+        which is what clients show (`Tunnel connection failed: 403 sandboxfs refused ...`)."""
+        if not self.allowed:
+            line = f"refused {self.target()} ({self.cause or self.reason})"
+            line += f"; to allow it: {self.fix}" if self.fix else ""
+        elif self.error is not None:
+            line = f"could not reach {self.target()}: {self.cause or self.reason}"
+        else:
+            return None
+        return f"network: {printable(line, 400)}"
 
 
 # ----- rules --------------------------------------------------------------------------------------
@@ -105,6 +151,8 @@ def parse_allow_host(text: str) -> HostRule:
         raise bad("it is empty")
     if any(c.isspace() for c in text):
         raise bad("it contains white space")
+    if "=" in text:
+        return _parse_pinned(text, bad)
     if "://" in text:
         raise bad("give a host name, not a URL")
     if any(c in text for c in "/?#@\\%"):
@@ -149,6 +197,32 @@ def parse_allow_host(text: str) -> HostRule:
         return HostRule(_normalize_name(host), port)
     except ValueError as exc:
         raise bad(str(exc)) from None
+
+
+def _parse_pinned(text: str, bad: Callable[[str], AllowHostError]) -> HostRule:
+    """`NAME[:PORT]=ADDRESS`: the name, and the one address it may resolve to outside the
+    globally routable ones."""
+    left, _, right = text.partition("=")
+    if "=" in right:
+        raise bad("only one '=ADDRESS' is accepted")
+    address = _ip(right[1:-1] if right.startswith("[") and right.endswith("]") else right)
+    if address is None:
+        raise bad(f"after '=' give the IP address the name resolves to, not {right!r}")
+    try:
+        rule = parse_allow_host(left)
+    except AllowHostError:
+        raise bad(f"{left!r} before '=' is not a HOST[:PORT]") from None
+    if _ip(rule.host) is not None:
+        raise bad("'=ADDRESS' follows a host name; an address alone is listed as IP[:PORT]")
+    if rule.host.startswith("*."):
+        raise bad("a wildcard cannot be pinned to an address; name the host")
+    return HostRule(rule.host, rule.port, str(address))
+
+
+def rule_text(rule: HostRule) -> str:
+    """A rule as `--allow-host` takes it (and as messages and the audit show it)."""
+    text = _with_port(rule.host, rule.port)
+    return text if rule.address is None else f"{text}={rule.address}"
 
 
 def _parse_port(text: str) -> int | None:
@@ -232,19 +306,29 @@ class Allowlist:
                 return True
         return False
 
-    def lists_address(self, ip: str, port: int) -> bool:
-        """True when an IP-literal rule names exactly this address (and port): only then may a
-        loopback, private or otherwise non-global address be connected to."""
+    def lists_address(self, ip: str, port: int, host: str | None = None) -> bool:
+        """True when a rule names exactly this address (and port): an IP-literal rule, or a
+        `NAME=ADDRESS` rule for `host` (the name as the client asked). Only then may a loopback,
+        private or otherwise non-global address be connected to."""
         address = _ip(ip.split("%", 1)[0])
         if address is None:
             return False
-        return any(
-            _port_matches(rule.port, port) and _ip(rule.host) == address for rule in self.rules
-        )
+        try:
+            name = None if host is None else _canonical_host(host)
+        except ValueError:
+            name = None
+        for rule in self.rules:
+            if not _port_matches(rule.port, port):
+                continue
+            if _ip(rule.host) == address:
+                return True
+            if rule.address is not None and rule.host == name and _ip(rule.address) == address:
+                return True
+        return False
 
     def describe(self, limit: int = 20) -> str:
         """The rules as a user would type them, for messages."""
-        shown = [_with_port(rule.host, rule.port) for rule in self.rules[:limit]]
+        shown = [rule_text(rule) for rule in self.rules[:limit]]
         if len(self.rules) > limit:
             shown.append(f"... ({len(self.rules) - limit} more)")
         return ", ".join(shown) or "(none)"
@@ -506,14 +590,24 @@ class Proxy:
         """Apply the policy, connect, report; answer the client on refusal or failure.
 
         Returns the connected upstream socket, or None once the client has been answered."""
+        valid = True
         try:
             host = _canonical_host(request.host)
         except ValueError:
-            host = request.host[:255]
+            host, valid = request.host[:255], False
         port = request.port
 
-        def report(allowed: bool, reason: str | None, address: str | None) -> bool:
-            decision = NetDecision(host, port, allowed, reason, address, client, request.method)
+        def report(
+            allowed: bool,
+            reason: str | None,
+            address: str | None,
+            cause: str | None = None,
+            fix: str | None = None,
+            error: str | None = None,
+        ) -> NetDecision | None:
+            decision = NetDecision(
+                host, port, allowed, reason, address, client, request.method, cause, fix, error
+            )
             try:
                 self._on_decision(decision)
             except Exception:
@@ -525,19 +619,38 @@ class Proxy:
                     "audit log, so it is refused",
                     denied=True,
                 )
-                return False
-            return True
+                return None
+            return decision
 
-        def refuse(status: str, allowed: bool, reason: str, address: str | None) -> None:
-            if report(allowed, reason, address):
-                self._respond(conn, status, reason, denied=status.startswith("403"))
+        def refuse(
+            cause: str, fix: str | None, address: str | None, reason: str | None = None
+        ) -> None:
+            """Refused by the policy: 403, with why and the flag that would allow it."""
+            reason = reason or f"{cause}; to allow it, start sandboxfs run with {fix}"
+            decision = report(False, reason, address, cause, fix)
+            if decision is not None:
+                self._respond(conn, "403 Forbidden", reason, denied=True, decision=decision)
 
+        def fail(cause: str, error: str, address: str | None, brief: str | None = None) -> None:
+            """Admitted, but not completed: 502, with what failed (`brief`: in fewer words)."""
+            reason = f"connect failed: {cause}"
+            decision = report(True, reason, address, brief or cause, None, error)
+            if decision is not None:
+                self._respond(conn, "502 Bad Gateway", reason, denied=False, decision=decision)
+
+        shown = _with_port(host, port)
         if not self._allowlist.admits(host, port):
-            reason = (
-                f"host {_with_port(host, port)} is not in the allowlist (--allow-host); "
-                f"allowed: {self._allowlist.describe()}"
-            )
-            refuse("403 Forbidden", False, reason, None)
+            if valid:
+                fix = f"--allow-host {_with_port(host, None if port in WEB_PORTS else port)}"
+                cause = "not in --allow-host"
+                reason = (
+                    f"host {shown} is not in the allowlist (--allow-host); to allow it, start "
+                    f"sandboxfs run with {fix} (allowed now: {self._allowlist.describe()})"
+                )
+                refuse(cause, fix, None, reason)
+            else:
+                cause = "not a valid host name"
+                refuse(cause, None, None, f"host {shown} is {cause}, so it is not in the allowlist")
             return None
         literal = _ip(host)
         if literal is not None:
@@ -546,11 +659,10 @@ class Proxy:
             try:
                 candidates = list(self._resolve(host, port))
             except Exception as exc:
-                reason = f"connect failed: cannot resolve {host} ({_describe_error(exc)})"
-                refuse("502 Bad Gateway", True, reason, None)
+                fail(f"cannot resolve {host} ({_describe_error(exc)})", _resolve_error(exc), None)
                 return None
             if not candidates:
-                refuse("502 Bad Gateway", True, f"connect failed: {host} has no address", None)
+                fail(f"{host} has no address", "EAI_NONAME", None)
                 return None
         passing: list[_IPAddress] = []
         refused: list[tuple[_IPAddress, str]] = []
@@ -561,18 +673,18 @@ class Proxy:
             if address in passing or any(address == a for a, _ in refused):
                 continue
             kind = _address_class(address)
-            if kind is None or self._allowlist.lists_address(str(address), port):
+            if kind is None or self._allowlist.lists_address(str(address), port, host):
                 passing.append(address)
             else:
                 refused.append((address, kind))
         if not passing:
             if not refused:
-                reason = f"connect failed: {host} resolved to no usable address"
-                refuse("502 Bad Gateway", True, reason, None)
+                fail(f"{host} resolved to no usable address", "EAI_NONAME", None)
                 return None
-            refuse("403 Forbidden", False, _address_reason(host, port, refused), str(refused[0][0]))
+            cause, fix = _address_refusal(host, port, refused)
+            refuse(cause, fix, str(refused[0][0]))
             return None
-        failures: list[str] = []
+        failures: list[tuple[str, str]] = []
         for address in passing:
             upstream = self._connect(address, port, failures)
             if upstream is None:
@@ -581,12 +693,17 @@ class Proxy:
                 return upstream
             self._forget(upstream)
             return None
-        reason = f"connect failed: {'; '.join(failures)}"
-        refuse("502 Bad Gateway", True, reason, str(passing[-1]))
+        texts = [text for text, _ in failures]
+        # An address asked for by itself: "Connection refused", not "ADDRESS:PORT: Connection ..."
+        brief = texts[0].removeprefix(f"{shown}: ") if literal is not None else None
+        fail("; ".join(texts), failures[-1][1], str(passing[-1]), brief)
         return None
 
-    def _connect(self, address: _IPAddress, port: int, failures: list[str]) -> socket.socket | None:
-        """Connect to one address within CONNECT_TIMEOUT; on failure note why and return None."""
+    def _connect(
+        self, address: _IPAddress, port: int, failures: list[tuple[str, str]]
+    ) -> socket.socket | None:
+        """Connect to one address within CONNECT_TIMEOUT; on failure note why (and the error's
+        name) and return None."""
         family = socket.AF_INET if address.version == 4 else socket.AF_INET6
         sock = self._open_upstream(family)
         shown = _with_port(str(address), port)
@@ -594,12 +711,15 @@ class Proxy:
             code = sock.connect_ex((str(address), port))
             if code in (errno.EINPROGRESS, errno.EAGAIN):
                 if not self._wait(sock, select.POLLOUT, time.monotonic() + CONNECT_TIMEOUT):
-                    failures.append(f"{shown}: timed out after {CONNECT_TIMEOUT:g} s")
+                    failures.append(
+                        (f"{shown}: timed out after {CONNECT_TIMEOUT:g} s", "ETIMEDOUT")
+                    )
                     self._forget(sock)
                     return None
                 code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if code != 0:
-                failures.append(f"{shown}: {_describe_error(OSError(code, os.strerror(code)))}")
+                text = _describe_error(OSError(code, os.strerror(code)))
+                failures.append((f"{shown}: {text}", errno.errorcode.get(code, str(code))))
                 self._forget(sock)
                 return None
         except BaseException:
@@ -647,9 +767,21 @@ class Proxy:
             "400 Bad Request", f"the request header is larger than {HEADER_LIMIT // 1024} KiB"
         )
 
-    def _respond(self, conn: socket.socket, status: str, reason: str, *, denied: bool) -> None:
-        """Send a plain-text error response; the connection is closed after it."""
+    def _respond(
+        self,
+        conn: socket.socket,
+        status: str,
+        reason: str,
+        *,
+        denied: bool,
+        decision: NetDecision | None = None,
+    ) -> None:
+        """Send a plain-text error response; the connection is closed after it. For a decision
+        the reason phrase says what the body says, in brief (clients show the phrase)."""
         body = f"sandboxfs: {reason}\n".encode()
+        notice = decision.notice() if decision is not None else None
+        if notice is not None:
+            status = f"{status.split(' ')[0]} sandboxfs {notice.removeprefix('network: ')}"
         head = (
             f"HTTP/1.1 {status}\r\n"
             "Content-Type: text/plain\r\n"
@@ -777,6 +909,180 @@ class _Pipe:
                 self.dst.shutdown(socket.SHUT_WR)
 
 
+# ----- what run prints ----------------------------------------------------------------------------
+
+
+class Notices:
+    """Lines for `run`'s stderr as refusals happen: each at most once (by `key`, such as the
+    host and port), at most `limit` in all, then one `overflow` line; safe from any thread."""
+
+    def __init__(self, write: Callable[[str], None], overflow: str, limit: int = NOTICE_LIMIT):
+        self._write = write
+        self._overflow = overflow
+        self._limit = limit
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def add(self, key: str, line: str | None) -> None:
+        if line is None:
+            return
+        with self._lock:  # decided here, written outside: a stalled stderr holds one thread
+            if key in self._seen:
+                return
+            if len(self._seen) >= self._limit:
+                line, self._overflow = self._overflow, ""
+                if not line:
+                    return
+            else:
+                self._seen.add(key)
+        self._write(line)
+
+
+# ----- the DNS stub: the one nameserver the sandbox has -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """One DNS query a program inside sent to the stub."""
+
+    name: str  # lowercase, without the trailing dot; as sent (not necessarily a valid name)
+    qtype: int  # 1 A, 28 AAAA, 12 PTR...
+    client: tuple[str, int]  # the querying socket's address inside the sandbox
+
+    @property
+    def notable(self) -> bool:
+        """A host on a network, worth telling the user about: not a reverse lookup and not a
+        single label (the sandbox's own host name, which tools look up to find their FQDN)."""
+        return self.qtype != _PTR and "." in self.name and not self.name.endswith(".arpa")
+
+
+def lookup_refusal(name: str, allowlist: Allowlist | None) -> str:
+    """Why a lookup inside got no answer, and what to do: `allowlist` None is `--net none`."""
+    shown = printable(name, 255)
+    if allowlist is None:
+        return (
+            f"the network is off (--net none): {shown} was not looked up; to let the program "
+            f"reach it: --net allow --allow-host {shown}"
+        )
+    proxy = "http://{}:{}".format(*PROXY_ADDRESS)
+    text = (
+        f"{shown} was looked up inside the sandbox, which has no DNS (--net allow): programs "
+        f"reach hosts through the proxy, HTTPS_PROXY={proxy}, which resolves names itself"
+    )
+    try:
+        admitted = any(allowlist.admits(name, port) for port in WEB_PORTS) or any(
+            rule.host == _canonical_host(name) for rule in allowlist.rules
+        )
+    except ValueError:
+        admitted = False
+    return text if admitted else f"{text}; {shown} is not allowed either: --allow-host {shown}"
+
+
+class DnsStub:
+    """Answers every DNS query that reaches `sockets` (UDP, bound inside the sandbox where its
+    /etc/resolv.conf points) with REFUSED, once `on_lookup` has been told of it: the sandbox
+    has no DNS, and this is how `run` learns that a program looked a name up, and says so.
+
+    Nothing is ever resolved: a name a program chose must not leave the sandbox as a query."""
+
+    def __init__(self, sockets: Sequence[socket.socket], on_lookup: Callable[[Lookup], None]):
+        self._sockets = list(sockets)
+        self._on_lookup = on_lookup
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def start(self) -> None:
+        for sock in self._sockets:
+            sock.setblocking(False)
+        self._thread = threading.Thread(target=self._serve, name=f"{_THREAD_PREFIX}-dns")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            for sock in (*self._sockets, self._wake_r, self._wake_w):
+                sock.close()
+
+    def _serve(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        by_fd = {sock.fileno(): sock for sock in self._sockets}
+        for fd in by_fd:
+            poller.register(fd, select.POLLIN)
+        while True:
+            ready = poller.poll()
+            if self._closed or any(fd == self._wake_r.fileno() for fd, _ in ready):
+                return
+            for fd, _ in ready:
+                sock = by_fd.get(fd)
+                if sock is None:
+                    continue
+                try:
+                    data, peer = sock.recvfrom(4096)
+                except OSError:
+                    continue  # nothing after all, or an ICMP error from an earlier answer
+                self._answer(sock, data, peer)
+
+    def _answer(self, sock: socket.socket, data: bytes, peer: tuple[str, int]) -> None:
+        query = parse_dns_query(data)
+        if query is None:
+            return  # not a query a resolver sends: no answer
+        ident, flags, question, name, qtype = query
+        try:
+            self._on_lookup(Lookup(name, qtype, (str(peer[0]), int(peer[1]))))
+        except Exception:
+            logger.exception("dns stub: reporting a lookup failed")
+        with contextlib.suppress(OSError):
+            sock.sendto(dns_refused(ident, flags, question), peer)
+
+
+_PTR = 12
+_REFUSED = 5
+
+
+def parse_dns_query(data: bytes) -> tuple[int, int, bytes, str, int] | None:
+    """A standard query with one question: (id, flags, the question's bytes, its name, its
+    type); None for anything else (a response, a compressed or truncated question)."""
+    if len(data) < 12:
+        return None
+    ident, flags, questions = struct.unpack_from("!3H", data)
+    if flags & 0x8000 or questions != 1:
+        return None
+    pos, labels, length = 12, [], 0
+    while True:
+        if pos >= len(data):
+            return None
+        size = data[pos]
+        pos += 1
+        if size == 0:
+            break
+        if size & 0xC0 or pos + size > len(data):
+            return None
+        labels.append(data[pos : pos + size].decode("latin-1"))
+        pos += size
+        length += size + 1
+        if length > 255:
+            return None
+    if pos + 4 > len(data):
+        return None
+    qtype = struct.unpack_from("!H", data, pos)[0]
+    name = ".".join(labels).lower()
+    return ident, flags, data[12 : pos + 4], name, qtype
+
+
+def dns_refused(ident: int, flags: int, question: bytes) -> bytes:
+    """The answer REFUSED to a query: its id, opcode and recursion-desired bit, its question."""
+    return struct.pack("!6H", ident, 0x8000 | (flags & 0x7900) | _REFUSED, 1, 0, 0, 0) + question
+
+
 # ----- parsing ------------------------------------------------------------------------------------
 
 
@@ -853,24 +1159,33 @@ def _origin_request(request: _Request) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + request.rest
 
 
-def _address_reason(host: str, port: int, refused: list[tuple[_IPAddress, str]]) -> str:
+def _address_refusal(
+    host: str, port: int, refused: list[tuple[_IPAddress, str]]
+) -> tuple[str, str]:
+    """Why a host whose addresses are all non-global is refused, and the one flag that admits
+    it: `NAME=ADDRESS` for a name (the first address it resolved to is enough: the proxy tries
+    the listed ones), the address itself for an IP literal."""
+    rule_port = None if port in WEB_PORTS else port
+    first = refused[0][0]
+    if _ip(host) == first:
+        cause = f"{first} is a {refused[0][1]} address, which is refused unless listed exactly"
+        return cause, f"--allow-host {_with_port(str(first), rule_port)}"
     listed = ", ".join(f"{address} ({kind})" for address, kind in refused)
-    if len(refused) == 1:
-        address = refused[0][0]
-        example = _with_port(str(address), port)
-        if _ip(host) == address:
-            return (
-                f"{address} is a {refused[0][1]} address, which is refused unless listed "
-                f"exactly (--allow-host {example})"
-            )
-        return (
-            f"{host} resolves to {listed}, which is refused unless listed exactly "
-            f"(--allow-host {example})"
-        )
-    return (
-        f"{host} resolves to {listed}, which are refused unless listed exactly "
-        f"(--allow-host ADDRESS:{port})"
+    verb = "is" if len(refused) == 1 else "are"
+    cause = f"{host} resolves to {listed}, which {verb} refused unless listed exactly"
+    return cause, f"--allow-host {_with_port(host, rule_port)}={first}"
+
+
+def printable(text: str | None, limit: int = 300) -> str:
+    """`text` as one line of printable ASCII: what a program inside chose (a host name it sent,
+    a name it looked up) must not reach the user's terminal as control sequences."""
+    if text is None:
+        return ""
+    shown = "".join(
+        c if c.isascii() and c.isprintable() else c.encode("unicode_escape").decode("ascii")
+        for c in text
     )
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
 
 
 def _getaddrinfo(host: str, port: int) -> list[str]:
@@ -881,6 +1196,18 @@ def _getaddrinfo(host: str, port: int) -> list[str]:
         if address not in addresses:
             addresses.append(address)
     return addresses
+
+
+def _resolve_error(exc: BaseException) -> str:
+    """A resolver failure as an error name: EAI_NONAME, EAI_AGAIN (or an errno's name)."""
+    code = getattr(exc, "errno", None)
+    if isinstance(exc, socket.gaierror) and isinstance(code, int):
+        for name in dir(socket):
+            if name.startswith("EAI_") and getattr(socket, name) == code:
+                return name
+    if isinstance(code, int) and code in errno.errorcode:
+        return errno.errorcode[code]
+    return "EAI_FAIL"
 
 
 def _describe_error(exc: BaseException) -> str:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from . import audit as audit_mod
-from . import confine, doctor, seccomp
+from . import confine, doctor, home, seccomp
 from .audit import AuditLog
 from .audit_anchor import state_root
 from .config import Config
@@ -45,15 +45,30 @@ from .daemon import (
     spawn_daemon,
 )
 from .errors import UserError
-from .netproxy import Allowlist, HostRule, NetDecision, Proxy
-from .project import audit_path
+from .identity import project_identity
+from .netproxy import (
+    Allowlist,
+    DnsStub,
+    HostRule,
+    Lookup,
+    NetDecision,
+    Notices,
+    Proxy,
+    lookup_refusal,
+    printable,
+    rule_text,
+)
+from .project import CONFINED_HOME, HOME_ZONE, audit_path
+from .toolchain import Toolchain
 
 EXIT_SETUP = 125  # as `docker run`: the sandbox could not be set up, CMD never ran
+EXIT_MOUNT_LOST = 1  # CMD exited 0, but its mount was lost while it ran (the daemon died)
 STOP_GRACE = 10.0  # seconds between a forwarded SIGTERM/SIGHUP and killing the sandbox
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
-_CHANNEL_FD = 7  # (--net allow) where the child hands the proxy's listener over
+_CHANNEL_FD = 7  # (--net none, allow) where the child hands the sockets it bound inside over
+DNS_ADDRESS = ("127.0.0.1", 53)  # (--net none, allow) the DNS stub, inside: resolv.conf's
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -79,6 +94,8 @@ class RunRequest:
     cwd: str | None = None
     audit_sync: bool = False
     quiet: bool = False
+    # What CMD needs of the host, read-only (sandboxfs.toolchain): its trees and the PATH.
+    tools: Toolchain = field(default_factory=Toolchain)
 
 
 # ----- the run directory: where the private mount lives, and how a dead one is cleaned ------
@@ -216,9 +233,11 @@ def _die_with_parent(parent: int) -> None:
         os._exit(EXIT_SETUP)
 
 
-def _own_network(listener_channel: socket.socket) -> None:
-    """(--net allow, in the child) A user and network namespace of its own with loopback up,
-    and the proxy's listening socket bound in it, handed to the supervisor; bwrap shares it."""
+def _own_network(channel: socket.socket, proxy: bool) -> None:
+    """(--net none and allow, in the child) A user and network namespace of its own with
+    loopback up, and bound in it the DNS stub's socket (the nameserver /etc/resolv.conf names)
+    and, with `proxy`, the proxy's listening socket, handed to the supervisor; bwrap shares it.
+    Binding port 53 works: this process holds every capability in the namespace it made."""
     uid, gid = os.geteuid(), os.getegid()
     if _libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
         raise OSError(ctypes.get_errno(), "cannot create a network namespace")
@@ -229,11 +248,18 @@ def _own_network(listener_channel: socket.socket) -> None:
         request = struct.pack("16sH", b"lo", 0).ljust(40, b"\0")
         flags = struct.unpack_from("16sH", fcntl.ioctl(probe, 0x8913, request))[1]  # SIOCGIFFLAGS
         fcntl.ioctl(probe, 0x8914, struct.pack("16sH", b"lo", flags | 1).ljust(40, b"\0"))
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind(confine.PROXY_ADDRESS)
-        listener.listen(128)
-        socket.send_fds(listener_channel, [b"L"], [listener.fileno()])
-    listener_channel.close()
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as dns,
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener,
+    ):
+        dns.bind(DNS_ADDRESS)
+        handed, tags = [dns.fileno()], b"D"
+        if proxy:
+            listener.bind(confine.PROXY_ADDRESS)
+            listener.listen(128)
+            handed, tags = [*handed, listener.fileno()], tags + b"L"
+        socket.send_fds(channel, [tags], handed)
+    channel.close()
 
 
 def _arrange_fds(targets: dict[int, int]) -> None:
@@ -253,7 +279,8 @@ class _Child:
     sync: int  # read end: a byte once the launcher runs inside
     errors: int  # read end: bwrap's own stderr
     status: int  # read end: bwrap's --json-status-fd
-    listener: socket.socket | None = None
+    listener: socket.socket | None = None  # (--net allow) the proxy's, bound inside
+    dns: socket.socket | None = None  # (--net none, allow) the DNS stub's, bound inside
 
 
 def _start_child(
@@ -269,7 +296,9 @@ def _start_child(
     err_r, err_w = os.pipe()
     status_r, status_w = os.pipe()
     filter_fd = seccomp.filter_fd()
-    channel = socket.socketpair() if net == "allow" else None
+    own_network = net != "host"  # none, allow: a namespace of its own, with the DNS stub
+    channel = socket.socketpair() if own_network else None
+    resolv_fd = _resolv_conf(net) if own_network else None
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:
@@ -286,14 +315,15 @@ def _start_child(
                 confine.STATUS_FD: status_w,
                 confine.ARGS_FD: options_fd,
             }
-            if channel is not None:
+            if channel is not None and resolv_fd is not None:
                 fds[_CHANNEL_FD] = channel[1].fileno()
+                fds[confine.DNS_FD] = resolv_fd
             _arrange_fds(fds)  # nothing of the supervisor's is left from here on
             if channel is not None:
                 # Writing its own uid_map needs a dumpable process (the supervisor is not);
                 # exec would make it dumpable anyway.
                 set_dumpable(True)
-                _own_network(socket.socket(fileno=_CHANNEL_FD))
+                _own_network(socket.socket(fileno=_CHANNEL_FD), proxy=net == "allow")
             signal.pthread_sigmask(signal.SIG_SETMASK, [])
             for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
                 signal.signal(signum, signal.SIG_DFL)
@@ -307,18 +337,46 @@ def _start_child(
         os._exit(EXIT_SETUP)
     for fd in (sync_w, err_w, status_w, filter_fd, options_fd):
         os.close(fd)
+    if resolv_fd is not None:
+        os.close(resolv_fd)
     child = _Child(pid, sync_r, err_r, status_r)
     if channel is not None:
         channel[1].close()
         with channel[0]:
             channel[0].settimeout(10)
             try:
-                _, handed, _, _ = socket.recv_fds(channel[0], 1, 1)
+                tags, handed, _, _ = socket.recv_fds(channel[0], 2, 2)
             except OSError:
-                handed = []
-        if handed:
-            child.listener = socket.socket(fileno=handed[0])
+                tags, handed = b"", []
+        for tag, fd in zip(tags, handed, strict=False):
+            sock = socket.socket(fileno=fd)
+            if tag == ord("L"):
+                child.listener = sock
+            else:
+                child.dns = sock
     return child
+
+
+def _resolv_conf(net: str) -> int:
+    """The sandbox's /etc/resolv.conf (--net none, allow), in an anonymous file for bwrap."""
+    if net == "allow":
+        why = (
+            "programs reach hosts through sandboxfs's proxy, "
+            "HTTPS_PROXY=http://{}:{}, which resolves names itself".format(*confine.PROXY_ADDRESS)
+        )
+    else:
+        why = "the network is off"
+    text = (
+        f"# sandboxfs: there is no DNS in this sandbox (--net {net}): {why}.\n"
+        "# The nameserver below is sandboxfs's own: it answers every query REFUSED, resolves\n"
+        "# nothing, and tells the user which name was looked up.\n"
+        f"nameserver {DNS_ADDRESS[0]}\n"
+        "options attempts:1 timeout:2\n"
+    )
+    fd = os.memfd_create("sandboxfs-resolv.conf", os.MFD_CLOEXEC)
+    write_all(fd, text.encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def _options_file(options: list[str]) -> int:
@@ -698,11 +756,14 @@ def run(req: RunRequest) -> int:
         )
     audit = RunAudit(req)
     run_dir = _make_run_dir(req.session)
+    in_use = home.hold(req.project, req.workspace, req.trust)  # `home reset` waits for it
     try:
         return _run_mounted(req, audit, run_dir, cwd, bwrap)
     finally:
         audit.close()
         remove_run_dir(run_dir)  # normally gone already: the daemon removes it
+        if in_use is not None:
+            os.close(in_use)
 
 
 def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwrap: str) -> int:
@@ -730,25 +791,31 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
     started = datetime.now(UTC)
     status: int | None = None
     ran = False  # CMD was started (the launcher ran inside)
-    proxy: Proxy | None = None
+    lost: str | None = None  # how the daemon ended while the program ran (the mount was lost)
+    network: _Network | None = None
     terminal: _Terminal | None = None
     try:
         if not (mnt / cwd.removeprefix(confine.SANDBOX).lstrip("/")).is_dir():
             raise SetupError(
                 f"--cwd {cwd}: not a directory the program may enter at this trust level"
             )
-        home = f"{confine.SANDBOX}/session/home"
+        home_inside = CONFINED_HOME  # the workspace's home at this level (project.with_home)
+        if HOME_ZONE not in req.config.zones:
+            home_inside = f"{confine.SANDBOX}/session/home"
         env = confine.sandbox_env(
             os.environ,
-            home=home,
+            home=home_inside,
+            path=req.tools.env_path(),
             session=req.session,
             trust=req.trust.value,
-            extra=req.env,
+            extra={**project_identity(req.project), **req.env},  # commits carry the user's name
             proxy=req.net == "allow",
         )
         terminal = _Terminal.of_stdio()  # never the terminal itself: run's pty or pipes
         interactive = terminal is not None and terminal.controlling
-        options = confine.bwrap_args(mountpoint=mnt, cwd=cwd, net=req.net)
+        options = confine.bwrap_args(
+            mountpoint=mnt, cwd=cwd, net=req.net, tools=req.tools.bwrap_args()
+        )
         argv = [bwrap, "--args", str(confine.ARGS_FD), "--"]
         argv += confine.launcher_argv(interactive, req.command)
         audit.record(
@@ -764,49 +831,76 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         child = _start_child(argv, options, env, stdio, req.net)
         if terminal is not None:
             terminal.started()
-        if req.net == "allow":
-            if child.listener is None:
-                pass  # the child failed before handing it over; its message says why
-            else:
-                proxy = _start_proxy(req, audit, child)
+        if req.net != "host":
+            network = _Network(req, audit, child)
         supervisor = Supervisor(child, terminal)
         status = supervisor.wait()  # the terminal is raw only in there
         ran = supervisor.ready
         if not ran:
             raise SetupError(_setup_failure(supervisor.setup_text, status))
-        return status
+        lost = _daemon_ended(daemon)
+        return _exit_status(status, lost)
     finally:
         if terminal is not None:
             terminal.close()
-        if proxy is not None:
-            proxy.close()
+        if network is not None:
+            network.close()
         if status is not None:
+            detail = f"exit {status}" if ran else f"not started (exit {EXIT_SETUP})"
+            extra: dict[str, Any] = {}
+            if lost is not None:
+                detail += f", mount lost: the daemon {lost}"
+                extra = {"mount_lost": lost, "exit": _exit_status(status, lost)}
             with contextlib.suppress(OSError):
                 audit.record(
                     "run",
                     pid=os.getpid(),
                     comm="sandboxfs",
-                    detail=(f"exit {status}" if ran else f"not started (exit {EXIT_SETUP})")
-                    + f": {shlex.join(req.command)}",
+                    detail=f"{detail}: {shlex.join(req.command)}",
                     command=list(req.command),
                     net=req.net,
                     status=status if ran else EXIT_SETUP,
+                    **extra,
                 )
-        problem = _stop_daemon(daemon, lifeline_w, mnt)
+        problem = _stop_daemon(daemon, lifeline_w, mnt, lost)
         if problem is not None:
             print(f"sandboxfs: {problem}", file=sys.stderr)
         if ran and status is not None and not req.quiet:
-            print(_summary(req, started, status), file=sys.stderr)
+            print(_summary(req, started, status, lost), file=sys.stderr)
+
+
+def _daemon_ended(daemon: int) -> str | None:
+    """How the daemon ended, if it has (the program then got ENOTCONN or SIGBUS from its
+    mount): looked at, not reaped, so that `_stop_daemon` still finds and clears its mount."""
+    try:
+        info = os.waitid(os.P_PID, daemon, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None
+    if info is None:
+        return None
+    if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+        try:
+            name = f" ({signal.Signals(info.si_status).name})"
+        except ValueError:
+            name = ""
+        return f"was killed by signal {info.si_status}{name}"
+    return f"exited (status {info.si_status})"
+
+
+def _exit_status(status: int, lost: str | None) -> int:
+    """run's exit status: CMD's, except that a lost mount is never a success (CMD's own status
+    when it failed, else EXIT_MOUNT_LOST)."""
+    return EXIT_MOUNT_LOST if lost is not None and status == 0 else status
 
 
 DAEMON_GRACE = 10.0  # seconds for the daemon to unmount and exit once its lifeline is closed
 
 
-def _stop_daemon(daemon: int, lifeline_w: int, mnt: Path) -> str | None:
+def _stop_daemon(daemon: int, lifeline_w: int, mnt: Path, lost: str | None = None) -> str | None:
     """Close the daemon's lifeline and wait for it to unmount and exit: DAEMON_GRACE seconds at
     most, less if SIGINT, SIGTERM or SIGHUP come meanwhile; then it is killed (stopped, hung).
-    A mount left behind (its daemon killed, now or while the program ran) is detached. What
-    went wrong, in one line; None when nothing did."""
+    A mount left behind (its daemon killed, now or while the program ran: `lost` says how) is
+    detached. What went wrong, in one line; None when nothing did."""
     try:
         pidfd = os.pidfd_open(daemon)
     except OSError:  # already reaped: nothing to wait for
@@ -822,7 +916,9 @@ def _stop_daemon(daemon: int, lifeline_w: int, mnt: Path) -> str | None:
         while code is None and not interrupted and time.monotonic() < deadline:
             code = _exit_code(daemon, pidfd, min(0.2, max(0, deadline - time.monotonic())))
         problem = None
-        if code is None:
+        if lost is not None:
+            problem = f"mount lost: the daemon (pid {daemon}) {lost} while the program ran"
+        elif code is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(daemon, signal.SIGKILL)
             _exit_code(daemon, pidfd, KILL_WAIT)
@@ -834,7 +930,7 @@ def _stop_daemon(daemon: int, lifeline_w: int, mnt: Path) -> str | None:
             )
         elif code != 0:
             how = f"was killed by signal {-code}" if code < 0 else f"failed (status {code})"
-            problem = f"the daemon (pid {daemon}) {how} while the program ran"
+            problem = f"the daemon (pid {daemon}) {how} while it unmounted"
         if str(mnt) in sandboxfs_mounts():
             with contextlib.suppress(OSError):
                 lazy_unmount(mnt)
@@ -864,44 +960,118 @@ def _setup_failure(text: bytes, status: int) -> str:
 
 
 def _rule_text(rule: HostRule) -> str:
-    host = f"[{rule.host}]" if ":" in rule.host else rule.host
-    return host if rule.port is None else f"{host}:{rule.port}"
+    return rule_text(rule)
 
 
-def _start_proxy(req: RunRequest, audit: RunAudit, child: _Child) -> Proxy:
+DNS_LOOKUPS_AUDITED = 1024  # distinct names a run audits as refused lookups; later ones are not
+
+
+class _Network:
+    """(--net none, allow) What serves the sandbox's namespace from here: the DNS stub, the
+    proxy (allow), and the one line each prints on run's stderr for a host refused, a host not
+    reached, or a name looked up, the first time. Printed with --quiet too: it says why the
+    program fails. A child that failed before handing its sockets over says why itself."""
+
+    def __init__(self, req: RunRequest, audit: RunAudit, child: _Child) -> None:
+        more = (
+            "network: more hosts refused or not reached than shown here; all are in "
+            f"'sandboxfs audit --session {req.session} --op net'"
+        )
+        self.notices = Notices(_notify, more)
+        self.dns = None if child.dns is None else _start_dns(req, audit, child, self.notices)
+        self.proxy = None
+        if child.listener is not None:
+            self.proxy = _start_proxy(req, audit, child, self.notices)
+
+    def close(self) -> None:
+        if self.proxy is not None:
+            self.proxy.close()
+        if self.dns is not None:
+            self.dns.close()
+
+
+def _notify(line: str) -> None:
+    """One line on run's stderr while the program runs, from the proxy's or the stub's thread.
+    On a terminal in raw mode (the program's keystrokes relayed) it ends with CR LF."""
+    end = "\n"
+    with contextlib.suppress(termios.error, OSError):
+        if os.isatty(2) and not termios.tcgetattr(2)[1] & termios.OPOST:
+            end = "\r\n"
+    _write_all(2, f"sandboxfs: {line}{end}".encode())
+
+
+def _start_proxy(req: RunRequest, audit: RunAudit, child: _Child, notices: Notices) -> Proxy:
     assert child.listener is not None
 
     def on_decision(decision: NetDecision) -> None:
         pid, comm = connecting_process(child.pid, decision.client[1])
+        # Refused by the policy: allowed false (EACCES). Admitted but not completed (no such
+        # name, refused or silent upstream): neither allowed nor denied, with its error, which
+        # `audit` shows as `failed`. Otherwise allowed.
+        allowed = None if decision.failed else decision.allowed
         audit.record(
             "net",
-            allowed=decision.allowed,
+            allowed=allowed,
             pid=pid,
             comm=comm,
             reason=decision.reason,
-            errno="EACCES" if not decision.allowed else None,
-            detail=f"{decision.method} {decision.host}:{decision.port}",
+            errno="EACCES" if not decision.allowed else decision.error,
+            detail=f"{decision.method} {decision.target()}",
             host=decision.host,
             port=decision.port,
             address=decision.address,
         )
+        notices.add(decision.target(), decision.notice())
 
     proxy = Proxy(child.listener, Allowlist(req.allow), on_decision)
     proxy.start()
     return proxy
 
 
-def connecting_process(netns_pid: int, port: int) -> tuple[int | None, str | None]:
-    """The process inside that holds the TCP socket connecting from 127.0.0.1:`port`.
+def _start_dns(req: RunRequest, audit: RunAudit, child: _Child, notices: Notices) -> DnsStub:
+    """The stub every lookup inside reaches: each name a program looks up (a host, not the
+    sandbox's own name or a reverse lookup) is audited as a refused lookup and told once."""
+    assert child.dns is not None
+    allowlist = Allowlist(req.allow) if req.net == "allow" else None
+    seen: set[str] = set()  # the stub answers from one thread
 
-    Found from this side: the socket's inode in the sandbox's /proc/net/tcp (read through a
-    process in that network namespace), then the process holding it among those sharing it.
-    Best effort: a process that closed its socket already is (None, None).
+    def on_lookup(lookup: Lookup) -> None:
+        if not lookup.notable or lookup.name in seen or len(seen) >= DNS_LOOKUPS_AUDITED:
+            return
+        seen.add(lookup.name)
+        pid, comm = connecting_process(child.pid, lookup.client[1], "udp")
+        reason = lookup_refusal(lookup.name, allowlist)
+        audit.record(
+            "net",
+            allowed=False,
+            pid=pid,
+            comm=comm,
+            reason=reason,
+            detail=f"lookup {printable(lookup.name, 255)}",
+            host=lookup.name,
+            port=None,
+            address=None,
+        )
+        notices.add(f"lookup {lookup.name}", reason)
+
+    stub = DnsStub([child.dns], on_lookup)
+    stub.start()
+    return stub
+
+
+def connecting_process(
+    netns_pid: int, port: int, protocol: str = "tcp"
+) -> tuple[int | None, str | None]:
+    """The process inside that holds the socket (TCP, or UDP) bound at 127.0.0.1:`port`.
+
+    Found from this side: the socket's inode in the sandbox's /proc/net/tcp or udp (read
+    through a process in that network namespace), then the process holding it among those
+    sharing it. Best effort: a process that closed its socket already is (None, None).
     """
     wanted = f"0100007F:{port:04X}"
     inode = None
     with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{netns_pid}/net/tcp").read_text().splitlines()[1:]:
+        for line in Path(f"/proc/{netns_pid}/net/{protocol}").read_text().splitlines()[1:]:
             fields = line.split()
             if fields[1] == wanted:
                 inode = fields[9]
@@ -925,24 +1095,51 @@ def connecting_process(netns_pid: int, port: int) -> tuple[int | None, str | Non
     return None, None
 
 
-def _summary(req: RunRequest, started: datetime, status: int) -> str:
+def _summary(req: RunRequest, started: datetime, status: int, lost: str | None = None) -> str:
     query = audit_mod.AuditQuery(session=req.session, since=started)
     allowed = denied = 0
     staged: set[str] = set()
+    refused: dict[str, None] = {}  # hosts and looked-up names, in order, once each
+    unreached: dict[str, None] = {}
     for entry in audit_mod.query(audit_path(req.project), query):
         if entry.get("op") in ("run", "mount", "unmount"):
             continue
+        if entry.get("op") == "net" and entry.get("allowed") is not True:
+            (refused if entry.get("allowed") is False else unreached)[_net_target(entry)] = None
         if entry.get("allowed") is False:
             denied += 1
             continue
         allowed += 1
         if entry.get("zone") == Zone.STAGED.value and entry.get("op") == "write":
             staged.add(str(entry.get("path")))
+    ended = f"exit {status}"
+    if lost is not None:
+        ended += f"; mount lost: the daemon {lost}; run exits {_exit_status(status, lost)}"
+    network = ""
+    if refused or unreached:
+        parts = [f"refused {_some(refused)}"] if refused else []
+        parts += [f"not reached {_some(unreached)}"] if unreached else []
+        network = f"; network: {'; '.join(parts)}"
     return (
-        f"sandboxfs: session {req.session} ended (exit {status}): "
+        f"sandboxfs: session {req.session} ended ({ended}): "
         f"{_count(allowed, 'operation')} allowed, {denied} denied, "
-        f"{_count(len(staged), 'file')} staged; details: sandboxfs audit --session {req.session}"
+        f"{_count(len(staged), 'file')} staged{network}; "
+        f"details: sandboxfs audit --session {req.session}"
     )
+
+
+def _net_target(entry: dict[str, Any]) -> str:
+    """A `net` entry's host as the summary names it: `host:port`, or `name (lookup)`."""
+    host = printable(str(entry.get("host")), 255)
+    port = entry.get("port")
+    if port is None:
+        return f"{host} (lookup)"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _some(names: dict[str, None], shown: int = 5) -> str:
+    listed = ", ".join(list(names)[:shown])
+    return listed if len(names) <= shown else f"{listed} and {len(names) - shown} more"
 
 
 def _count(n: int, noun: str) -> str:

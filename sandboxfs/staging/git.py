@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
+from .. import identity
 from ..errors import UserError
 from .text import decode, escape_text
 
@@ -188,24 +189,17 @@ class Git:
         return result.stdout if result.returncode == 0 else None
 
     def identity(self) -> dict[str, str]:
-        """Author and committer: GIT_AUTHOR_*/GIT_COMMITTER_* if set, else the repository's
-        user.name and user.email (its config file read as data), else sandboxfs."""
-
-        def configured(key: str) -> str | None:
-            config = self.common_dir / "config"
-            result = self.run("config", "--file", str(config), "--get", key, check=False)
-            value = decode(result.stdout).strip()
-            return value if result.returncode == 0 and value else None
-
-        name = os.environ.get("GIT_AUTHOR_NAME") or configured("user.name") or "sandboxfs"
-        email = (
-            os.environ.get("GIT_AUTHOR_EMAIL") or configured("user.email") or "sandboxfs@localhost"
-        )
+        """Author and committer: the user's (sandboxfs.identity: GIT_AUTHOR_*/GIT_COMMITTER_*
+        if set, else user.name and user.email of the repository's config, else of the user's
+        global config, each read as data), else sandboxfs."""
+        found = identity.identity([self.common_dir / "config"])
+        name = found.get("GIT_AUTHOR_NAME", "sandboxfs")
+        email = found.get("GIT_AUTHOR_EMAIL", "sandboxfs@localhost")
         return {
             "GIT_AUTHOR_NAME": name,
             "GIT_AUTHOR_EMAIL": email,
-            "GIT_COMMITTER_NAME": os.environ.get("GIT_COMMITTER_NAME") or name,
-            "GIT_COMMITTER_EMAIL": os.environ.get("GIT_COMMITTER_EMAIL") or email,
+            "GIT_COMMITTER_NAME": found.get("GIT_COMMITTER_NAME", name),
+            "GIT_COMMITTER_EMAIL": found.get("GIT_COMMITTER_EMAIL", email),
         }
 
 

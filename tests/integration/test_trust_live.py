@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from sandboxfs import control
 from tests.conftest import SANDBOXFS, Mount, assert_one_line_error, sandboxfs, sh, wait_until
 
 PY = "/usr/bin/python3"  # the system's: readable by nobody and present inside a run sandbox
@@ -359,8 +360,8 @@ def test_promote_untrusted_to_workspace_without_remounting(
         ls = sh(f"ls -a {repo}")
         assert ls.returncode == 0, ls.stderr
         names = ls.stdout.split()
-        assert {"README.md", "src"} <= set(names), names
-        assert not {".env", "server.pem", ".ssh", ".sandbox"} & set(names), names
+        assert {"README.md", "src", ".env", "server.pem", ".ssh"} <= set(names), names
+        assert ".sandbox" not in names, names  # deny-listed entries are shown, the state not
         assert sh(f"ls {m.mnt}/workspace").returncode == 0
 
         # workspace reads the repo, never writes it
@@ -455,9 +456,10 @@ def test_promote_a_running_sandbox(project: Path) -> None:
 
 
 REACH = r"""
-import json, os, socket
+import json, os, socket, sys
 facts = json.load(open("/sandbox/.sandboxfs/context.json"))
-path = facts.get("control")
+print("told:", facts.get("control"))  # the program is not told where the socket is
+path = sys.argv[1].format(pid=facts["pid"])  # where it is, from outside
 print("trust:", facts["trust"])
 print("dir:", os.path.exists(os.path.dirname(path)) if path else "none")
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -472,7 +474,7 @@ except OSError as exc:
 
 @needs_bwrap
 def test_the_control_socket_is_unreachable_from_inside_a_run(project: Path) -> None:
-    probe = [PY, "-c", REACH]
+    probe = [PY, "-c", REACH, str(control.control_dir() / "{pid}.sock")]
     result = subprocess.run(
         [*SANDBOXFS, "run", "--project", str(project), "--trust", "full", "--quiet", "--", *probe],
         stdin=subprocess.DEVNULL,
@@ -483,6 +485,7 @@ def test_the_control_socket_is_unreachable_from_inside_a_run(project: Path) -> N
     )
     assert result.returncode == 0, result.stderr
     lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    assert lines["told"] == "None", result.stdout
     assert lines["trust"] == "full"  # the program stays where it was put
     assert lines["dir"] == "False", result.stdout
     assert lines["connect"] == "2", result.stdout  # ENOENT: the state root is not in its view
@@ -708,3 +711,29 @@ def test_status_shows_the_current_level_and_pending_staged_commits(
         table = sandboxfs("status", str(m.mnt))
         header, line = table.stdout.splitlines()
         assert header.split()[6] == "PENDING" and line.split()[2:7:4] == ["session", "2"]
+
+
+def test_promote_and_demote_aimed_by_session_id_or_project(
+    mount_at: Callable[..., Any], project: Path
+) -> None:
+    with mount_at("untrusted") as m:
+        session = context(m)["session"]
+        code, out, err, _ = change("promote", session, "workspace")
+        assert code == 0, err
+        assert out.strip() == f"{m.mnt}: trust untrusted -> workspace"
+        # Named by nothing: the only running session of the project given.
+        lowered = subprocess.run(
+            [*SANDBOXFS, "demote", "--trust", "session", "--project", str(project)],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+        assert lowered.returncode == 0, lowered.stderr
+        assert context(m)["trust"] == "session"
+        unknown = subprocess.run(
+            [*SANDBOXFS, "promote", "no-such-session", "--trust", "full"],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+        assert_one_line_error(unknown, "no-such-session is neither a sandboxfs mount nor a")

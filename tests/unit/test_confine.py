@@ -86,7 +86,6 @@ def test_bwrap_args_shape(tmp_path: Path) -> None:
     for flag in (
         "--unshare-user",
         "--unshare-pid",
-        "--unshare-net",
         "--disable-userns",
         "--die-with-parent",
         "--new-session",
@@ -96,8 +95,20 @@ def test_bwrap_args_shape(tmp_path: Path) -> None:
     assert args[args.index("--bind") + 1 : args.index("--bind") + 3] == [str(tmp_path), "/sandbox"]
     assert "--" not in args  # options only: they travel on ARGS_FD, CMD on the argv
     assert confine.launcher_argv(False, ["ls", "-l"])[-3:] == ["pipe", "ls", "-l"]
-    shared = confine.bwrap_args(mountpoint=tmp_path, cwd="/sandbox", net="allow")
-    assert "--unshare-net" not in shared  # the supervisor's own namespace, with the proxy
+    for net in ("none", "allow"):  # the supervisor's own namespace, with its DNS stub
+        shared = confine.bwrap_args(mountpoint=tmp_path, cwd="/sandbox", net=net)
+        assert "--unshare-net" not in shared
+        at = shared.index("--ro-bind-data")
+        assert shared[at - 2 : at + 3] == [
+            "--perms",
+            "0644",
+            "--ro-bind-data",
+            "9",
+            "/etc/resolv.conf",
+        ]
+        assert shared.count("/etc/resolv.conf") == 1  # not the host's as well
+    host = confine.bwrap_args(mountpoint=tmp_path, cwd="/sandbox", net="host")
+    assert "--ro-bind-data" not in host and "--unshare-net" not in host
     assert confine.launcher_argv(True, ["sh"])[-2:] == ["tty", "sh"]
     assert "8>&-" in confine.LAUNCHER and confine.ARGS_FD == 8
 

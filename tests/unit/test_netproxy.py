@@ -8,6 +8,7 @@ import http.server
 import select
 import socket
 import socketserver
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -58,13 +59,15 @@ class Response:
     status: int
     headers: dict[str, str]
     body: bytes
+    phrase: str = ""
 
 
 def parse_response(raw: bytes) -> Response:
     head, _, body = raw.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     headers = dict(line.split(": ", 1) for line in lines[1:])
-    return Response(int(lines[0].split(" ")[1]), {k.lower(): v for k, v in headers.items()}, body)
+    _, status, phrase = lines[0].split(" ", 2)
+    return Response(int(status), {k.lower(): v for k, v in headers.items()}, body, phrase)
 
 
 def closed_port() -> int:
@@ -240,6 +243,10 @@ def web() -> Iterator[Callable[[], _Server]]:
         ("[::ffff:127.0.0.1]:80", HostRule("127.0.0.1", 80)),
         ("Bücher.example", HostRule("xn--bcher-kva.example", None)),
         ("api.example.com:65535", HostRule("api.example.com", 65535)),
+        ("pypi.org=203.0.113.80", HostRule("pypi.org", None, "203.0.113.80")),
+        ("PyPI.org:8443=10.0.0.5", HostRule("pypi.org", 8443, "10.0.0.5")),
+        ("localhost:8000=::1", HostRule("localhost", 8000, "::1")),
+        ("localhost=[::ffff:127.0.0.1]", HostRule("localhost", None, "127.0.0.1")),
     ],
 )
 def test_parse_allow_host_accepts(text: str, rule: HostRule) -> None:
@@ -283,6 +290,14 @@ def test_parse_allow_host_accepts(text: str, rule: HostRule) -> None:
         "fe80::1%eth0",
         "1:2:3",
         "example.com:80:80",
+        "pypi.org=",
+        "pypi.org=pypi.org",
+        "pypi.org=10.0.0.1=10.0.0.2",
+        "=10.0.0.1",
+        "10.0.0.1=10.0.0.1",
+        "*.example.com=10.0.0.1",
+        "pypi.org=fe80::1%eth0",
+        "pypi.org=10.0.0.1:443",
     ],
 )
 def test_parse_allow_host_rejects(text: str) -> None:
@@ -344,6 +359,24 @@ def test_ip_rules_and_listed_addresses() -> None:
     assert not allow.lists_address("127.0.0.1", 8081)
     assert not allow.lists_address("127.0.0.2", 8080)
     assert not allow.lists_address("api.test", 8080)
+
+
+def test_pinned_rules_admit_the_name_and_list_its_address() -> None:
+    rule = parse_allow_host("api.test:8080=10.0.0.5")
+    allow = Allowlist([rule, parse_allow_host("web.test=127.0.0.1")])
+    assert netproxy.rule_text(rule) == "api.test:8080=10.0.0.5"
+    assert allow.describe() == "api.test:8080=10.0.0.5, web.test=127.0.0.1"
+    assert allow.admits("API.test", 8080)
+    assert not allow.admits("api.test", 443)
+    assert not allow.admits("10.0.0.5", 8080)  # the address alone is not admitted
+    assert allow.lists_address("10.0.0.5", 8080, "api.test")
+    assert allow.lists_address("10.0.0.5", 8080, "API.test.")
+    assert not allow.lists_address("10.0.0.5", 8080)
+    assert not allow.lists_address("10.0.0.5", 8080, "other.test")
+    assert not allow.lists_address("10.0.0.5", 443, "api.test")
+    assert not allow.lists_address("10.0.0.6", 8080, "api.test")
+    assert allow.lists_address("127.0.0.1", 443, "web.test")
+    assert not allow.lists_address("127.0.0.1", 8443, "web.test")
 
 
 def test_address_classes() -> None:
@@ -429,15 +462,25 @@ def test_unlisted_server_is_refused(
     assert response.headers["x-sandboxfs-denied"] == "1"
     assert response.headers["content-type"] == "text/plain"
     assert response.headers["connection"] == "close"
+    target = f"{LOCAL}:{unlisted.server_port}"
     reason = (
-        f"host {LOCAL}:{unlisted.server_port} is not in the allowlist (--allow-host); "
-        f"allowed: {LOCAL}:{listed.server_port}, *.example.net:8443"
+        f"host {target} is not in the allowlist (--allow-host); to allow it, start sandboxfs "
+        f"run with --allow-host {target} (allowed now: {LOCAL}:{listed.server_port}, "
+        "*.example.net:8443)"
     )
     assert response.body == f"sandboxfs: {reason}\n".encode()
+    notice = f"refused {target} (not in --allow-host); to allow it: --allow-host {target}"
+    assert response.phrase == f"sandboxfs {notice}"
     assert unlisted.seen == []
     [decision] = harness.decisions
     assert (decision.allowed, decision.reason, decision.address) == (False, reason, None)
     assert (decision.host, decision.port, decision.method) == (LOCAL, unlisted.server_port, "GET")
+    assert (decision.fix, decision.error, decision.failed) == (
+        f"--allow-host {target}",
+        None,
+        False,
+    )
+    assert decision.notice() == f"network: {notice}"
 
     response = harness.request(f"CONNECT localhost:{echo.port} HTTP/1.1\r\n\r\n".encode())
     assert response.status == 403
@@ -454,16 +497,69 @@ def test_allowed_name_resolving_to_loopback_is_refused(make_proxy: MakeProxy, ec
     harness = make_proxy(f"api.test:{echo.port}", resolve=resolve)
     response = harness.request(f"CONNECT API.test:{echo.port} HTTP/1.1\r\n\r\n".encode())
     assert response.status == 403
-    reason = (
-        f"api.test resolves to 127.0.0.1 (loopback), which is refused unless listed exactly "
-        f"(--allow-host 127.0.0.1:{echo.port})"
-    )
+    cause = "api.test resolves to 127.0.0.1 (loopback), which is refused unless listed exactly"
+    fix = f"--allow-host api.test:{echo.port}=127.0.0.1"
+    reason = f"{cause}; to allow it, start sandboxfs run with {fix}"
     assert response.body == f"sandboxfs: {reason}\n".encode()
+    assert (
+        response.phrase == f"sandboxfs refused api.test:{echo.port} ({cause}); to allow it: {fix}"
+    )
     assert asked == [("api.test", echo.port)]
     assert echo.connections == []
     [decision] = harness.decisions
     assert (decision.host, decision.allowed, decision.reason) == ("api.test", False, reason)
-    assert decision.address == LOCAL
+    assert (decision.address, decision.cause, decision.fix) == (LOCAL, cause, fix)
+
+
+def test_the_suggested_pin_admits_the_name(make_proxy: MakeProxy, echo: Echo) -> None:
+    """The one flag a refusal names is enough: the name, at the address it resolves to."""
+    harness = make_proxy(f"api.test:{echo.port}", resolve=lambda h, p: [LOCAL])
+    harness.request(f"CONNECT api.test:{echo.port} HTTP/1.1\r\n\r\n".encode())
+    [refusal] = harness.decisions
+    assert refusal.fix is not None
+    pinned = make_proxy(refusal.fix.removeprefix("--allow-host "), resolve=lambda h, p: [LOCAL])
+    with socket.create_connection(pinned.address, timeout=5) as client:
+        client.sendall(f"CONNECT api.test:{echo.port} HTTP/1.1\r\n\r\n".encode())
+        assert read_head(client).startswith(b"HTTP/1.1 200 ")
+        client.shutdown(socket.SHUT_WR)
+        assert read_all(client) == b"bye"
+    [decision] = pinned.decisions
+    assert (decision.allowed, decision.address, decision.error) == (True, LOCAL, None)
+    # ... and nothing more: another name at that address, or the address itself, is refused.
+    for target in (f"other.test:{echo.port}", f"{LOCAL}:{echo.port}"):
+        response = pinned.request(f"CONNECT {target} HTTP/1.1\r\n\r\n".encode())
+        assert response.status == 403, target
+    assert len(echo.connections) == 1
+
+
+def test_web_ports_suggest_a_rule_without_port(make_proxy: MakeProxy) -> None:
+    harness = make_proxy("api.test", resolve=lambda h, p: ["203.0.113.80"])
+    for request in (
+        b"CONNECT pypi.org:443",
+        b"GET http://[2001:db8::1]:8080/",
+        b"GET http://api.test/",
+    ):
+        harness.request(request + b" HTTP/1.1\r\n\r\n")
+    assert [d.notice() for d in harness.decisions] == [
+        "network: refused pypi.org:443 (not in --allow-host); to allow it: --allow-host pypi.org",
+        "network: refused [2001:db8::1]:8080 (not in --allow-host); to allow it: "
+        "--allow-host [2001:db8::1]:8080",
+        "network: refused api.test:80 (api.test resolves to 203.0.113.80 (special-purpose, not "
+        "globally routable), which is refused unless listed exactly); to allow it: "
+        "--allow-host api.test=203.0.113.80",
+    ]
+
+
+def test_a_host_name_that_is_no_name_gets_no_fix(make_proxy: MakeProxy) -> None:
+    harness = make_proxy("api.test")
+    response = harness.request(b"CONNECT bad\x1b[2J\xff.test:443 HTTP/1.1\r\n\r\n")
+    assert response.status == 403
+    [decision] = harness.decisions
+    assert decision.fix is None
+    assert decision.notice() == (
+        "network: refused bad\\x1b[2J\\xff.test:443 (not a valid host name)"
+    )
+    assert response.phrase.isascii() and response.phrase.isprintable()
 
 
 def test_name_resolving_to_a_listed_address_is_allowed(make_proxy: MakeProxy, echo: Echo) -> None:
@@ -509,7 +605,8 @@ def test_several_refused_addresses_are_all_named(make_proxy: MakeProxy) -> None:
     assert response.status == 403
     assert response.body == (
         b"sandboxfs: multi.test resolves to 10.0.0.1 (private), 127.0.0.1 (loopback), "
-        b"which are refused unless listed exactly (--allow-host ADDRESS:443)\n"
+        b"which are refused unless listed exactly; to allow it, start sandboxfs run with "
+        b"--allow-host multi.test=10.0.0.1\n"
     )
 
 
@@ -532,11 +629,132 @@ def test_resolution_and_connection_failures_are_502(make_proxy: MakeProxy) -> No
     assert (
         response.body == f"sandboxfs: connect failed: {LOCAL}:{port}: Connection refused\n".encode()
     )
+    assert response.phrase == f"sandboxfs could not reach {LOCAL}:{port}: Connection refused"
     first, second = harness.decisions
     assert first.allowed and first.reason is not None and first.address is None
     assert first.reason.startswith("connect failed: cannot resolve gone.test")
+    assert (first.failed, first.error, first.fix) == (True, "EAI_FAIL", None)
     assert second.allowed and second.address == LOCAL
     assert second.reason == f"connect failed: {LOCAL}:{port}: Connection refused"
+    assert (second.failed, second.error) == (True, "ECONNREFUSED")
+    assert second.notice() == f"network: could not reach {LOCAL}:{port}: Connection refused"
+
+
+def test_resolver_errors_are_named() -> None:
+    gaierror = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    assert netproxy._resolve_error(gaierror) == "EAI_NONAME"
+    assert netproxy._resolve_error(socket.gaierror(socket.EAI_AGAIN, "later")) == "EAI_AGAIN"
+    assert netproxy._resolve_error(OSError(110, "timed out")) == "ETIMEDOUT"
+    assert netproxy._resolve_error(RuntimeError("?")) == "EAI_FAIL"
+
+
+def test_notices_once_per_key_and_bounded() -> None:
+    written: list[str] = []
+    notices = netproxy.Notices(written.append, "more: see the audit", limit=2)
+    for key in ("a", "a", "b", None, "c", "d", "a"):
+        notices.add(str(key), None if key is None else f"line {key}")
+    assert written == ["line a", "line b", "more: see the audit"]
+
+
+# ----- the DNS stub -------------------------------------------------------------------------------
+
+
+def dns_query(name: str, qtype: int = 1, ident: int = 0x1234) -> bytes:
+    labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".") if p)
+    return (
+        struct.pack("!6H", ident, 0x0100, 1, 0, 0, 0)
+        + labels
+        + b"\0"
+        + struct.pack("!2H", qtype, 1)
+    )
+
+
+@pytest.fixture
+def dns_stub() -> Iterator[tuple[socket.socket, list[netproxy.Lookup]]]:
+    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    server.bind((LOCAL, 0))
+    seen: list[netproxy.Lookup] = []
+    stub = netproxy.DnsStub([server], seen.append)
+    stub.start()
+    client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    client.settimeout(5)
+    client.connect(server.getsockname())
+    try:
+        yield client, seen
+    finally:
+        client.close()
+        stub.close()
+        assert server.fileno() == -1
+        assert proxy_threads() == []
+
+
+def test_dns_stub_refuses_and_reports(
+    dns_stub: tuple[socket.socket, list[netproxy.Lookup]],
+) -> None:
+    client, seen = dns_stub
+    query = dns_query("PyPI.org.", qtype=28)
+    client.send(query)
+    answer = client.recv(4096)
+    ident, flags, qd, an, ns, ar = struct.unpack_from("!6H", answer)
+    assert (ident, flags & 0x8000, flags & 0x0100, flags & 0xF, qd, an, ns, ar) == (
+        0x1234,
+        0x8000,
+        0x0100,
+        5,
+        1,
+        0,
+        0,
+        0,
+    )
+    assert answer[12:] == query[12:]  # the question, echoed
+    [lookup] = seen
+    assert (lookup.name, lookup.qtype, lookup.client[0]) == ("pypi.org", 28, LOCAL)
+    assert lookup.notable
+
+
+def test_dns_stub_ignores_what_is_no_query(
+    dns_stub: tuple[socket.socket, list[netproxy.Lookup]],
+) -> None:
+    client, seen = dns_stub
+    response = bytearray(dns_query("a.test"))
+    response[2] |= 0x80
+    pointer = dns_query("a.test")[:12] + b"\xc0\x0c" + struct.pack("!2H", 1, 1)
+    for data in (b"", b"short", bytes(response), pointer, dns_query("a.test")[:-2]):
+        client.send(data)
+    client.send(dns_query("after.test"))
+    assert struct.unpack_from("!H", client.recv(4096))[0] == 0x1234
+    assert [lookup.name for lookup in seen] == ["after.test"]
+
+
+@pytest.mark.parametrize(
+    ("name", "qtype", "notable"),
+    [
+        ("pypi.org", 1, True),
+        ("sandboxfs", 1, False),  # the sandbox's own host name: tools look it up for an FQDN
+        ("1.0.0.127.in-addr.arpa", 12, False),
+        ("example.com", 12, False),
+    ],
+)
+def test_which_lookups_are_told(name: str, qtype: int, notable: bool) -> None:
+    assert netproxy.Lookup(name, qtype, (LOCAL, 1)).notable is notable
+
+
+def test_lookup_messages() -> None:
+    assert netproxy.lookup_refusal("pypi.org", None) == (
+        "the network is off (--net none): pypi.org was not looked up; to let the program "
+        "reach it: --net allow --allow-host pypi.org"
+    )
+    allow = Allowlist([parse_allow_host("pypi.org")])
+    admitted = netproxy.lookup_refusal("pypi.org", allow)
+    assert admitted == (
+        "pypi.org was looked up inside the sandbox, which has no DNS (--net allow): programs "
+        "reach hosts through the proxy, HTTPS_PROXY=http://127.0.0.1:3128, which resolves "
+        "names itself"
+    )
+    assert netproxy.lookup_refusal("files.pythonhosted.org", allow).endswith(
+        "; files.pythonhosted.org is not allowed either: --allow-host files.pythonhosted.org"
+    )
+    assert "\\x1b" in netproxy.lookup_refusal("a\x1b.test", None)
 
 
 @pytest.mark.parametrize(
