@@ -25,9 +25,11 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import heapq
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -54,12 +56,27 @@ GENESIS: str = "0" * 64
 _CHUNK = 1 << 16
 _SEALS = ("hash", "mac")  # what an entry's hash does not cover
 TAMPER_OP = "audit-tamper"  # written by a writer that finds the log cut or forged
-RESERVE_BYTES = 4 << 20  # room kept for the log on its file system; ~14k denials
+RESERVE_BYTES = 4 << 20  # room kept for the log on its file system; ~7k distinct denials
 _RELEASE_STEP = 1 << 16  # the reserve is given back in slices of at least this
 _REFILL_EVERY = 1.0  # seconds between attempts to fill a short reserve again
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _EXACT_FIELDS = ("pid", "session", "workspace", "zone", "op", "trust", "allowed")
 _DENIED = b'"allowed":false'
+# Identical refusals within a window become one entry with a count (see AuditLog.record).
+REPEAT_WINDOW = 1.0  # seconds
+# Distinct refusals are written in full from a bucket of ITEMISED_BURST (and ITEMISED_BYTES)
+# refilled at ITEMISED_PER_SECOND (and ITEMISED_BYTES_PER_SECOND): a burst (`find` over a
+# forbidden tree, a test) is itemised whole; a sustained flood of distinct refusals is counted
+# per op past it, so the log grows at most by the refill rate.
+ITEMISED_BURST = 1000
+ITEMISED_BYTES = 512 << 10
+ITEMISED_PER_SECOND = 20
+ITEMISED_BYTES_PER_SECOND = 12 << 10
+_RETRY_EVERY = 0.25  # seconds between attempts to write while the log is failing
+UNCLEAN_OP = "audit-unclean"  # written for a writer that ended without closing the log
+_WRITER_PREFIX = ".writer."  # a live writer's marker beside the log, locked for its life
+_READ_BLOCK = 1 << 20
+_REORDER = 4096  # entries `iter_query` holds to put concurrent writers' entries in time order
 
 
 def _format_ts(moment: datetime) -> str:
@@ -150,8 +167,9 @@ def _lock_path(path: Path) -> Path:
     return path.with_name(path.name + ".lock")
 
 
-def _open_lock(path: Path) -> int:
-    return os.open(_lock_path(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+def _open_lock(path: Path, dir_fd: int | None = None) -> int:
+    where = _lock_path(path) if dir_fd is None else _lock_path(path).name
+    return os.open(where, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
 
 
 @contextlib.contextmanager
@@ -163,17 +181,44 @@ def _exclusive(lock_fd: int) -> Iterator[None]:
         fcntl.flock(lock_fd, fcntl.LOCK_UN)
 
 
-def _open_log(path: Path) -> int:
+def _open_log(path: Path | str, dir_fd: int | None = None) -> int:
     # Read access too: the tail is read back to continue the chain.
-    return os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+    return os.open(path, flags, 0o600, dir_fd=dir_fd)
 
 
-def _same_file(fd: int, path: Path) -> bool:
+def _same_file(fd: int, path: Path | str, dir_fd: int | None = None) -> bool:
     """False once `path` names another file than `fd` (prune replaced it) or none."""
     try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
+        return os.path.samestat(os.fstat(fd), os.stat(path, dir_fd=dir_fd))
     except FileNotFoundError:
         return False
+
+
+@dataclass(slots=True)
+class _Repeats:
+    """Refusals identical to one written in full (`entry`) in the current window."""
+
+    entry: dict[str, Any]
+    count: int = 0
+    first_ts: str = ""
+    last_ts: str = ""
+
+    def add(self, ts: str) -> None:
+        self.count += 1
+        self.first_ts = self.first_ts or ts
+        self.last_ts = ts
+
+    def summary(self, reason: str | None = None) -> dict[str, Any]:
+        """The one entry that stands for them: `count` refusals from `first_ts` to `ts`."""
+        entry = self.entry | {"count": self.count, "first_ts": self.first_ts, "ts": self.last_ts}
+        if reason is not None:
+            entry["reason"] = reason
+        return entry
+
+
+# What a refusal counted but not itemised keeps of its first entry: who, not what.
+_UNITEMISED = ("path", "dest", "zone", "pid", "uid", "comm", "bytes", "detail", "errno")
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +287,7 @@ class AuditLog:
     Entries are queued and written in batches, except denials (which must be on disk before the
     caller sees its errno) and everything in sync mode. One instance is used from one thread.
     `reserve` bytes are kept preallocated beside the log for when its file system fills up.
+    `fold_refusals=False` writes every refusal in full (see `record`): for tests and imports.
     """
 
     def __init__(
@@ -251,8 +297,10 @@ class AuditLog:
         sync: bool = False,
         batch_size: int = 512,
         reserve: int = RESERVE_BYTES,
+        fold_refusals: bool = True,
     ) -> None:
         self._path = path
+        self._fold_refusals = fold_refusals
         self._sync = sync
         self._batch_size = batch_size
         self._queue: list[dict[str, Any]] = []
@@ -264,15 +312,40 @@ class AuditLog:
         self._reserve_short = False
         self._reserve_tried = 0.0  # time.monotonic() of the last fill or release
         self._anchor: AnchorFile | None = None
+        self._repeats: dict[bytes, _Repeats] = {}  # this window's refusals written in full
+        # By op, and whether the log was failing: refusals counted, not itemised.
+        self._unitemised: dict[tuple[str, bool], _Repeats] = {}
+        self._window_end = 0.0  # time.monotonic() when the current window of refusals ends
+        self._tokens = float(ITEMISED_BURST)  # distinct refusals that may still be itemised
+        self._token_bytes = float(ITEMISED_BYTES)  # and their bytes
+        self._filled_at = time.monotonic()
+        self._retry_at = 0.0  # while failing: no new attempt to write before this
+        self._last_error = 0
         self._anchor_path, why = locate_anchor(path)
         if self._anchor_path is None:
             log.error("audit log %s: %s; its entries are written without a mac", path, why)
         make_private_dirs(path.parent)
-        self._lock_fd = _open_lock(path)
-        self._fd = _open_log(path)
-        with _exclusive(self._lock_fd):
-            self._fill_reserve()
-            self._follow_anchor(os.fstat(self._fd).st_size)
+        # The directory is kept open and every file in it named relative to it: a project
+        # renamed (or moved) under a live mount keeps its log, and no entry is dropped.
+        self._name = path.name
+        self._reserve_name = self._reserve_path.name
+        self._dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._lock_fd = self._fd = self._marker_fd = -1
+        try:
+            self._lock_fd = _open_lock(path, self._dir_fd)
+            self._fd = _open_log(self._name, self._dir_fd)
+            with _exclusive(self._lock_fd):
+                self._fill_reserve()
+                self._follow_anchor(os.fstat(self._fd).st_size)
+                self._queue.extend(_sweep_writers(self._dir_fd, self._name))
+                self._marker_name, self._marker_fd = _make_marker(self._dir_fd, self._name)
+        except BaseException:
+            for fd in (self._marker_fd, self._fd, self._lock_fd, self._dir_fd):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        if self._queue:
+            self.try_flush()
 
     @property
     def failing(self) -> bool:
@@ -286,15 +359,81 @@ class AuditLog:
         return self._failing
 
     def record(self, entry: dict[str, Any]) -> None:
-        """Queue a copy of `entry` (stamped with `ts` if it has none); flush when it can't wait."""
+        """Queue a copy of `entry` (stamped with `ts` if it has none); flush when it can't wait.
+
+        Refusals are folded, so that a program cannot grow the log without bound: within a
+        window of REPEAT_WINDOW seconds, the first of identical refusals (every field but `ts`
+        equal: process, op, path, reason...) is written in full at once, and the others are
+        counted, then written as one entry with `count` (how many), `first_ts` and `ts` (the
+        first and last of them) when the window ends. Distinct refusals past the bucket
+        (ITEMISED_BURST at once, then ITEMISED_PER_SECOND a second), further ones are counted per op
+        without their path or process (one entry per op and window, `count` exact). So
+        `count` (1 when absent) summed over refusals is every refusal, also of those refused
+        while the log could not be written.
+        """
         if self._fd < 0:
             raise ValueError(f"audit log {self._path} is closed")
         queued = dict(entry)
         if "ts" not in queued:
             queued["ts"] = _now()
+        if queued.get("allowed") is False and self._fold_refusals and self._fold(queued):
+            if self._queue:  # the window ended: its counts are due
+                self.try_flush()
+            return
         self._queue.append(queued)
         if self._sync or queued.get("allowed") is False or len(self._queue) >= self._batch_size:
             self.try_flush()
+
+    def _fold(self, entry: dict[str, Any]) -> bool:
+        """Count `entry`, a refusal, if one like it was written this window (True); False if
+        it is to be written in full."""
+        now = time.monotonic()
+        if now >= self._window_end:
+            self._end_window()
+            self._window_end = now + REPEAT_WINDOW
+        key = _canonical({k: v for k, v in entry.items() if k != "ts"})
+        repeats = self._repeats.get(key)
+        if repeats is not None:
+            repeats.add(entry["ts"])
+            return True
+        elapsed, self._filled_at = now - self._filled_at, now
+        self._tokens = min(ITEMISED_BURST, self._tokens + elapsed * ITEMISED_PER_SECOND)
+        self._token_bytes = min(
+            ITEMISED_BYTES, self._token_bytes + elapsed * ITEMISED_BYTES_PER_SECOND
+        )
+        if self._tokens >= 1 and self._token_bytes >= len(key):
+            self._repeats[key] = _Repeats(entry)
+            self._tokens -= 1
+            self._token_bytes -= len(key)
+            return False
+        op = (str(entry.get("op")), self._failing)
+        bucket = self._unitemised.get(op)
+        if bucket is None:
+            first = {k: (None if k in _UNITEMISED else v) for k, v in entry.items()}
+            bucket = self._unitemised[op] = _Repeats(first)
+        bucket.add(entry["ts"])
+        return True
+
+    def _end_window(self, now: float | None = None) -> None:
+        """Queue the entries for the refusals counted in the window that ended (or, with no
+        `now`, in the current one, as at close)."""
+        if now is not None and now < self._window_end:
+            return
+        for repeats in self._repeats.values():
+            if repeats.count:
+                self._queue.append(repeats.summary())
+        for (op, failing), bucket in self._unitemised.items():
+            why = (
+                "refused while the audit log could not be written"
+                if failing
+                else f"distinct refusals past {ITEMISED_BURST} at once (or"
+                f" {ITEMISED_BYTES >> 10} KiB), then {ITEMISED_PER_SECOND} a second"
+            )
+            reason = f"{bucket.count} refusals of {op} counted, not itemised: {why}"
+            self._queue.append(bucket.summary(reason))
+        self._repeats.clear()
+        self._unitemised.clear()
+        self._window_end = 0.0
 
     def try_flush(self) -> bool:
         """Flush, but keep the entries queued (and the mount up) if the disk refuses them.
@@ -304,19 +443,36 @@ class AuditLog:
         adapter to refuse operations meanwhile). Past _MAX_QUEUED the oldest are dropped and
         their number is recorded once writing works again.
         """
+        now = time.monotonic()
+        if self._failing and now < self._retry_at:
+            return False  # constant cost per request while failing: no new attempt yet
+        if self._failing and self._last_error in _NO_SPACE and not self._room_for_queue():
+            self._retry_at = now + _RETRY_EVERY
+            return False
         try:
             self.flush()
             return True
-        except OSError:
+        except OSError as exc:
+            self._last_error = exc.errno or 0
+            self._retry_at = time.monotonic() + _RETRY_EVERY
             if len(self._queue) > _MAX_QUEUED:
                 excess = len(self._queue) - _MAX_QUEUED
                 self._dropped += excess
                 del self._queue[:excess]
             return False
 
+    def _room_for_queue(self) -> bool:
+        """Whether the log's file system seems to have room for the queue (a cheap check)."""
+        try:
+            fs = os.fstatvfs(self._fd)
+        except OSError:
+            return True
+        return fs.f_bavail * fs.f_frsize > 1024 * (len(self._queue) + len(self._unitemised) + 16)
+
     def flush(self) -> None:
         """Chain and append every queued entry in one write, under the lock all writers share,
         then record the new head in the anchor."""
+        self._end_window(time.monotonic())
         if not self._queue:
             return
         try:
@@ -440,12 +596,20 @@ class AuditLog:
         was none left to give. A slice at a time, so the reserve lasts for many denials."""
         step = (needed // _RELEASE_STEP + 2) * _RELEASE_STEP
         try:
-            have = os.stat(self._reserve_path).st_size
-            if have == 0:
-                return False
-            os.truncate(self._reserve_path, max(0, have - step))
+            fd = os.open(
+                self._reserve_name, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=self._dir_fd
+            )
         except OSError:
             return False
+        try:
+            have = os.fstat(fd).st_size
+            if have == 0:
+                return False
+            os.ftruncate(fd, max(0, have - step))
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
         self._reserve_short = True
         self._reserve_tried = time.monotonic()  # no use filling it again right away
         log.warning(
@@ -463,7 +627,10 @@ class AuditLog:
             return
         try:
             fd = os.open(
-                self._reserve_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
+                self._reserve_name,
+                os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                0o600,
+                dir_fd=self._dir_fd,
             )
         except OSError as exc:
             log.warning("audit log %s: no reserve: %s", self._path, exc.strerror)
@@ -490,8 +657,8 @@ class AuditLog:
 
     def _follow_replacement(self) -> int:
         """Reopen the log if prune replaced it since we opened it; return its size."""
-        if not _same_file(self._fd, self._path):
-            fd = _open_log(self._path)
+        if not _same_file(self._fd, self._name, self._dir_fd):
+            fd = _open_log(self._name, self._dir_fd)
             os.close(self._fd)
             self._fd = fd
             self._tail = None
@@ -529,24 +696,117 @@ class AuditLog:
         """Flush, make it durable and release the files; later calls do nothing."""
         if self._fd < 0:
             return
+        clean = False
         try:
+            self._end_window()
+            self._retry_at = 0.0
             if self.try_flush():
                 os.fsync(self._fd)
+                clean = True
             elif self._queue:
                 log.error(
                     "audit log %s: %d entries could not be written and are lost",
                     self._path,
                     len(self._queue),
                 )
+                # The marker stays: the next writer records this end as unclean, with the count.
+                with contextlib.suppress(OSError):
+                    os.pwrite(self._marker_fd, b',"lost":%d}' % len(self._queue), _MARKER_END)
         except OSError as exc:
             log.error("cannot sync audit log %s: %s", self._path, exc.strerror)
         finally:
-            os.close(self._fd)
-            os.close(self._lock_fd)
+            if clean:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._marker_name, dir_fd=self._dir_fd)
+            for fd in (self._fd, self._lock_fd, self._marker_fd, self._dir_fd):
+                os.close(fd)
             if self._anchor is not None:
                 self._anchor.close()
                 self._anchor = None
             self._fd = -1
+
+
+_MARKER_END = 64  # the marker's JSON is padded to here; `lost` is written over its end
+
+
+def _make_marker(dir_fd: int, log_name: str) -> tuple[str, int]:
+    """A file beside the log that says this writer is live: locked for as long as it runs,
+    removed by a clean close. Made under the writers' lock, so no sweep sees it unlocked."""
+    name = f"{log_name}{_WRITER_PREFIX}{os.getpid()}.{os.urandom(4).hex()}"
+    fd = os.open(
+        name,
+        os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+        0o600,
+        dir_fd=dir_fd,
+    )
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        body = b'{"pid":%d,"started":"%s"' % (os.getpid(), _now().encode())
+        write_all(fd, body.ljust(_MARKER_END) + b"}")
+    except BaseException:
+        os.close(fd)
+        os.unlink(name, dir_fd=dir_fd)
+        raise
+    return name, fd
+
+
+def _dead_writers(dir_fd: int, log_name: str, *, remove: bool) -> list[dict[str, Any]]:
+    """The markers of writers that ended without closing the log (their lock is free): what
+    each says (pid, started, and `lost` if it knew it lost entries). Only under the writers'
+    lock (shared to look, exclusive to `remove`)."""
+    found = []
+    prefix = log_name + _WRITER_PREFIX
+    try:
+        names = sorted(n for n in os.listdir(dir_fd) if n.startswith(prefix))
+    except OSError:
+        return []
+    for name in names:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dir_fd)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live writer
+            try:
+                said = json.loads(os.pread(fd, 4096, 0).replace(b" ", b""))
+            except ValueError:
+                said = {}
+            found.append(said if isinstance(said, dict) else {})
+            if remove:
+                os.unlink(name, dir_fd=dir_fd)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return found
+
+
+def _sweep_writers(dir_fd: int, log_name: str) -> list[dict[str, Any]]:
+    """An entry for each writer that ended without closing the log (killed, or unable to write
+    its last entries), removing its marker: the next writer records what the dead could not."""
+    entries = []
+    for said in _dead_writers(dir_fd, log_name, remove=True):
+        lost = said.get("lost")
+        reason = (
+            f"{lost} queued entries could not be written and are lost"
+            if isinstance(lost, int)
+            else "entries it had queued but not yet written (allowed operations of at most the"
+            " last flush interval) are lost without a trace"
+        )
+        entries.append(
+            {
+                "op": UNCLEAN_OP,
+                "allowed": True,
+                "ts": _now(),
+                "writer_pid": said.get("pid"),
+                "started": said.get("started"),
+                "reason": "a writer ended without closing the log (killed?): " + reason,
+            }
+        )
+    return entries
 
 
 def read_entries(path: Path) -> Iterator[dict[str, Any]]:
@@ -618,25 +878,64 @@ class _Filter:
 
 def query(path: Path, q: AuditQuery) -> list[dict[str, Any]]:
     """Entries matching `q`, in timestamp order (so concurrent mounts interleave by time)."""
+    return list(iter_query(path, q))
+
+
+def iter_query(path: Path, q: AuditQuery) -> Iterator[dict[str, Any]]:
+    """`query`, streamed: the log is read a block at a time and memory stays bounded whatever
+    its size (with `limit`, the last `limit` matches; without, a reorder buffer of _REORDER
+    entries, so entries further out of time order than that come in file order)."""
     try:
-        data = path.read_bytes()
+        stream = path.open("rb")
     except FileNotFoundError:
-        return []
-    return _select(data, q)
+        return
+    with stream:
+        yield from _select(stream, os.fstat(stream.fileno()).st_size, q)
 
 
-def _select(data: bytes, q: AuditQuery) -> list[dict[str, Any]]:
-    """`query` on the bytes of a log, so that `follow` can use what it has already opened."""
+def _blocks(stream: BinaryIO, end: int) -> Iterator[bytes]:
+    """The first `end` bytes of `stream` from where it stands, in blocks of whole lines (the
+    last one may end without a newline)."""
+    left = end - stream.tell()
+    carry = b""
+    while left > 0:
+        data = stream.read(min(_READ_BLOCK, left))
+        if not data:
+            break
+        left -= len(data)
+        cut = data.rfind(b"\n") + 1
+        if cut == 0:
+            carry += data
+            continue
+        yield carry + data[:cut]
+        carry = data[cut:]
+    if carry:
+        yield carry
+
+
+def _select(stream: BinaryIO, end: int, q: AuditQuery) -> Iterator[dict[str, Any]]:
+    """`query` on an open log up to `end`, so that `follow` can use what it has opened."""
     matches = _Filter(q)
-    found = [
-        entry
-        for line in matches.candidate_lines(data)
-        if (entry := _parse_entry(line)) is not None and matches(entry)
-    ]
-    found.sort(key=lambda entry: str(entry.get("ts", "")))
-    if q.limit is not None:
-        found = found[max(0, len(found) - q.limit) :]
-    return found
+    held: list[tuple[str, int, dict[str, Any]]] = []  # a heap, by time then file order
+    seq = 0
+    for block in _blocks(stream, end):
+        for line in matches.candidate_lines(block):
+            entry = _parse_entry(line)
+            if entry is None or not matches(entry):
+                continue
+            seq += 1
+            item = (str(entry.get("ts", "")), seq, entry)
+            if q.limit is not None:  # keep the `limit` latest
+                if len(held) < q.limit:
+                    heapq.heappush(held, item)
+                elif q.limit > 0 and item[:2] > held[0][:2]:
+                    heapq.heapreplace(held, item)
+            else:
+                heapq.heappush(held, item)
+                if len(held) > _REORDER:
+                    yield heapq.heappop(held)[2]
+    while held:
+        yield heapq.heappop(held)[2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -731,6 +1030,9 @@ def _table_row(entry: dict[str, Any], clock: Clock | None = None) -> str:
         reason = ": ".join(part for part in (name, _text(entry.get("reason"))) if part)
     elif entry.get("path") is not None and entry.get("detail") is not None:
         reason = _text(entry["detail"])  # what an allowed `stage` or `setattr` did
+    count = entry.get("count")
+    if isinstance(count, int) and not isinstance(count, bool):  # refusals folded into one
+        reason = f"{reason} ({count} times since {(clock or _UTC).show(entry.get('first_ts'))})"
     cells = [
         (clock or _UTC).show(entry.get("ts")),
         _text(entry.get("op")),
@@ -741,6 +1043,12 @@ def _table_row(entry: dict[str, Any], clock: Clock | None = None) -> str:
         reason,
     ]
     return _row(cells)
+
+
+def format_row(entry: dict[str, Any], clock: Clock | None = None) -> str:
+    """One entry's row of `format_table`, without the header (for output streamed a row at a
+    time)."""
+    return _table_row(entry, clock)
 
 
 def format_table(entries: Sequence[dict[str, Any]], clock: Clock | None = None) -> str:
@@ -791,7 +1099,7 @@ def follow(
         elif stream is not None:
             tail = _scan_tail(stream.fileno(), os.fstat(stream.fileno()).st_size)
             if last > 0:  # up to the last complete line: one being written is still to come
-                for known in _select(stream.read(tail.valid_end), replace(q, limit=last)):
+                for known in _select(stream, tail.valid_end, replace(q, limit=last)):
                     show(known)
                 out.flush()
             stream.seek(tail.valid_end)
@@ -801,8 +1109,8 @@ def follow(
                 if stream is not None:
                     stream.close()
                 stream, pending = _open_or_none(path), b""
-            if stream is not None:
-                *lines, pending = (pending + stream.read()).split(b"\n")
+            while stream is not None and (data := stream.read(_READ_BLOCK)):
+                *lines, pending = (pending + data).split(b"\n")
                 for line in lines:
                     entry = _parse_entry(line)
                     if entry is None or entry["id"] <= last_id:
@@ -840,11 +1148,16 @@ class VerifyResult:
     torn_lines: tuple[int, ...] = ()
     keyed: bool = False
     unkeyed_entries: int = 0
+    # Writers that ended without closing the log: the ids of the entries that record it, and
+    # the pids of those not yet recorded (no writer has opened the log since).
+    unclean_ids: tuple[int, ...] = ()
+    unclean_pids: tuple[int, ...] = ()
 
 
-def _snapshot(path: Path) -> tuple[BinaryIO | None, int, Anchor | None, str]:
-    """The log (open, or None if there is none, and its size) and its anchor (or None and why
-    not), taken under the writers' lock so that they agree with each other."""
+def _snapshot(path: Path) -> tuple[BinaryIO | None, int, Anchor | None, str, list[int]]:
+    """The log (open, or None if there is none, and its size), its anchor (or None and why
+    not) and the pids of writers that ended without closing it, taken under the writers' lock
+    so that they agree with each other."""
     where, why = locate_anchor(path)
     try:
         lock_fd = os.open(_lock_path(path), os.O_RDONLY | os.O_CLOEXEC)
@@ -854,11 +1167,19 @@ def _snapshot(path: Path) -> tuple[BinaryIO | None, int, Anchor | None, str]:
         if lock_fd >= 0:
             fcntl.flock(lock_fd, fcntl.LOCK_SH)
         anchor, why = read_anchor(where, why)
+        dead: list[int] = []
+        with contextlib.suppress(OSError):
+            dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                said = _dead_writers(dir_fd, path.name, remove=False)
+            finally:
+                os.close(dir_fd)
+            dead = [p if isinstance(p := s.get("pid"), int) else 0 for s in said]
         try:
             stream = path.open("rb")
         except FileNotFoundError:
-            return None, 0, anchor, why
-        return stream, os.fstat(stream.fileno()).st_size, anchor, why
+            return None, 0, anchor, why, dead
+        return stream, os.fstat(stream.fileno()).st_size, anchor, why, dead
     finally:
         if lock_fd >= 0:
             os.close(lock_fd)  # and with it the lock
@@ -886,7 +1207,8 @@ def verify(path: Path) -> VerifyResult:
     anchor (another user, a moved project, a deleted anchor) only the unkeyed chain is checked,
     and the message says so.
     """
-    stream, size, anchor, no_anchor = _snapshot(path)
+    stream, size, anchor, no_anchor, dead = _snapshot(path)
+    unclean: list[int] = []
     keyed = anchor is not None
     if stream is None:
         if anchor is not None and anchor.head_id > 0:
@@ -907,7 +1229,9 @@ def verify(path: Path) -> VerifyResult:
 
     def bad(line: int | None, problem: str) -> VerifyResult:
         message = problem if line is None else f"line {line}: {problem}"
-        return VerifyResult(False, entries, line, message, tuple(torn), keyed, unkeyed)
+        return VerifyResult(
+            False, entries, line, message, tuple(torn), keyed, unkeyed, tuple(unclean), tuple(dead)
+        )
 
     with stream:
         for line_no, line in enumerate(_lines_upto(stream, size), 1):
@@ -965,6 +1289,8 @@ def verify(path: Path) -> VerifyResult:
                     line_no,
                     f"id {last_id} is not the entry its anchor records (the chain was rebuilt)",
                 )
+            if entry.get("op") == UNCLEAN_OP:
+                unclean.append(entry["id"])
             if entry.get("op") == TAMPER_OP:
                 return bad(
                     line_no, f"a writer found the log tampered with: {_text(entry.get('reason'))}"
@@ -996,23 +1322,40 @@ def verify(path: Path) -> VerifyResult:
         message += "): a cut end or a rebuilt chain would not show"
     if torn:
         message += "; torn lines tolerated: " + ", ".join(map(str, torn))
-    return VerifyResult(True, entries, None, message, tuple(torn), keyed, unkeyed)
+    if unclean or dead:
+        message += _unclean_note(unclean, dead)
+    return VerifyResult(
+        True, entries, None, message, tuple(torn), keyed, unkeyed, tuple(unclean), tuple(dead)
+    )
 
 
-def _replace(path: Path, data: bytes) -> None:
-    """Atomically and durably make `data` the content of `path`."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        try:
-            write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
+def _unclean_note(recorded: list[int], dead: list[int]) -> str:
+    """What verify says of writers that ended without closing the log: the chain cannot show
+    what such a writer had queued but not written, so "complete" does not cover it."""
+    parts = []
+    if recorded:
+        shown = ", ".join(map(str, recorded[:10])) + (", ..." if len(recorded) > 10 else "")
+        parts.append(f"{len(recorded)} recorded (ids {shown}; audit --op {UNCLEAN_OP})")
+    if dead:
+        pids = ", ".join(map(str, dead[:10])) + (", ..." if len(dead) > 10 else "")
+        parts.append(f"{len(dead)} not yet recorded (pid {pids})")
+    return (
+        "; NOT complete where writers ended without closing the log (killed?): "
+        + ", ".join(parts)
+        + ": the allowed operations each had queued, at most its last flush interval, have no"
+        " entry, nor do the repeats of refusals it had counted in its last second (the first"
+        " refusal of each kind, and every --audit-sync entry, is written before it returns)"
+    )
+
+
+_SEALED_END = re.compile(rb',"hash":"[0-9a-f]{64}"(?:,"mac":"[0-9a-f]{64}")?\}\Z')
+
+
+def _complete(line: bytes) -> bool:
+    """Whether `line` (no newline) is surely a whole entry as a writer wrote it, not a torn one:
+    the seals are written last, so a cut line never ends with them. Cheaper than parsing it;
+    False says only "parse it to know" (logs of older versions may order keys otherwise)."""
+    return line.startswith(b"{") and _SEALED_END.search(line, max(0, len(line) - 160)) is not None
 
 
 def prune(path: Path, before: datetime, *, dry_run: bool = False) -> int:
@@ -1025,7 +1368,7 @@ def prune(path: Path, before: datetime, *, dry_run: bool = False) -> int:
     be made up by anyone to hide entries removed from the start. The anchor's head stays
     right, since the last entry is always kept (or, when all go, the header takes its id).
     Returns how many entries were dropped, or with `dry_run` how many would be (and drops none),
-    so that a user can be asked first.
+    so that a user can be asked first. Streams: memory stays bounded whatever the log's size.
     """
     cutoff = _format_ts(before)
     try:
@@ -1035,34 +1378,67 @@ def prune(path: Path, before: datetime, *, dry_run: bool = False) -> int:
     try:
         with _exclusive(lock_fd):
             try:
-                data = path.read_bytes()
+                stream = path.open("rb")
             except FileNotFoundError:
                 return 0
-            lines = data.split(b"\n")
-            if _is_header(_parse_entry(lines[0])):
-                lines = lines[1:]
-            chain = [(line, e) for line in lines if (e := _parse_entry(line)) is not None]
-            dropped = 0
-            while dropped < len(chain) and str(chain[dropped][1].get("ts", "")) < cutoff:
-                dropped += 1
-            if dropped == 0 or dry_run:
-                return dropped
-            last = chain[dropped - 1][1]
-            anchor, _ = read_anchor(*locate_anchor(path))
-            header, _ = _sealed_line(
-                {
-                    "op": "prune",
-                    "before": cutoff,
-                    "dropped": dropped,
-                    "anchor": last["hash"],
-                    "ts": _now(),
-                    "allowed": True,
-                },
-                last["id"],
-                GENESIS,
-                Key(anchor.key) if anchor is not None else None,
-            )
-            _replace(path, header + b"".join(line + b"\n" for line, _ in chain[dropped:]))
-            return dropped
+            with stream:
+                return _prune_locked(path, stream, cutoff, dry_run)
     finally:
         os.close(lock_fd)
+
+
+def _prune_locked(path: Path, stream: BinaryIO, cutoff: str, dry_run: bool) -> int:
+    size = os.fstat(stream.fileno()).st_size
+    dropped = 0
+    last: dict[str, Any] | None = None
+    keep_from = 0  # the offset just past the last entry dropped
+    offset = 0
+    for line_no, line in enumerate(_lines_upto(stream, size)):
+        offset += len(line)
+        entry = _parse_entry(line)
+        if line_no == 0 and _is_header(entry):
+            keep_from = offset
+            continue
+        if entry is None:
+            continue
+        if str(entry.get("ts", "")) >= cutoff:
+            break
+        dropped += 1
+        last, keep_from = entry, offset
+    if dropped == 0 or dry_run or last is None:
+        return dropped
+    anchor, _ = read_anchor(*locate_anchor(path))
+    header, _ = _sealed_line(
+        {
+            "op": "prune",
+            "before": cutoff,
+            "dropped": dropped,
+            "anchor": last["hash"],
+            "ts": _now(),
+            "allowed": True,
+        },
+        last["id"],
+        GENESIS,
+        Key(anchor.key) if anchor is not None else None,
+    )
+    stream.seek(keep_from)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        try:
+            with os.fdopen(os.dup(fd), "wb", buffering=_READ_BLOCK) as out:
+                out.write(header)
+                for block in _blocks(stream, size):
+                    lines = block.split(b"\n")
+                    if not lines[-1]:
+                        lines.pop()
+                    kept = (ln for ln in lines if _complete(ln) or _parse_entry(ln) is not None)
+                    out.write(b"".join(ln + b"\n" for ln in kept))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+    return dropped

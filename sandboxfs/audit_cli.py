@@ -59,6 +59,9 @@ OPS = (
     "error",
     "recover",
     "prune",
+    audit_mod.UNCLEAN_OP,
+    audit_mod.TAMPER_OP,
+    "audit-dropped",
     "trust",
     "stage",
     "home",
@@ -230,12 +233,19 @@ def _show(args: argparse.Namespace, path: Path) -> int:
     if not path.exists():
         _note(_no_log(path))
         return 0
-    entries = audit_mod.query(path, q)
-    if args.json:
-        for entry in entries:
-            print(json.dumps(entry, sort_keys=True))
-    else:
-        print(audit_mod.format_table(entries, clock) if entries else "no matching audit entries")
+    # Streamed: one entry at a time, so memory stays flat whatever the log's size.
+    shown = 0
+    for entry in audit_mod.iter_query(path, q):
+        if args.json:
+            line = json.dumps(entry, sort_keys=True)
+        else:
+            if not shown:
+                print(audit_mod.format_table([], clock))
+            line = audit_mod.format_row(entry, clock)
+        print(line)
+        shown += 1
+    if not shown and not args.json:
+        print("no matching audit entries")
     return 0
 
 

@@ -25,6 +25,7 @@ from . import (
     completion,
     confine,
     control,
+    gitdir,
     manpage,
     netproxy,
     sessions_cli,
@@ -41,19 +42,19 @@ from . import project as project_mod
 from . import run as run_mod
 from .audit_anchor import state_root
 from .core.policy import Trust
-from .daemon import (
+from .errors import UserError
+from .inputs import cut
+from .mounts import (
     NOT_YOURS,
     MountRequest,
     choose_session,
+    discard_new_session,
     mount_owner,
     read_context,
     sandboxfs_mounts,
-    serve,
-    spawn_daemon,
     validate_mountpoint,
 )
-from .errors import UserError
-from .project import check_id, validate_project
+from .project import check_id, find_project, validate_project
 
 UNMOUNT_WAIT = 10.0
 
@@ -349,14 +350,21 @@ def cmd_mount(args: argparse.Namespace) -> int:
         config_file=args.config,
         read_only=read_only,
     )
-    if args.foreground:
+    from .daemon import serve  # pyfuse3 and trio: only where a mount is made
 
-        def announce() -> None:
-            print(_mounted_line(req, resumed), flush=True)
+    try:
+        if args.foreground:
 
-        serve(req, announce)
-        return 0
-    return _spawn_daemon(req, resumed)
+            def announce() -> None:
+                print(_mounted_line(req, resumed), flush=True)
+
+            serve(req, announce)
+            return 0
+        return _spawn_daemon(req, resumed)
+    except UserError:
+        if not resumed:  # a session that never served is not left behind
+            discard_new_session(project, workspace, session)
+        raise
 
 
 def _apply_mount_options(args: argparse.Namespace) -> tuple[bool, dict[str, float]]:
@@ -416,6 +424,8 @@ def _mounted_line(req: MountRequest, resumed: bool) -> str:
 
 
 def _spawn_daemon(req: MountRequest, resumed: bool) -> int:
+    from .daemon import spawn_daemon
+
     spawn_daemon(req)
     print(_mounted_line(req, resumed))
     return 0
@@ -461,7 +471,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         trust=trust,
         workspace=workspace,
         session=session,
-        config=project_mod.with_home(cfg, project, workspace, trust),
+        config=gitdir.with_git_dir(project_mod.with_home(cfg, project, workspace, trust), project),
         command=tuple(command),
         config_file=args.config,
         net=net,
@@ -527,6 +537,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_umount(args: argparse.Namespace) -> int:
     run_mod.sweep_dead_runs()
+    control.sweep()  # control sockets of daemons that were killed
     mountpoint = Path(os.path.abspath(args.mountpoint))
     if str(mountpoint) not in sandboxfs_mounts():
         raise UserError(f"{args.mountpoint} is not a sandboxfs mount (see 'sandboxfs status')")
@@ -592,6 +603,7 @@ def _wait_for_exit(pid: int, timeout: float) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    control.sweep()  # control sockets of daemons that were killed
     mounts = sandboxfs_mounts()
     if args.mountpoint is not None:
         wanted = os.path.abspath(args.mountpoint)
@@ -677,7 +689,7 @@ def _trust_target(target: str | None, project: Path | None) -> Path:
             f"{target} is neither a sandboxfs mount nor a running session "
             f"(running sessions: {sessions}; see 'sandboxfs status')"
         )
-    where = (project or Path.cwd()).resolve()
+    where = project.resolve() if project is not None else find_project(Path.cwd())
     found = [mnt for mnt, context in live if context.get("project") == str(where)]
     if len(found) == 1:
         return Path(found[0])
@@ -790,6 +802,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as exc:  # a bug of sandboxfs's: one line, the traceback kept in a file
+        where = _write_crash_report(argv)
+        detail = cut((str(exc).splitlines() or [""])[0])
+        saved = f"the full traceback is in {where}" if where else "no traceback could be saved"
+        print(
+            f"sandboxfs: internal error: {type(exc).__name__}: {detail}; {saved} "
+            f"(please report it)",
+            file=sys.stderr,
+        )
+        return run_mod.EXIT_SETUP if argv[:1] == ["run"] else 1
+
+
+def _write_crash_report(argv: Sequence[str]) -> Path | None:
+    """The traceback being handled, in `crash-<time>.txt` in the user's state dir (0600)."""
+    import traceback
+
+    text = f"sandboxfs {_version()}\nargv: {shlex.join(argv)}\n\n{traceback.format_exc()}"
+    try:
+        directory = state_root()
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+        path = directory / f"crash-{stamp}-{os.getpid()}.txt"
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        with os.fdopen(fd, "w", encoding="utf-8", errors="replace") as f:
+            f.write(text)
+    except OSError:
+        return None
+    return path
 
 
 if __name__ == "__main__":

@@ -31,9 +31,11 @@ from pydantic import (
     model_validator,
 )
 
+from . import inputs
 from .core.limits import Quota, ZoneLimits
 from .core.policy import BUILTIN_ZONES, Matrix, Trust, Zone, ZoneAccess, in_git_dir
 from .errors import UserError
+from .inputs import cut, shown
 
 PROJECT_CONFIG_NAME = "sandboxfs.yaml"
 # Protected at every trust level whatever a config says: the project's own config file.
@@ -180,7 +182,7 @@ class LimitsConfig(_Strict):
         for suffix in value or ():
             if not suffix.startswith(".") or len(suffix) < 2 or "/" in suffix or "\0" in suffix:
                 raise ValueError(
-                    f"invalid suffix {suffix!r}: a suffix starts with '.' and names no "
+                    f"invalid suffix {shown(suffix)}: a suffix starts with '.' and names no "
                     f"directory, e.g. '.md' or '.tar.gz'"
                 )
         return value
@@ -237,7 +239,7 @@ class Config(_Strict):
             for name in row:
                 if name not in BUILTIN_NAMES:
                     raise ValueError(
-                        f"unknown zone {name!r} under permissions.{trust.value}; accepted: "
+                        f"unknown zone {shown(name)} under permissions.{trust.value}; accepted: "
                         f"{', '.join(BUILTIN_NAMES)} (a project zone's permissions go in its "
                         f"zones: entry)"
                     )
@@ -251,12 +253,12 @@ class Config(_Strict):
         for name in value:
             if name in BUILTIN_NAMES:
                 raise ValueError(
-                    f"zone {name!r} clashes with a built-in zone ({', '.join(BUILTIN_NAMES)}); "
-                    f"choose another name"
+                    f"zone {shown(name)} clashes with a built-in zone "
+                    f"({', '.join(BUILTIN_NAMES)}); choose another name"
                 )
             if not _ZONE_NAME_RE.match(name):
                 raise ValueError(
-                    f"zone name {name!r} is not a plain name: use 1-32 lowercase letters, "
+                    f"zone name {shown(name)} is not a plain name: use 1-32 lowercase letters, "
                     f"digits, '_' or '-', starting with a letter or digit"
                 )
         return value
@@ -266,7 +268,7 @@ class Config(_Strict):
         known = [*BUILTIN_NAMES, *self.zones]
         for name, limits in self.limits.items():
             if name not in known:
-                raise ValueError(f"limits: unknown zone {name!r}; zones: {', '.join(known)}")
+                raise ValueError(f"limits: unknown zone {shown(name)}; zones: {', '.join(known)}")
             if name == Zone.WORKERS.value and limits.quota is not None:
                 raise ValueError(
                     "limits: workers is a union of directories; a quota is not supported there"
@@ -285,7 +287,7 @@ class Config(_Strict):
     def _valid_patterns(cls, value: list[str]) -> list[str]:
         for pattern in value:
             if not pattern.removeprefix("!").strip("/") or "\0" in pattern:
-                raise ValueError(f"invalid pattern {pattern!r}")
+                raise ValueError(f"invalid pattern {shown(pattern)}")
         return value
 
     @field_validator("protect")
@@ -294,7 +296,7 @@ class Config(_Strict):
         for pattern in value:
             if pattern.startswith("!"):
                 raise ValueError(
-                    f"invalid pattern {pattern!r}: protect patterns have no exceptions "
+                    f"invalid pattern {shown(pattern)}: protect patterns have no exceptions "
                     f"('!' is for deny:); use inherit_protect: false to drop a default"
                 )
         return value
@@ -343,20 +345,13 @@ def load(project: Path, config_file: Path | None = None) -> Config:
     """The defaults with the project's config (or `config_file`) applied on top."""
     base = defaults()
     path = config_file if config_file is not None else project / PROJECT_CONFIG_NAME
-    if config_file is None and not path.exists():
-        return base
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise UserError(f"cannot read config file {path}: {reason}") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise UserError(f"{path}: not valid YAML{where}: {problem}") from None
+        text = inputs.read_file(path, "config file")
+    except FileNotFoundError:
+        if config_file is None:
+            return base
+        raise UserError(f"cannot read config file {path}: No such file or directory") from None
+    raw = inputs.load_yaml(text, str(path))
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -402,7 +397,7 @@ def _validate(model: type[M], raw: Any, source: str) -> M:
 def _describe(exc: ValidationError, model: type[BaseModel], source: str) -> str:
     """One line naming the file, the field path and what is accepted."""
     err = exc.errors()[0]
-    parts = [str(part) for part in err["loc"]]
+    parts = [cut(str(part)) if str(part).isprintable() else shown(part) for part in err["loc"]]
     if "[key]" in parts:  # a mapping key was rejected: name it, not pydantic's path to it
         parent = ".".join(parts[: parts.index("[key]") - 1])
         kind = {"permissions": "trust level"}.get(
@@ -410,7 +405,7 @@ def _describe(exc: ValidationError, model: type[BaseModel], source: str) -> str:
         )
         expected = err.get("ctx", {}).get("expected", "")
         choices = f"; accepted: {expected}" if expected else ""
-        return f"{source}: unknown {kind} {err['input']!r} under {parent}{choices}"
+        return f"{source}: unknown {kind} {shown(err['input'])} under {parent}{choices}"
     loc = ".".join(parts)
     if not loc and err["type"] == "value_error":  # a check of the whole file names its field
         return f"{source}: {err['msg'].removeprefix('Value error, ')}"
@@ -421,11 +416,11 @@ def _describe(exc: ValidationError, model: type[BaseModel], source: str) -> str:
         return f"{source}: {loc}: unknown key{hint}"
     if err["type"] == "enum":
         expected = err.get("ctx", {}).get("expected", "")
-        return f"{source}: {loc}: {err['input']!r} is not one of {expected}"
+        return f"{source}: {loc}: {shown(err['input'])} is not one of {expected}"
     message = err["msg"].removeprefix("Value error, ")
     if isinstance(err["input"], dict | list):  # the whole section: the message names the part
         return f"{source}: {loc}: {message}"
-    return f"{source}: {loc}: {message} (got {err['input']!r})"
+    return f"{source}: {loc}: {message} (got {shown(err['input'])})"
 
 
 def _accepted_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from .core.context import CONFINED_MOUNTPOINT
 
 SANDBOX = CONFINED_MOUNTPOINT  # where the virtual tree is, inside
+GUIDE = f"{SANDBOX}/.sandboxfs/README"  # the mount's plain-text guide (core.context.guide)
 PROXY_ADDRESS = ("127.0.0.1", 3128)  # where the network proxy listens, inside (--net allow)
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -304,6 +305,7 @@ def sandbox_env(
     env["SANDBOXFS"] = "1"
     env["SANDBOXFS_SESSION"] = session
     env["SANDBOXFS_TRUST"] = trust
+    env["SANDBOXFS_GUIDE"] = GUIDE  # what the program may do here, in a few lines
     env.update(cache_env(home))
     if proxy:
         url = "http://{}:{}".format(*PROXY_ADDRESS)

@@ -18,6 +18,7 @@ up. Later features (approvals) add ops to the same channel.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -125,6 +126,64 @@ def bind(path: Path) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def sweep() -> list[Path]:
+    """Remove the sockets that daemons killed without unmounting (kill -9, a crash) left in
+    the control directory; the paths removed.
+
+    Only `<pid>.sock` whose pid is no live process, and that nothing answers on (a daemon in
+    another PID namespace names its socket by a pid this one does not see), is removed; a
+    socket whose pid was reused by another process is left alone.
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(control_dir()))
+    except OSError:
+        return removed
+    for entry in entries:
+        stem, dot, ext = entry.name.partition(".")
+        if not (dot and ext == "sock" and stem.isdigit()) or _alive(int(stem)):
+            continue
+        path = Path(entry.path)
+        if _answered(path):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid is a running process (a zombie is not: a killed daemon whose parent is
+    gone may stay one where nothing reaps orphans)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # another user's process (EPERM)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[:1]
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return state not in ([b"Z"], [b"X"])
+
+
+def _answered(path: Path) -> bool:
+    """Whether something listens on the socket at `path` (never waits)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+        sock.setblocking(False)
+        try:
+            _at(path, sock.connect)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            return True  # EAGAIN: a full backlog, so a live listener; or unknown: keep it
+    return True
 
 
 def request(path: Path, message: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:

@@ -11,16 +11,11 @@ import contextlib
 import errno
 import faulthandler
 import inspect
-import json
 import logging
 import os
-import re
 import select
-import shutil
 import signal
 import socket
-import subprocess
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,214 +27,31 @@ import trio
 
 from . import control, request_wait
 from .audit import AuditLog
-from .config import Config
 from .core.context import context_document
 from .core.guard import MountInfo
 from .core.policy import Trust, Zone
 from .core.store import CONTEXT_NAME, CONTROL_NAME, STATE_DIR_NAME, Node, Store, ensure_dirs
 from .core.syscalls import CAP_SYS_RESOURCE, drop_effective_capability, make_undumpable
 from .errors import UserError
+from .mounts import MountRequest, lazy_unmount
 from .operations import SandboxOperations
 from .project import (
     audit_path,
-    check_id,
     config_source,
     hidden_identities,
     make_guard,
-    new_session_id,
     prepare_zones,
     session_dir,
-    state_dir,
     worker_layers,
 )
 from .state import hold
 
 log = logging.getLogger(__name__)
 
-FSTYPE = "fuse.sandboxfs"
-_DEAD_MOUNT_ERRNOS = (errno.ENOTCONN, errno.ECONNABORTED)
-
-
-@dataclass(frozen=True)
-class MountRequest:
-    mountpoint: Path
-    project: Path
-    trust: Trust
-    workspace: str
-    session: str
-    config: Config
-    audit_sync: bool = False
-    debug: bool = False
-    allow_other: bool = False
-    config_file: Path | None = None
-    command: tuple[str, ...] | None = None  # set by `sandboxfs run`: shown in context.json
-    read_only: bool = False  # mounted `ro`: the kernel refuses every change
-
-
-def choose_session(
-    project: Path, workspace: str, session: str | None, new_session: str | None
-) -> tuple[str, bool]:
-    """The session to use and whether it is resumed.
-
-    `--session ID` must name an existing session not in use by another mount (two mounts of
-    one session would interleave its scratch files unnoticed); `--new-session ID` must not exist
-    yet (a typo must not silently start an empty session); neither gives a random new id.
-    """
-    if session is not None:
-        check_id("session", session)
-        if not session_dir(project, workspace, session).is_dir():
-            known = existing_sessions(project, workspace)
-            listed = ", ".join(known[:10]) + (", ..." if len(known) > 10 else "")
-            raise UserError(
-                f"session {session!r} does not exist in workspace {workspace!r} "
-                f"({'existing, newest first: ' + listed if known else 'it has no sessions yet'}); "
-                f"to start one with this id: --new-session {session}"
-            )
-        for mountpoint, context in _live_contexts():
-            if (context.get("project"), context.get("workspace"), context.get("session")) == (
-                str(project),
-                workspace,
-                session,
-            ):
-                raise UserError(
-                    f"session {session} is already mounted at {mountpoint} "
-                    f"(pid {context.get('pid')}); unmount it first "
-                    f"(sandboxfs umount {mountpoint}) or start another session"
-                )
-        return session, True
-    if new_session is not None:
-        check_id("session", new_session)
-        if session_dir(project, workspace, new_session).is_dir():
-            raise UserError(
-                f"session {new_session!r} already exists in workspace {workspace!r}; "
-                f"resume it with --session {new_session}"
-            )
-        return new_session, False
-    return new_session_id(), False
-
-
-def existing_sessions(project: Path, workspace: str) -> list[str]:
-    """Session ids of a workspace, most recently used first."""
-    root = state_dir(project) / "workspaces" / workspace / "sessions"
-    try:
-        entries = [e for e in root.iterdir() if e.is_dir()]
-    except OSError:
-        return []
-    entries.sort(key=lambda e: e.stat().st_mtime, reverse=True)
-    return [e.name for e in entries]
-
-
-def _live_contexts() -> list[tuple[str, dict[str, Any]]]:
-    found = []
-    for mountpoint in sandboxfs_mounts():
-        context = read_context(Path(mountpoint), timeout=2.0)
-        if isinstance(context, dict):
-            found.append((mountpoint, context))
-    return found
-
-
-def validate_mountpoint(mountpoint: Path, project: Path) -> Path:
-    """An existing, empty directory that nothing is mounted on; clears a dead sandboxfs mount."""
-    try:
-        mountpoint.stat()
-    except FileNotFoundError:
-        raise UserError(
-            f"mountpoint {mountpoint} does not exist; create an empty directory first "
-            f"(mkdir {mountpoint})"
-        ) from None
-    except OSError as exc:
-        if exc.errno not in _DEAD_MOUNT_ERRNOS:
-            raise UserError(f"mountpoint {mountpoint}: {exc.strerror}") from None
-        lazy_unmount(mountpoint)
-    mp = Path(os.path.abspath(mountpoint))
-    if str(mp) in sandboxfs_mounts() and read_context(mp, timeout=2.0) == "dead":
-        # stat() above may have been answered from the kernel's cache of a dead mount.
-        lazy_unmount(mp)
-    mp = mp.resolve()
-    if os.path.ismount(mp):
-        raise UserError(
-            f"mountpoint {mountpoint} is already mounted; unmount it first "
-            f"(sandboxfs umount {mountpoint})"
-        )
-    if not mp.is_dir():
-        raise UserError(f"mountpoint {mountpoint} is not a directory")
-    if any(mp.iterdir()):
-        raise UserError(f"mountpoint {mountpoint} is not empty; use an empty directory")
-    if mp == project:
-        raise UserError(
-            f"mountpoint {mountpoint} is the project directory itself; "
-            f"use an empty directory, for example {project / 'mnt'}"
-        )
-    _check_dev_fuse()
-    if os.geteuid() != 0 and shutil.which("fusermount3") is None:
-        raise UserError("fusermount3 not found; install fuse3 (apt-get install fuse3)")
-    return mp
-
-
-def _check_dev_fuse() -> None:
-    """Missing and not permitted are different problems with different fixes."""
-    try:
-        st = os.stat("/dev/fuse")
-    except FileNotFoundError:
-        raise UserError(
-            "/dev/fuse does not exist; install fuse3 and load the module "
-            "(apt-get install fuse3; modprobe fuse), or in a container pass --device /dev/fuse"
-        ) from None
-    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
-        raise UserError(
-            f"/dev/fuse is not readable and writable by you (mode {st.st_mode & 0o777:04o}, "
-            f"owner uid {st.st_uid}); Debian makes it 0666: sudo chmod 0666 /dev/fuse "
-            f"(see 'sandboxfs doctor')"
-        )
-
-
-NOT_YOURS = "not yours"
-
-
-def read_context(mountpoint: Path, timeout: float) -> dict[str, Any] | str:
-    """A mount's context.json, or why not: "dead" (its daemon is gone: ENOTCONN), "not yours"
-    (another user's mount: EACCES), "unresponsive" (no answer within `timeout`: hung or very
-    busy), or "unreadable" (any other error).
-
-    Opening the file always reaches the daemon (opens are never answered from the kernel's
-    cache), so this tells a live mount from a dead one; a thread bounds a hung daemon.
-    """
-    result: dict[str, Any] | str = "unresponsive"
-
-    def read() -> None:
-        nonlocal result
-        try:
-            result = json.loads((mountpoint / ".sandboxfs" / "context.json").read_bytes())
-        except OSError as exc:
-            if exc.errno in _DEAD_MOUNT_ERRNOS:
-                result = "dead"
-            elif exc.errno in (errno.EACCES, errno.EPERM):
-                result = NOT_YOURS
-            else:
-                result = "unreadable"
-        except ValueError:
-            result = "unreadable"
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return result
-
-
-def mount_owner(mountpoint: str) -> int | None:
-    """The uid that made a FUSE mount (its `user_id=` option in the mount table)."""
-    with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) >= 4 and _unescape_mount_path(fields[1]) == mountpoint:
-                for option in fields[3].split(","):
-                    if option.startswith("user_id="):
-                        return int(option.removeprefix("user_id="))
-    return None
-
-
-def lazy_unmount(mountpoint: Path) -> None:
-    subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
+# accept() errors of the control socket: out of descriptors, and a connection gone before it
+# was accepted (nothing to do but take the next).
+_NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_TRANSIENT_ACCEPT = (errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN)
 
 
 def prepare_store(req: MountRequest) -> Store:
@@ -313,6 +125,7 @@ def serve(
     )
     try:
         guard = make_guard(req.project, req.config, req.config_file, req.trust, info, store, audit)
+        control.sweep()  # what daemons killed before they could unmount left behind
         listener = control.bind(control_path)
     except BaseException:
         audit.close()
@@ -404,16 +217,70 @@ class Control:
 
     changing: trio.Lock = field(default_factory=trio.Lock)
 
+    # A descriptor held for nothing but to be given up when the table is full, so that the
+    # owner can still reach the daemon (to demote an agent that holds every descriptor).
+    spare: int = -1
+
     async def serve(self) -> None:
         """Each connection in a task of its own (an idle client holds up nobody); trust
-        changes one at a time."""
+        changes one at a time. No error ends the server (or the daemon): a failed accept
+        is logged and the next one tried."""
         listener = trio.socket.from_stdlib_socket(self.listener)
-        async with trio.open_nursery() as nursery:
-            while True:
-                conn, _ = await listener.accept()
-                nursery.start_soon(self._connection, conn)
+        try:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    self._keep_spare()
+                    try:
+                        conn = await self._accept(listener)
+                    except Exception:
+                        log.exception("control socket: accept failed")
+                        await trio.sleep(0.1)
+                        continue
+                    if conn is not None:
+                        nursery.start_soon(self._connection, conn)
+        finally:
+            if self.spare >= 0:
+                os.close(self.spare)
+                self.spare = -1
+
+    async def _accept(self, listener: trio.socket.SocketType) -> trio.socket.SocketType | None:
+        """The next connection, or None after an error that is passed over. Out of
+        descriptors (EMFILE, ENFILE), the store gives back its cached ones, or else the spare
+        descriptor is given up, and the connection is accepted in the room made."""
+        try:
+            conn, _ = await listener.accept()
+            return conn
+        except OSError as exc:
+            if exc.errno in _TRANSIENT_ACCEPT:
+                return None
+            if exc.errno not in _NO_DESCRIPTOR:
+                log.warning("control socket: accept failed: %s", exc)
+                await trio.sleep(0.1)
+                return None
+        log.warning("control socket: out of descriptors; making room for the request")
+        if self.ops.store.make_room() == 0 and self.spare >= 0:
+            os.close(self.spare)
+            self.spare = -1
+        try:
+            conn, _ = await listener.accept()
+            return conn
+        except OSError as exc:
+            log.warning("control socket: accept failed: %s", exc)
+            await trio.sleep(0.1)  # the next try after descriptors were given back
+            return None
+
+    def _keep_spare(self) -> None:
+        if self.spare < 0:
+            with contextlib.suppress(OSError):
+                self.spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
 
     async def _connection(self, conn: trio.socket.SocketType) -> None:
+        try:
+            await self._served(conn)
+        finally:
+            self._keep_spare()
+
+    async def _served(self, conn: trio.socket.SocketType) -> None:
         with conn:
             try:
                 with trio.move_on_after(10):
@@ -681,23 +548,17 @@ def _shown(value: Any) -> str:
 
 
 def _raise_fd_limit() -> None:
+    """Raise the soft limit on descriptors to the hard one (each file open through the mount
+    holds one in the daemon); the store sizes its cache of descriptors from the result."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def sandboxfs_mounts() -> list[str]:
-    """Mountpoints of every sandboxfs mount on this machine, live or dead."""
-    found = []
-    with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) >= 3 and fields[2] == FSTYPE:
-                found.append(_unescape_mount_path(fields[1]))
-    return found
-
-
-def _unescape_mount_path(text: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
+    wanted = hard
+    if hard == resource.RLIM_INFINITY:  # the kernel allows at most fs.nr_open
+        try:
+            wanted = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            return
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))

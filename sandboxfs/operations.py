@@ -26,7 +26,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import pyfuse3
 
-from .core.context import confined_context
+from .core.context import confined_context, guide
 from .core.errors import SandboxError
 from .core.gitconfig import read_bounded
 from .core.guard import Guard, MountInfo
@@ -36,6 +36,8 @@ from .core.store import (
     CONTEXT_NAME,
     CONTROL_INO,
     CONTROL_NAME,
+    GUIDE_INO,
+    GUIDE_NAME,
     ROOT_INO,
     HiddenEntry,
     Listed,
@@ -129,13 +131,29 @@ def _guarded(
         audit = self.guard.audit
         if audited and audit.failing and not audit.try_flush():
             # Fail closed: nothing that would be audited happens while the log cannot be
-            # written (its refusals wait in memory; see AuditLog.failing).
+            # written (its refusals wait in memory; see AuditLog.failing). Each such refusal
+            # is counted, at a constant cost, and the count written once the log works again.
+            ctx = next((a for a in args if isinstance(a, pyfuse3.RequestContext)), None)
+            self.guard.record(
+                fn.__name__,
+                None,
+                None,
+                pid=ctx.pid if ctx is not None else 0,
+                uid=ctx.uid if ctx is not None else 0,
+                allowed=False,
+                reason="the audit log cannot be written: refused until it can (fail closed)",
+                err=errno.ENOSPC,
+            )
             raise pyfuse3.FUSEError(errno.ENOSPC)
         try:
             return fn(self, *args, **kwargs)
         except SandboxError as exc:
             raise pyfuse3.FUSEError(exc.errno) from None
         except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                # Out of descriptors outside the store's own retries: give the cached ones
+                # back, so that this request fails alone and the next ones are served.
+                self.store.make_room()
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
         except pyfuse3.FUSEError:
             raise
@@ -171,6 +189,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self.store = store
         self.guard = guard
         self.context_json = context_json
+        self._write_guides()
         self._pid_namespace = os.readlink("/proc/self/ns/pid")
         self.running_as_root = os.geteuid() == 0
         session_root = os.stat(store.zone_roots[Zone.SESSION].fd)
@@ -181,6 +200,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             entry_timeout=entry_timeout,
             attr_timeout=attr_timeout,
             owner=(session_root.st_uid, session_root.st_gid),
+            guide_size=lambda: len(self.guides[1]),
         )
         self._handles: dict[int, FileHandle | BlobHandle] = {}
         self._dirs: dict[int, DirHandle] = {}
@@ -215,9 +235,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         elif parent.ino == ROOT_INO:
             node = self._lookup_root(name)
         elif parent.ino == CONTROL_INO:
-            if name != CONTEXT_NAME:
-                raise SandboxError(errno.ENOENT)
-            node = self.store.context
+            node = self._control_child(name)
         else:
             return self._lookup_zone(parent, name, ctx)
         node.lookups += 1
@@ -369,7 +387,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         node = handle.node
         if handle.generation != self.guard.generation:
             if node.zone is not None:
-                self.guard.check(_Caller(*handle.caller), Op.LIST, node)
+                self.guard.check_list(_Caller(*handle.caller), node)
             handle.generation = self.guard.generation
         if handle.entries is None or start_id == 0:
             handle.entries = self._dir_entries(node)
@@ -441,7 +459,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if (
             stat.S_ISDIR(st.st_mode)
             and not listed_as_dir
-            and not self.guard.listed(node, name, True)
+            and not self.guard.listed(node, name, True, st.st_ino)
         ):
             return None
         return st
@@ -452,20 +470,36 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             zones: list[Listed] = [(name, 0, 0, True) for name in self._zone_names]
             return dots + zones + [(CONTROL_NAME, 0, 0, True)]
         if node.ino == CONTROL_INO:
-            return [*dots, (CONTEXT_NAME, 0, 0, False)]
+            return [*dots, (CONTEXT_NAME, 0, 0, False), (GUIDE_NAME, 0, 0, False)]
         # Names the guard leaves out (Guard.listed: deny-listed ones, only where the level may
         # not list the zone) are dropped here, before offsets are given, so that the offsets
         # do not jump where a hidden name was and reveal how many sort before a visible one.
         return dots + [
             entry
             for entry in self.store.list_entries(node)
-            if self.guard.listed(node, entry[0], entry[3])
+            if self.guard.listed(node, entry[0], entry[3], entry[2])
         ]
 
     def _virtual_child(self, node: Node, name: bytes) -> Node:
         if node.ino == ROOT_INO:
             return self._lookup_root(name)
-        return self.store.context
+        return self._control_child(name)
+
+    def _control_child(self, name: bytes) -> Node:
+        if name == CONTEXT_NAME:
+            return self.store.context
+        if name == GUIDE_NAME:
+            return self.store.guide
+        raise SandboxError(errno.ENOENT)
+
+    def _write_guides(self) -> None:
+        """/.sandboxfs/README as the host side and a program inside `run` read it (the same
+        text, with the mount's own path or /sandbox), from the policy of the current level."""
+        info = self.guard.info
+        self.guides = (
+            guide(self.guard.policy, info, info.mountpoint),
+            guide(self.guard.policy, info),
+        )
 
     @_guarded
     def releasedir(self, fh: int) -> None:
@@ -494,6 +528,11 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             document = self.context_json
             if not self._host_side(ctx.pid):
                 document = confined_context(self.context_json)
+            return self._new_handle(BlobHandle(document), keep_cache=False, direct_io=True)
+        if node.ino == GUIDE_INO:  # the same, in plain text for the program
+            if wants_write:
+                self.guard.may_write_context(ctx, node)
+            document = self.guides[0] if self._host_side(ctx.pid) else self.guides[1]
             return self._new_handle(BlobHandle(document), keep_cache=False, direct_io=True)
         if node.zone is None or node.is_dir:
             raise SandboxError(errno.EISDIR)
@@ -710,6 +749,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             raise
         node = self.store.remember(parent, name, st, 0)
         node.created_here = True
+        self.guard.created(zone, st)
         node.cache_stamp = (st.st_mtime_ns, st.st_size)
         node.open_fds = (*node.open_fds, fd)
         comm = self.guard.process_names.get(ctx.pid)
@@ -749,6 +789,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             raise SandboxError(errno.ENOENT, "the new entry vanished")
         node = self.store.remember(parent, name, st, 0)
         node.created_here = True
+        self.guard.created(zone, st)
         self.guard.did(ctx, Op.WRITE, node, detail=detail)
         return self.replies.attrs(node, st)
 
@@ -798,9 +839,12 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 ctx, "link", src, parent.zone, dest, exc.reason
             ) from None
         self.replies.changing(node, parent)
+        # Every check and walk with the daemon's identity, as create does: only the link
+        # itself is the caller's (a caller cannot search the state dir above the zone roots).
         dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
+        src_fd = self.store.link_source(node)
         with self._as_caller(ctx.uid, ctx.gid):
-            self.store.link(node, dfd, new_name)
+            self.store.link(src_fd, node.name, dfd, new_name)
         st = self.store.lstat(dfd, new_name)
         if st is None:
             raise SandboxError(errno.ENOENT, "the new link vanished")
@@ -923,6 +967,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         The caller then has the kernel forget what it cached (see kernel_caches)."""
         old = self.guard.set_trust(trust)
         self.context_json = context()
+        self._write_guides()
         self.replies.given.clear()
         detail = f"{old.value} -> {trust.value}"
         self.guard.record("trust", None, None, pid=pid, uid=uid, detail=detail)

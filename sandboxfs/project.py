@@ -23,6 +23,8 @@ from .core.policy import BUILTIN_ZONES, Policy, Trust, Zone, fold
 from .core.secrets import KeyScanner, StoreContents
 from .core.store import STATE_DIR_NAME, Store, ensure_dirs
 from .errors import UserError
+from .gitdir import git_dir_zones
+from .inputs import shown
 
 SESSION_SUBDIRS = ("inputs", "working", "outputs", "home")
 # Under `sandboxfs run` the program's $HOME is this zone, at /sandbox/home: a directory per
@@ -42,7 +44,7 @@ def new_session_id() -> str:
 def check_id(kind: str, value: str) -> str:
     if not _ID_RE.match(value):
         raise UserError(
-            f"invalid {kind} id {value!r}: use 1-64 letters, digits, '.', '_' or '-', "
+            f"invalid {kind} id {shown(value)}: use 1-64 letters, digits, '.', '_' or '-', "
             f"starting with a letter or digit"
         )
     return value
@@ -113,12 +115,70 @@ def ensure_home(project: Path, workspace: str, trust: Trust) -> Path:
         raise UserError(f"cannot create the state dir under {project}: {exc.strerror}") from None
 
 
-def validate_project(project: Path) -> Path:
+def validate_project(project: Path, *, discover: bool = True) -> Path:
+    """The project a command works on, resolved. `--project` left out (or `.`, the default
+    every subcommand has), with `discover`: found from the current directory (`find_project`)."""
+    if discover and project == Path("."):
+        project = find_project(Path.cwd())
     if not project.exists():
         raise UserError(f"project directory {project} does not exist")
     if not project.is_dir():
         raise UserError(f"project {project} is not a directory")
-    return project.resolve()
+    resolved = project.resolve()
+    if resolved == Path("/"):
+        raise UserError(
+            f"project {project} is the root directory: the sandbox would see the whole machine "
+            f"as /repo; use the directory of one project"
+        )
+    root = state_root().resolve()
+    if resolved == root or resolved.is_relative_to(root):
+        raise UserError(
+            f"project {project} is inside your sandboxfs state dir {root}, which holds the "
+            f"audit logs' keys; use the directory of one project"
+        )
+    return resolved
+
+
+def find_project(start: Path) -> Path:
+    """The project of a command run in `start` without --project, as git finds a repository.
+
+    Inside a git work tree (a `.git` directory or file in `start` or a directory above it, on
+    the same filesystem, as git looks by default), the nearest directory from `start` up to the
+    work tree's top that already has sandboxfs's state dir (`.sandbox/` with `workspaces/` or
+    `audit.jsonl` in it: its sessions, staged commits and audit log stay where they are), else
+    the top level itself, unless that is the home directory (dotfiles kept in git: then
+    `start`). Outside a work tree, `start` itself: above it, a state dir of an unrelated
+    directory (the home) would make that the project. Only directories are looked at; git
+    itself is not run (no config, no hooks).
+    """
+    start = start.resolve()
+    try:
+        device = start.stat().st_dev
+    except OSError as exc:
+        raise UserError(f"cannot use the current directory {start}: {exc.strerror}") from None
+    walked: list[Path] = []
+    for directory in (start, *start.parents):
+        try:
+            if directory.stat().st_dev != device:
+                break  # a filesystem boundary: git stops here too
+        except OSError:
+            break
+        walked.append(directory)
+        if os.path.lexists(directory / ".git"):
+            for candidate in walked:
+                if _has_state(candidate):
+                    return candidate
+            if directory != start and directory == Path.home().resolve():
+                return start  # a home kept in git (dotfiles) is not every subdirectory's project
+            return directory
+    return start
+
+
+def _has_state(directory: Path) -> bool:
+    state = directory / STATE_DIR_NAME
+    if state.is_symlink() or not state.is_dir():
+        return False
+    return (state / "workspaces").is_dir() or (state / "audit.jsonl").is_file()
 
 
 def worker_layers(project: Path) -> list[Path]:
@@ -347,6 +407,7 @@ def make_guard(
         trust,
         protected_patterns(project, config, config_file),
         config.deny_private_keys,
+        git_dir_zones(config),
     )
     limits = config.zone_limits()
     tallies: dict[Zone, Tally] = {}

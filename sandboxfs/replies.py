@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pyfuse3
 
 from .core.policy import Zone
-from .core.store import CONTEXT_INO, FIRST_DYNAMIC_INO, Node, StatLike, Store
+from .core.store import CONTEXT_INO, FIRST_DYNAMIC_INO, GUIDE_INO, Node, StatLike, Store
 
 # At most this many attribute replies are kept for listings to repeat (see replayed).
 _GIVEN_LIMIT = 1 << 16
@@ -31,10 +31,12 @@ class Replies:
         entry_timeout: float,
         attr_timeout: float,
         owner: tuple[int, int],
+        guide_size: Callable[[], int] = lambda: 0,
     ) -> None:
         self.store = store
         self.readable = readable
         self.context_size = context_size
+        self.guide_size = guide_size
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
         self.owner = owner
@@ -125,10 +127,10 @@ class Replies:
         entry.attr_timeout = self.attr_timeout
         entry.st_uid, entry.st_gid = self.owner
         entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = self.mounted_ns
-        if node.ino == CONTEXT_INO:
+        if node.ino in (CONTEXT_INO, GUIDE_INO):
             entry.st_mode = stat.S_IFREG | 0o644  # writes reach the daemon: refused, audited
             entry.st_nlink = 1
-            entry.st_size = self.context_size()
+            entry.st_size = self.context_size() if node.ino == CONTEXT_INO else self.guide_size()
         else:
             entry.st_mode = stat.S_IFDIR | 0o755
             entry.st_nlink = 2

@@ -26,26 +26,22 @@ import termios
 import threading
 import time
 import tty
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from . import audit as audit_mod
-from . import confine, doctor, home, seccomp
+from . import confine, doctor, gitdir, home, seccomp
 from .audit import AuditLog
 from .audit_anchor import state_root
 from .config import Config
 from .core.policy import Op, Policy, Trust, Zone
 from .core.syscalls import make_undumpable, set_dumpable, write_all
-from .daemon import (
-    MountRequest,
-    lazy_unmount,
-    sandboxfs_mounts,
-    spawn_daemon,
-)
 from .errors import UserError
 from .identity import project_identity
+from .mounts import MountRequest, lazy_unmount, sandboxfs_mounts
 from .netproxy import (
     Allowlist,
     DnsStub,
@@ -531,6 +527,7 @@ class Supervisor:
         self.kill_at: float | None = None
         self.reap_by: float | None = None  # set once bwrap was killed
         self.status: int | None = None
+        self.on_ready: Callable[[], None] | None = None  # once CMD is about to start
 
     def wait(self) -> int:
         wake_r, wake_w = os.pipe()
@@ -587,6 +584,8 @@ class Supervisor:
             if os.read(self.child.sync, 1):
                 self.ready = True
                 self.cmd_pid = self._find_cmd()
+                if self.on_ready is not None:
+                    self.on_ready()
             self.sel.unregister(self.child.sync)
         elif what == "errors":
             data = os.read(self.child.errors, 65536)
@@ -781,6 +780,8 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         command=req.command,
     )
     try:
+        from .daemon import spawn_daemon  # pyfuse3 and trio: only where a mount is made
+
         daemon = spawn_daemon(mount, lifeline_r, after=lambda: remove_run_dir(run_dir))
     except UserError as exc:
         os.close(lifeline_w)
@@ -808,13 +809,16 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
             path=req.tools.env_path(),
             session=req.session,
             trust=req.trust.value,
-            extra={**project_identity(req.project), **req.env},  # commits carry the user's name
+            # commits carry the user's name; a worktree's metadata is never pruned by gc inside
+            extra={**project_identity(req.project), **gitdir.environment(req.config), **req.env},
             proxy=req.net == "allow",
         )
         terminal = _Terminal.of_stdio()  # never the terminal itself: run's pty or pipes
         interactive = terminal is not None and terminal.controlling
+        # The git directory of a worktree project, at the path its .git file names (gitdir).
+        binds = gitdir.bwrap_binds(req.config, req.trust, mnt)
         options = confine.bwrap_args(
-            mountpoint=mnt, cwd=cwd, net=req.net, tools=req.tools.bwrap_args()
+            mountpoint=mnt, cwd=cwd, net=req.net, tools=[*binds, *req.tools.bwrap_args()]
         )
         argv = [bwrap, "--args", str(confine.ARGS_FD), "--"]
         argv += confine.launcher_argv(interactive, req.command)
@@ -834,6 +838,9 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         if req.net != "host":
             network = _Network(req, audit, child)
         supervisor = Supervisor(child, terminal)
+        if not req.quiet:  # said once the sandbox is up: a setup error stays one line
+            policy = Policy(req.config.matrix(), req.config.deny, req.trust, req.config.protect)
+            supervisor.on_ready = lambda: _notify(start_line(req, policy, cwd))
         status = supervisor.wait()  # the terminal is raw only in there
         ran = supervisor.ready
         if not ran:
@@ -877,7 +884,13 @@ def _daemon_ended(daemon: int) -> str | None:
     except ChildProcessError:
         return None
     if info is None:
-        return None
+        # Seen under load: a daemon already a zombie that waitid does not report yet.
+        with contextlib.suppress(OSError, IndexError):
+            state = Path(f"/proc/{daemon}/stat").read_text().rsplit(") ", 1)[1].split()[0]
+            if state in ("Z", "X"):
+                info = os.waitid(os.P_PID, daemon, os.WEXITED | os.WNOWAIT)
+        if info is None:
+            return None
     if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
         try:
             name = f" ({signal.Signals(info.si_status).name})"
@@ -1095,6 +1108,43 @@ def connecting_process(
     return None, None
 
 
+def start_line(req: RunRequest, policy: Policy, cwd: str) -> str:
+    """The one line `run` prints once the program starts (not with --quiet; `_notify` puts
+    "sandboxfs: " before it): who, where, what the program may see and change, its network."""
+    groups: dict[str, list[str]] = {"writable": [], "read-only": [], "new files only": []}
+    hidden: list[str] = []
+    for zone in policy.zones:
+        access = policy.access(zone)
+        if access.create_only:
+            groups["new files only"].append(zone.value)
+        elif Op.WRITE in access.ops:
+            groups["writable"].append(zone.value)
+        elif Op.READ in access.ops or Op.LIST in access.ops:
+            groups["read-only"].append(zone.value)
+        else:
+            hidden.append(zone.value)
+    repo = policy.access(Zone.REPO) if Zone.REPO in policy.zones else None
+    if repo is None or not (Op.READ in repo.ops or Op.LIST in repo.ops):
+        shown = "not visible"
+    else:
+        shown = "read-write" if Op.WRITE in repo.ops else "read-only"
+    parts = [f"{name}: {', '.join(zones)}" for name, zones in groups.items() if zones]
+    if hidden:
+        parts.append(f"not visible: {', '.join(hidden)}")
+    if req.net == "allow":
+        hosts = ", ".join(_rule_text(rule) for rule in req.allow) or "no host yet"
+        network = f"allow ({hosts}; through sandboxfs's proxy)"
+    elif req.net == "host":
+        network = "host (this machine's network)"
+    else:
+        network = "none"
+    return (
+        f"session {req.session}, trust {req.trust.value}: project {req.project} "
+        f"at {confine.SANDBOX}/repo ({shown}); {'; '.join(parts)}; network: {network}; "
+        f"starts in {cwd}"
+    )
+
+
 def _summary(req: RunRequest, started: datetime, status: int, lost: str | None = None) -> str:
     query = audit_mod.AuditQuery(session=req.session, since=started)
     allowed = denied = 0
@@ -1107,10 +1157,15 @@ def _summary(req: RunRequest, started: datetime, status: int, lost: str | None =
         if entry.get("op") == "net" and entry.get("allowed") is not True:
             (refused if entry.get("allowed") is False else unreached)[_net_target(entry)] = None
         if entry.get("allowed") is False:
-            denied += 1
+            count = entry.get("count", 1)  # identical refusals folded into one entry
+            denied += count if isinstance(count, int) else 1
             continue
         allowed += 1
-        if entry.get("zone") == Zone.STAGED.value and entry.get("op") == "write":
+        if (
+            entry.get("zone") == Zone.STAGED.value
+            and entry.get("op") == "write"
+            and entry.get("detail") in (None, "create")  # a file's contents, not a mkdir
+        ):
             staged.add(str(entry.get("path")))
     ended = f"exit {status}"
     if lost is not None:

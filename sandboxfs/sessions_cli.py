@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from . import state, subcommands
-from .daemon import read_context, sandboxfs_mounts
+from .mounts import read_context, sandboxfs_mounts
 from .project import audit_path, check_id, state_dir, validate_project
 
 P = TypeVar("P", bound=argparse.ArgumentParser)

@@ -26,12 +26,12 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from . import confine
+from . import confine, inputs
 from .config import _validate
 from .errors import UserError
+from .inputs import shown
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 
@@ -59,7 +59,7 @@ class AgentProfile(_Strict):
     def _valid_env(cls, value: list[str]) -> list[str]:
         for item in value:
             if not confine.ENV_NAME.match(item.partition("=")[0]):
-                raise ValueError(f"invalid entry {item!r}: expected NAME or NAME=VALUE")
+                raise ValueError(f"invalid entry {shown(item)}: expected NAME or NAME=VALUE")
         return value
 
     @field_validator("programs")
@@ -67,7 +67,9 @@ class AgentProfile(_Strict):
     def _valid_programs(cls, value: list[str]) -> list[str]:
         for item in value:
             if not item or "/" in item or item in (".", ".."):
-                raise ValueError(f"invalid program {item!r}: a command name, found on your PATH")
+                raise ValueError(
+                    f"invalid program {shown(item)}: a command name, found on your PATH"
+                )
         return value
 
     @field_validator("seed")
@@ -75,7 +77,7 @@ class AgentProfile(_Strict):
     def _valid_seed(cls, value: list[str]) -> list[str]:
         for item in value:
             if item.startswith("/") or ".." in item.split("/") or not item.strip("/"):
-                raise ValueError(f"invalid path {item!r}: a path relative to your home")
+                raise ValueError(f"invalid path {shown(item)}: a path relative to your home")
         return value
 
     def merged(self, other: AgentProfile) -> AgentProfile:
@@ -115,7 +117,7 @@ class UserConfig(_Strict):
         for name in value:
             if not _NAME_RE.match(name):
                 raise ValueError(
-                    f"agent name {name!r} is not a plain name: use 1-32 lowercase letters, "
+                    f"agent name {shown(name)} is not a plain name: use 1-32 lowercase letters, "
                     f"digits, '_' or '-'"
                 )
         return value
@@ -205,18 +207,10 @@ def load(source: Path | None = None) -> UserConfig:
     """The user config; empty when there is none. UserError (one line) when it is invalid."""
     where = source if source is not None else path()
     try:
-        text = where.read_text(encoding="utf-8")
+        text = inputs.read_file(where, "your config")
     except FileNotFoundError:
         return UserConfig()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise UserError(f"cannot read your config {where}: {reason}") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f" (line {mark.line + 1})" if mark is not None else ""
-        raise UserError(f"{where}: not valid YAML{line}") from None
+    raw = inputs.load_yaml(text, str(where))
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

@@ -133,7 +133,7 @@ class Sandbox:
         check_id("workspace", workspace)
         session_id = check_id("session", session) if session is not None else new_session_id()
         try:
-            root = validate_project(Path(project))
+            root = validate_project(Path(project), discover=False)
             config_file = Path(config).absolute() if config is not None else None
             loaded = load(root, config_file)
         except UserError as exc:
@@ -575,8 +575,10 @@ class Sandbox:
                 pending.append((self._listable(g, p), p.text))
             while pending:
                 node, prefix = pending.pop()
+                own_only = node.zone is not None and g.reads_own(node.zone)
                 for name, is_dir in self._backend.list_entries(node):
-                    if not g.listed(node, name, is_dir):
+                    own = own_only and self._created_here(node, name)
+                    if not g.listed(node, name, is_dir, own=own):
                         continue
                     child_path = f"{prefix}/{name.decode('utf-8', 'surrogateescape')}"
                     found.append(child_path)
@@ -588,6 +590,15 @@ class Sandbox:
                 skip = len(p.text) if p.zone is None else len(p.text) + 1
                 found = [f for f in found if fnmatch.fnmatchcase(f[skip:], pattern)]
             return sorted(found)
+
+    def _created_here(self, parent: Node, name: bytes) -> bool:
+        """Whether this sandbox made parent/name (listing a create-only zone shows only those)."""
+        assert parent.zone is not None
+        try:
+            found = self._backend.find(parent, name)
+        except (SandboxError, OSError):
+            return False
+        return found is not None and self._backend.created(parent.zone, found[0])
 
     def _descend(self, g: Guard, parent: Node, name: bytes) -> Node | None:
         """A subdirectory to list recursively, or None if it cannot be (skipped)."""

@@ -33,6 +33,7 @@ from .policy import (
     cross_zone_reason,
     fold,
     git_name,
+    git_path,
     git_rule,
     in_git_dir,
 )
@@ -112,13 +113,30 @@ class Guard:
         self._via = {"via": info.via} if info.via else {}
         # Counts trust changes: what was allowed under an older level is checked again.
         self.generation = 0
+        # Entries this mount created in a zone that is create-only at some level (`/staged`):
+        # (zone, backing inode number) -> (device, birth time or 0). At a create-only level the
+        # caller may read, list and resolve these, and only these (see `owns`), so an agent
+        # can check what it staged; other parties' entries stay absent. Shared with the API's
+        # probe guard. Kept for the life of the mount, whatever the level meanwhile.
+        self.own_entries: dict[tuple[Zone, int], tuple[int, int]] = {}
+        self._own_zones = frozenset(
+            zone
+            for levels in policy.matrix.values()
+            for zone, access in levels.items()
+            if access.create_only
+        )
 
     def set_trust(self, trust: Trust) -> Trust:
         """Switch to another trust level (live promotion or demotion); returns the old one.
         Takes effect for the next check: the policy is rebuilt for the new level."""
         old = self.policy
         self.policy = Policy(
-            old.matrix, old.deny_patterns, trust, old.protect_patterns, old.private_key_patterns
+            old.matrix,
+            old.deny_patterns,
+            trust,
+            old.protect_patterns,
+            old.private_key_patterns,
+            old.git_dirs,
         )
         self._base_entry["trust"] = trust.value
         self.generation += 1
@@ -261,6 +279,57 @@ class Guard:
     def create_only(self, zone: Zone) -> bool:
         return self.policy.access(zone).create_only
 
+    # ----- what this mount created (create-only zones) ----------------------------------------
+
+    def created(self, zone: Zone, st: StatLike) -> None:
+        """A front end made parent/name (st: its lstat): remembered where it matters."""
+        if zone in self._own_zones:
+            birth = getattr(st, "st_birthtime_ns", 0) or 0
+            self.own_entries[(zone, st.st_ino)] = (st.st_dev, birth)
+
+    def owns(self, zone: Zone, st: StatLike) -> bool:
+        """Whether this mount created the entry st describes (the same inode, device and,
+        where the filesystem keeps one, birth time: a reused inode number is another file)."""
+        known = self.own_entries.get((zone, st.st_ino))
+        if known is None or known[0] != st.st_dev:
+            return False
+        birth = getattr(st, "st_birthtime_ns", 0) or 0
+        return not (birth and known[1] and birth != known[1])
+
+    def _owns_node(self, node: Node) -> bool:
+        if node.created_here:
+            return True
+        zone = node.zone
+        if zone is None or node.ino < FIRST_DYNAMIC_INO:
+            return False
+        ino = node.key[2] if node.key is not None else node.ino
+        dev = node.key[1] if node.key is not None else 0
+        known = self.own_entries.get((zone, ino))
+        if known is None or known[0] != dev:
+            return False
+        return not (node.birth_ns and known[1] and node.birth_ns != known[1])
+
+    def reads_own(self, zone: Zone) -> bool:
+        """Whether the level may read and list only what this mount created in `zone`
+        (create-only there)."""
+        access = self.policy.access(zone)
+        return access.create_only and Op.READ not in access.ops
+
+    def _own_readable(self, node: Node) -> bool:
+        """An entry this mount created in a zone that is create-only at this level: readable,
+        and (a directory) listable, showing only what this mount created in it. The zone root
+        stays unlisted: the caller knows the ids it made."""
+        zone = node.zone
+        if zone is None or node.ino < FIRST_DYNAMIC_INO or not self.reads_own(zone):
+            return False
+        return self._owns_node(node)
+
+    def check_list(self, caller: Caller, node: Node) -> None:
+        """Listing `node` (a zone's directory): the matrix, or at a create-only level a
+        directory this mount created."""
+        if not self._own_readable(node):
+            self.check(caller, Op.LIST, node)
+
     def may_cache(self, zone: Zone) -> bool:
         """Whether file contents may be handed to the kernel's cache (someone may read them)."""
         return self.policy.decide(zone, Op.READ).allowed
@@ -299,6 +368,7 @@ class Guard:
             raise self.refuse(caller, Op.READ, vpath, zone, decision)
         if st is None:
             return False
+        created_here = created_here or self.owns(zone, st)
         decision = self.policy.decide_lookup(zone, stat.S_ISDIR(st.st_mode), created_here)
         if not decision.allowed:
             raise self.refuse(caller, Op.READ, parent.vpath(name), zone, _absent(decision))
@@ -345,10 +415,18 @@ class Guard:
             node.deny_memo = (moves, found)
         return found
 
-    def listed(self, parent: Node, name: bytes, is_dir: bool) -> bool:
+    def listed(
+        self, parent: Node, name: bytes, is_dir: bool, ino: int | None = None, own: bool = False
+    ) -> bool:
         """Whether a directory listing shows parent/name: always where the level may read or
-        list the zone (deny-listed entries too), else not a deny-listed one."""
-        if parent.zone is not None and self.readable(parent.zone):
+        list the zone (deny-listed entries too), else not a deny-listed one; where it may only
+        create (`reads_own`), only what this mount created (`own`, or its inode number `ino`
+        is one this mount created)."""
+        zone = parent.zone
+        if zone is not None and self.reads_own(zone):
+            if not (own or (ino is not None and (zone, ino) in self.own_entries)):
+                return False
+        elif zone is not None and self.readable(zone):
             return True
         return self.denied_pattern(parent, name, is_dir) is None
 
@@ -549,7 +627,10 @@ class Guard:
         ):
             return
         vpath = parent.vpath(name)
-        decision = self.policy.protected(vpath, relpath_of(parent, name), is_dir, pointer, git)
+        git_root = parent.zone in self.policy.git_dirs
+        decision = self.policy.protected(
+            vpath, relpath_of(parent, name), is_dir, pointer, git, git_root
+        )
         if decision is not None:
             raise self.refuse(caller, op, vpath, parent.zone, decision, dest=dest)
 
@@ -560,7 +641,11 @@ class Guard:
         memo_moves, may = directory.protect_memo
         if memo_moves != moves:
             rel = directory.relpath().decode("utf-8", "surrogateescape")
-            may = self.policy.may_protect_under(rel, directory.zone not in GIT_ZONES_EXEMPT)
+            may = self.policy.may_protect_under(
+                rel,
+                directory.zone not in GIT_ZONES_EXEMPT,
+                directory.zone in self.policy.git_dirs,
+            )
             directory.protect_memo = (moves, may)
         return may
 
@@ -601,7 +686,7 @@ class Guard:
         ):
             return False
         relpath = relpath_of(to_parent, to_name)
-        rule = git_rule(relpath)
+        rule = git_rule(git_path(relpath, zone in self.policy.git_dirs))
         if rule is None or rule.rsplit("/", 1)[-1] not in gitconfig.CONFIG_NAMES:
             return False
         self._reject_zone_root(caller, "rename", to_parent, to_name, dst)
@@ -637,7 +722,7 @@ class Guard:
         one, nor one that holds a private key (checked last: it reads the file)."""
         assert node.zone is not None
         self._reject_denied_node(caller, Op.WRITE if write else Op.READ, node)
-        if read:
+        if read and not self._own_readable(node):
             self.check(caller, Op.READ, node)
         if write:
             self._reject_protected_node(caller, Op.WRITE, node)
@@ -670,13 +755,14 @@ class Guard:
         zone = node.zone
         if zone is None or node.ino < FIRST_DYNAMIC_INO:
             return
-        decision = self.policy.decide_lookup(zone, node.is_dir, node.created_here)
+        decision = self.policy.decide_lookup(zone, node.is_dir, self._owns_node(node))
         if not decision.allowed:
             raise self.refuse(caller, Op.READ, node.vpath(), zone, _absent(decision))
 
     def may_read_link(self, caller: Caller, node: Node) -> None:
         """A symbolic link's target is its contents: refused for a deny-listed link."""
-        self.check(caller, Op.READ, node)
+        if not self._own_readable(node):
+            self.check(caller, Op.READ, node)
         self._reject_denied_node(caller, Op.READ, node)
 
     def may_change(self, caller: Caller, node: Node, allow_created: bool = True) -> None:
@@ -734,7 +820,7 @@ class Guard:
         """Opening a directory to list it (never a deny-listed one, nor one inside); allowed
         listings are audited at once."""
         if node.zone is not None:
-            self.check(caller, Op.LIST, node)
+            self.check_list(caller, node)
             self._reject_denied_node(caller, Op.LIST, node)
             self.did(caller, Op.LIST, node)
 
@@ -875,7 +961,9 @@ class Guard:
         self._reject_denied(caller, parent, new_name, False, "link")
         # Inside a git directory, a second name only for a file of a git directory (git links
         # its objects into place): one from outside may be a symbolic link.
-        outsider = not in_git_dir(relpath_of(node.parent, node.name))
+        outsider = node.zone not in self.policy.git_dirs and not in_git_dir(
+            relpath_of(node.parent, node.name)
+        )
         self._reject_protected(caller, "link", parent, new_name, False, dest, outsider)
         # A new name changes the source too (its link count, and it can be written through
         # the new name): neither may be in a frozen staged commit, nor the two in different ones.
@@ -942,6 +1030,8 @@ class Guard:
             self.freed(zone, 0, 1)
         elif st.st_nlink <= 1:
             self.freed(zone, st.st_size if stat.S_ISREG(st.st_mode) else 0, 1)
+        if (stat.S_ISDIR(st.st_mode) or st.st_nlink <= 1) and self.owns(zone, st):
+            del self.own_entries[(zone, st.st_ino)]  # its number may be another file's next
 
     def may_rename_in(
         self,
@@ -1038,7 +1128,10 @@ class Guard:
         # .git/modules/, say): neither from under them nor under them.
         for at, at_name in ((parent, name), (to_parent, to_name)):
             found = self.policy.protected_below(
-                f"{at.vpath(at_name)}/...", relpath_of(at, at_name), at.zone not in GIT_ZONES_EXEMPT
+                f"{at.vpath(at_name)}/...",
+                relpath_of(at, at_name),
+                at.zone not in GIT_ZONES_EXEMPT,
+                at.zone in self.policy.git_dirs,
             )
             if found is not None:
                 raise self.refuse(caller, "rename", src, parent.zone, found, dest=dst)

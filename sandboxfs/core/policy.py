@@ -423,6 +423,13 @@ def in_git_dir(relpath: str) -> bool:
     return any(is_dotgit(part) for part in _folded_parts(relpath))
 
 
+def git_path(relpath: str, git_root: bool) -> str:
+    """`relpath` as git's rules judge it: in a zone whose root is itself a git directory
+    (`git_root`: the main repository's git dir of a linked-worktree project, sandboxfs.gitdir),
+    as if below a `.git` (its `hooks/` and `config` are `.git/hooks` and `.git/config`)."""
+    return f".git/{relpath}" if git_root else relpath
+
+
 class Policy:
     """The matrix, the deny list and the protected paths of one mount, with decisions
     precomputed per zone and op.
@@ -438,8 +445,11 @@ class Policy:
         trust: Trust,
         protect_patterns: Sequence[str] = (),
         private_key_patterns: Sequence[str] = (),
+        git_dirs: Iterable[Zone] = (),
     ) -> None:
         self.matrix = matrix
+        # Zones whose root is a git directory: git's rules hold there as below a `.git`.
+        self.git_dirs = frozenset(git_dirs)
         self.trust = trust
         self.deny = Patterns(deny_patterns)
         self.protect = Patterns(protect_patterns)
@@ -550,21 +560,29 @@ class Policy:
         )
 
     def protected(
-        self, vpath: str, relpath: str, is_dir: bool, pointer: bool = False, git: bool = True
+        self,
+        vpath: str,
+        relpath: str,
+        is_dir: bool,
+        pointer: bool = False,
+        git: bool = True,
+        git_root: bool = False,
     ) -> Decision | None:
         """The refusal of creating, changing, renaming, linking or deleting the entry at
         zone-relative `relpath` (`vpath` names it in the reason), or of anything inside it:
         by the protect list, or (`git`: in a zone git's rules apply to, GIT_ZONES_EXEMPT) by
-        git's rules (`git_rule`; `pointer` as there)."""
+        git's rules (`git_rule`; `pointer` as there; `git_root` as in `git_path`)."""
         pattern = self.protect.match_within(relpath, is_dir)
         if pattern is not None:
             return self.protect_decision(vpath, pattern)
         if not git:
             return None
-        rule = git_rule(relpath, pointer)
+        rule = git_rule(git_path(relpath, git_root), pointer)
         return self.git_decision(vpath, rule) if rule is not None else None
 
-    def protected_below(self, vpath: str, relpath: str, git: bool = True) -> Decision | None:
+    def protected_below(
+        self, vpath: str, relpath: str, git: bool = True, git_root: bool = False
+    ) -> Decision | None:
         """The refusal of moving the directory at `relpath` away or onto: something inside it
         would leave, or come under, a protect pattern or a git rule that depends on its path."""
         pattern = self.protect.match_below(relpath)
@@ -572,14 +590,16 @@ class Policy:
             return self.protect_decision(vpath, pattern)
         if not git:
             return None
-        rule = git_rule_below(relpath)
+        rule = git_rule_below(git_path(relpath, git_root))
         return self.git_decision(vpath, rule) if rule is not None else None
 
-    def may_protect_under(self, dir_relpath: str, git: bool = True) -> bool:
+    def may_protect_under(self, dir_relpath: str, git: bool = True, git_root: bool = False) -> bool:
         """Whether anything in the directory at `dir_relpath` could be protected by its path
         (a protect pattern, or being in a git directory). `.git` and `HEAD` are protected by
         name anywhere: `git_name` tells those apart without the path."""
-        return self.protect.may_match_under(dir_relpath) or (git and in_git_dir(dir_relpath))
+        return self.protect.may_match_under(dir_relpath) or (
+            git and (git_root or in_git_dir(dir_relpath))
+        )
 
     @property
     def root_create_reason(self) -> str:

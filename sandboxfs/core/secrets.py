@@ -183,10 +183,11 @@ class StoreContents:
         found = self.store.lstat(dir_fd, name)
         if found is None or not stat.S_ISREG(found.st_mode):
             raise _stale()
+        opening = self.store.allocating
         try:  # leave the user's atime alone where the daemon may (owner or CAP_FOWNER)
-            fd = openat2(dir_fd, name, _READ | os.O_NOATIME, 0, _RESOLVE)
+            fd = opening(openat2, dir_fd, name, _READ | os.O_NOATIME, 0, _RESOLVE)
         except PermissionError:
-            fd = openat2(dir_fd, name, _READ, 0, _RESOLVE)
+            fd = opening(openat2, dir_fd, name, _READ, 0, _RESOLVE)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):

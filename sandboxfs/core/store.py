@@ -22,12 +22,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import resource
 import stat
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from .errors import SandboxError
 from .policy import BUILTIN_ZONES, Zone
@@ -44,6 +45,7 @@ from .syscalls import (
 )
 
 R = TypeVar("R")
+P = ParamSpec("P")
 
 ROOT_INO = 1
 CONTROL_INO = 2
@@ -51,6 +53,7 @@ CONTEXT_INO = 3
 # The built-in zone roots; project zones follow (up to FIRST_DYNAMIC_INO - 1).
 ZONE_INO = {zone: 4 + i for i, zone in enumerate(BUILTIN_ZONES)}
 FIRST_DYNAMIC_INO = 64
+GUIDE_INO = FIRST_DYNAMIC_INO - 1  # /.sandboxfs/README (zone roots stop well below it)
 # Numbers sandboxfs makes up start here: above what local filesystems hand out in practice
 # (ext4's are 32 bits; XFS's and btrfs's stay below 2**48), below 2**53 (JavaScript reads
 # st_ino as a double). Backing numbers from here up (overlayfs with xino, some network
@@ -59,12 +62,21 @@ SPARE_INO_BASE = 1 << 48
 
 CONTROL_NAME = b".sandboxfs"
 CONTEXT_NAME = b"context.json"
+GUIDE_NAME = b"README"
 STATE_DIR_NAME = ".sandbox"
 
 _DIR_OPEN = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # Every open of a backing name: no symlink, no magic link, no mount point, nothing outside.
 _RESOLVE = RESOLVE_NO_XDEV | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH
-_FD_CACHE_SIZE = 1024
+# The cache of directory descriptors takes a quarter of the descriptor limit (as read when the
+# Store is made: the daemon has raised its soft limit to the hard one), within these bounds;
+# the rest is for open files, listings and the daemon's own. Under pressure (EMFILE, ENFILE)
+# it gives back all but the _FD_KEEP most recently used, which the request being served may
+# hold (a request holds a few directory descriptors at most, each just used).
+_FD_CACHE_MIN = 16
+_FD_CACHE_MAX = 4096
+_FD_KEEP = 8
+_NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE)
 _SHORT_PATH = 3072  # relpaths walked in one openat2 (PATH_MAX is 4096)
 # The open flags passed on to a backing file. The kernel's FUSE OPEN carries internal bits
 # too (__FMODE_EXEC for execve), which openat2 refuses with EINVAL where open(2) ignored them.
@@ -200,12 +212,16 @@ class Store:
         self.root = Node(ROOT_INO, None, None, b"", True, lookups=1)
         self.control = Node(CONTROL_INO, None, self.root, CONTROL_NAME, True)
         self.context = Node(CONTEXT_INO, None, self.control, CONTEXT_NAME, False)
-        self.nodes: dict[int, Node] = {n.ino: n for n in (self.root, self.control, self.context)}
+        self.guide = Node(GUIDE_INO, None, self.control, GUIDE_NAME, False)
+        self.nodes: dict[int, Node] = {
+            n.ino: n for n in (self.root, self.control, self.context, self.guide)
+        }
         self.by_key: dict[Key, Node] = {}
         self.zone_roots: dict[Zone, Node] = {}
         self.layer_paths = worker_layers
         self.layer_fds: list[int] = []
         self._fd_cache: OrderedDict[int, Node] = OrderedDict()
+        self.fd_cache_size = fd_cache_size()
         # Counts every change of a known node's parent or name (renames through the mount,
         # names found moved): what is remembered about a path is valid until it changes.
         self.moves = 0
@@ -411,7 +427,7 @@ class Store:
     def _open_checked(self, dir_fd: int, path: bytes, node: Node) -> int:
         """An O_PATH descriptor of path (below dir_fd) that must be node's directory."""
         try:
-            fd = openat2(dir_fd, path, _DIR_OPEN, 0, _RESOLVE)
+            fd = self.allocating(openat2, dir_fd, path, _DIR_OPEN, 0, _RESOLVE)
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EXDEV, errno.ELOOP):
                 raise SandboxError(errno.ESTALE, "the directory moved or was replaced") from None
@@ -424,11 +440,34 @@ class Store:
     def _cache_fd(self, node: Node, fd: int) -> int:
         node.fd = fd
         self._fd_cache[node.ino] = node
-        if len(self._fd_cache) > _FD_CACHE_SIZE:
+        if len(self._fd_cache) > self.fd_cache_size:
             _, old = self._fd_cache.popitem(last=False)
             os.close(old.fd)
             old.fd = -1
         return fd
+
+    def make_room(self) -> int:
+        """Give back cached directory descriptors after the descriptor limit was met: all but
+        the _FD_KEEP most recently used (the request being served may hold those). Returns
+        how many were closed; each is opened again when next needed."""
+        released = 0
+        while len(self._fd_cache) > _FD_KEEP:
+            _, old = self._fd_cache.popitem(last=False)
+            os.close(old.fd)
+            old.fd = -1
+            released += 1
+        return released
+
+    def allocating(self, call: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """call(...), which makes a descriptor; where the descriptor limit stops it (EMFILE,
+        ENFILE), once more after make_room gave some back. Every descriptor the daemon makes
+        while serving goes through here, so that a full table never jams the mount."""
+        try:
+            return call(*args, **kwargs)
+        except OSError as exc:
+            if exc.errno not in _NO_DESCRIPTOR or not self.make_room():
+                raise
+        return call(*args, **kwargs)
 
     def parent_fd(self, node: Node, checked: bool = False) -> int:
         """The descriptor of the backing directory that holds node's name (`checked`: see
@@ -521,16 +560,23 @@ class Store:
 
     def usage(self, zone: Zone) -> tuple[int, int]:
         """(bytes of regular files, entries) below a zone's root, each inode once, never
-        crossing into another mount or sandboxfs's own state (for quotas)."""
+        crossing into another mount or sandboxfs's own state (for quotas).
+
+        Depth first, holding the descriptors of the directories on the current path only
+        (not of every directory found: a wide tree would use up the descriptor table)."""
         root = self.zone_roots[zone]
         seen: set[tuple[int, int]] = set()
         nbytes = 0
-        pending = [os.open(b".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root.fd)]
-        while pending:
-            fd = pending.pop()
-            try:
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+        path: list[tuple[int, list[bytes]]] = []
+
+        def enter(fd: int) -> None:
+            nonlocal nbytes
+            below: list[bytes] = []
+            path.append((fd, below))
+            with contextlib.suppress(OSError):
                 dev = os.fstat(fd).st_dev
-                with os.scandir(b"/proc/self/fd/%d" % fd) as entries:
+                with self.allocating(os.scandir, b"/proc/self/fd/%d" % fd) as entries:
                     for entry in entries:
                         st = entry.stat(follow_symlinks=False)
                         key = (st.st_dev, st.st_ino)
@@ -540,19 +586,20 @@ class Store:
                         if stat.S_ISREG(st.st_mode):
                             nbytes += st.st_size
                         elif stat.S_ISDIR(st.st_mode):
-                            with contextlib.suppress(OSError):
-                                pending.append(
-                                    openat2(
-                                        fd,
-                                        entry.name,
-                                        os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC,
-                                        0,
-                                        _RESOLVE,
-                                    )
-                                )
-            except OSError:
-                pass
-            finally:
+                            below.append(entry.name)
+
+        try:
+            enter(self.allocating(os.open, b".", flags, dir_fd=root.fd))
+            while path:
+                fd, below = path[-1]
+                if not below:
+                    os.close(fd)
+                    path.pop()
+                    continue
+                with contextlib.suppress(OSError):
+                    enter(self.allocating(openat2, fd, below.pop(), flags, 0, _RESOLVE))
+        finally:
+            for fd, _ in path:
                 os.close(fd)
         return nbytes, len(seen)
 
@@ -567,7 +614,7 @@ class Store:
                 if fd < 0:
                     continue
                 dev = os.stat(fd).st_dev
-                for name, ino, is_dir in _scan(fd):
+                for name, ino, is_dir in self.allocating(_scan, fd):
                     if name not in seen and (dev, ino) not in self.hidden:
                         seen.add(name)
                         union.append((name, layer, ino, is_dir))
@@ -576,15 +623,20 @@ class Store:
         dev = node.key[1] if node.key is not None else os.stat(fd).st_dev
         return [
             (name, node.layer, ino, is_dir)
-            for name, ino, is_dir in _scan(fd)
+            for name, ino, is_dir in self.allocating(_scan, fd)
             if (dev, ino) not in self.hidden
         ]
 
     def open_path_fd(self, node: Node) -> int:
         """A fresh O_PATH descriptor of node itself (for xattrs), never following a symlink or
         crossing into a mount."""
-        return openat2(
-            self.parent_fd(node), node.name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, 0, _RESOLVE
+        return self.allocating(
+            openat2,
+            self.parent_fd(node),
+            node.name,
+            os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0,
+            _RESOLVE,
         )
 
     def open_file(self, node: Node, flags: int) -> int:
@@ -605,7 +657,8 @@ class Store:
             raise SandboxError(errno.ELOOP, "a symlink is never followed")
         if found is None or not stat.S_ISREG(found.st_mode) or not _is(node, found):
             raise SandboxError(errno.ESTALE, "the file moved or was replaced")
-        fd = openat2(
+        fd = self.allocating(
+            openat2,
             parent_fd,
             node.name,
             (flags & _OPEN_PASSED) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
@@ -623,7 +676,8 @@ class Store:
 
     def create_file(self, dir_fd: int, name: bytes, flags: int, mode: int) -> int:
         """Create (or, without O_EXCL, open) a regular file, never through a mount point."""
-        fd = openat2(
+        fd = self.allocating(
+            openat2,
             dir_fd,
             name,
             (flags & _OPEN_PASSED) | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
@@ -643,7 +697,9 @@ class Store:
     def reopen(self, node: Node, flags: int) -> int:
         """A new descriptor of node's file, through an open one if there is one."""
         if node.open_fds:
-            return os.open(f"/proc/self/fd/{node.open_fds[-1]}", flags | os.O_CLOEXEC)
+            return self.allocating(
+                os.open, f"/proc/self/fd/{node.open_fds[-1]}", flags | os.O_CLOEXEC
+            )
         return self.open_file(node, flags)
 
     def change_meta(
@@ -687,11 +743,17 @@ class Store:
     def make_node(self, dir_fd: int, name: bytes, mode: int) -> None:
         os.mknod(name, mode, dir_fd=dir_fd)
 
-    def link(self, node: Node, dir_fd: int, new_name: bytes) -> None:
-        """A second name for node's backing file, checked to still be node's."""
+    def link_source(self, node: Node) -> int:
+        """The descriptor of the directory holding node's name, checked to still lead to node
+        (ESTALE otherwise): what `link` needs, found with the daemon's own identity (the walk
+        from the zone root passes directories a caller may not search)."""
         src_fd = self.parent_fd(node, checked=True)
-        self.stat_node(node)  # the name must still be node's (ESTALE otherwise)
-        os.link(node.name, new_name, src_dir_fd=src_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        self.stat_node(node)
+        return src_fd
+
+    def link(self, src_fd: int, name: bytes, dir_fd: int, new_name: bytes) -> None:
+        """A second name, dir_fd/new_name, for src_fd/name (see link_source)."""
+        os.link(name, new_name, src_dir_fd=src_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
 
     def remove(self, dir_fd: int, name: bytes, is_dir: bool) -> None:
         (os.rmdir if is_dir else os.unlink)(name, dir_fd=dir_fd)
@@ -700,7 +762,10 @@ class Store:
         renameat2(src_fd, old, dst_fd, new, flags)
 
     def fsync_dir(self, node: Node) -> None:
-        fd = os.open(b".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.dir_fd(node))
+        dir_fd = self.dir_fd(node)
+        fd = self.allocating(
+            os.open, b".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd
+        )
         try:
             os.fsync(fd)
         finally:
@@ -713,7 +778,7 @@ class Store:
         """The whole content of an open file of at most `limit` bytes, read through a new
         read-only descriptor; None when it is larger, unreadable or changed while read."""
         try:
-            rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+            rfd = self.allocating(os.open, f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None  # e.g. a write-only file the daemon may not read
         try:
@@ -773,6 +838,14 @@ class Store:
         finally:
             if fd >= 0:
                 os.close(fd)
+
+
+def fd_cache_size() -> int:
+    """How many directory descriptors a Store keeps open (see _FD_CACHE_MIN)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return _FD_CACHE_MAX
+    return max(_FD_CACHE_MIN, min(_FD_CACHE_MAX, soft // 4))
 
 
 def _is(node: Node, st: StatLike) -> bool:

@@ -531,17 +531,24 @@ def test_create_only_staging_at_untrusted(mount_at: Callable[..., Any], project:
         ran = shell(f"echo x > '{c1}/f'")
         if ran.rc != 0:
             failures.append(f"create c1/f: {ran}")
+        # What this mount created reads back (the agent checks its own work, README); what
+        # another party put there does not.
+        own = run("cat", c1 / "f"), run("ls", c1)
+        if own[0].rc != 0 or own[0].out != "x\n" or own[1].rc != 0 or own[1].out != "f\n":
+            failures.append(f"own staged entries should read back: {own}")
+        (backing / "other").write_text("someone else's\n")
         for ran in (
             shell(f"echo y > '{c1}/f'"),  # overwrite (O_TRUNC) an existing file
             shell(f"echo y >> '{c1}/f'"),  # append to it
-            run("cat", c1 / "f"),
-            run("ls", c1),
             run("rm", c1 / "f"),
             run("mv", c1 / "f", c1 / "g"),
         ):
             if ran.rc == 0 or "Permission denied" not in ran.err:
                 failures.append(f"expected 'Permission denied': {ran}")
             refused.append(ran)
+        theirs = run("cat", c1 / "other")
+        if theirs.rc == 0 or "No such file" not in theirs.err:
+            failures.append(f"another party's staged file should stay absent: {theirs}")
         if (backing / "f").read_bytes() != b"x\n":
             failures.append(
                 f"backing c1/f holds {(backing / 'f').read_bytes()!r}, expected b'x\\n'"

@@ -322,13 +322,13 @@ def test_a_change_in_a_readable_repo_points_to_stage(make: Maker) -> None:
 
 def test_create_only_staged_at_untrusted(make: Maker) -> None:
     """New names are created and written; existing entries are neither read, listed, replaced
-    nor deleted. What this sandbox created stays visible (stat) but, as through the mount,
-    only its creating write may fill it: reading or rewriting it later is refused."""
+    nor deleted. What this sandbox created stays visible (stat) and can be read back, but, as
+    through the mount, only its creating write may fill it: rewriting it later is refused."""
     sb = make("untrusted")
     assert sb.write("/staged/new.txt", "proposal") == 8
     info = sb.stat("/staged/new.txt")
     assert (info.kind, info.size, info.created_here) == ("file", 8, True)
-    raises(PermissionDenied, lambda: sb.read_text("/staged/new.txt"), "create-only")
+    assert sb.read_text("/staged/new.txt") == "proposal"  # its own, read back
     raises(PermissionDenied, lambda: sb.write("/staged/new.txt", "again"), "create-only")
     raises(PermissionDenied, lambda: sb.append("/staged/new.txt", "more"), "create-only")
     raises(PermissionDenied, lambda: sb.delete("/staged/new.txt"), "create-only")

@@ -648,7 +648,7 @@ def test_query_of_missing_file_and_torn_lines(tmp_path: Path) -> None:
 
 def test_query_over_200k_lines_counts_right(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
-    log = AuditLog(path, batch_size=10_000)
+    log = AuditLog(path, batch_size=10_000, fold_refusals=False)
     for i in range(200_000):
         denied = i % 100 == 7
         log.record(
@@ -1260,9 +1260,13 @@ def test_failing_when_even_the_reserve_is_gone(
     log.record(_entry(path="/denied-2", allowed=False))
     assert log.failing and not log.try_flush()
     monkeypatch.setattr(audit_mod, "write_all", full.real)
+    assert not log.try_flush()  # while failing, at most one attempt every _RETRY_EVERY
+    time.sleep(audit_mod._RETRY_EVERY)
+    log.record(_entry(path="/denied-2", allowed=False))  # not written again: counted
     assert log.try_flush() and not log.failing
     assert [e["path"] for e in read_entries(path)] == ["/denied-1", "/denied-2"]
     log.close()
+    assert [e.get("count") for e in read_entries(path)] == [None, None, 1]
     assert verify(path).ok
 
 
@@ -1303,9 +1307,10 @@ def test_denial_lands_on_a_really_full_file_system(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(audit_mod, "_REFILL_EVERY", 0.0)
+    monkeypatch.setattr(audit_mod, "_RETRY_EVERY", 0.0)
     with _small_tmpfs(tmp_path / "small", "2m") as fs:
         path = fs / ".sandbox" / "audit.jsonl"
-        log = AuditLog(path, reserve=SMALL_RESERVE)
+        log = AuditLog(path, reserve=SMALL_RESERVE, fold_refusals=False)
         try:
             reserve = path.with_suffix(".reserve")
             assert _size(reserve) == SMALL_RESERVE
