@@ -338,6 +338,7 @@ def test_terminal_modes_are_restored_however_run_ends(project: Path, how: str) -
         term.read_until(b"ready")
         assert term.modes() != before, "run relays keystrokes with the terminal raw"
         if how == "program-killed":
+            assert wait_until(lambda: sleeping(mark) is not None, timeout=10)  # after "ready"
             pid = sleeping(mark)
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
