@@ -48,6 +48,7 @@ from .audit_anchor import (
     read_anchor,
 )
 from .core.syscalls import write_all
+from .errors import UserError
 
 log = logging.getLogger(__name__)
 _MAX_QUEUED = 100_000
@@ -1442,3 +1443,48 @@ def _prune_locked(path: Path, stream: BinaryIO, cutoff: str, dry_run: bool) -> i
         raise
     fsync_dir(path.parent)
     return dropped
+
+
+def record_now(
+    path: Path,
+    op: str,
+    *,
+    zone: str | None,
+    workspace: str | None,
+    detail: str,
+    session: str | None = None,
+    vpath: str | None = None,
+    allowed: bool = True,
+    reason: str | None = None,
+    nothing_done: str = "",
+) -> None:
+    """One entry of a command of sandboxfs's own (`staged`, `sessions prune`, `home`), written
+    durably before the command acts; a log that cannot be written is a UserError (exit 1)
+    saying so, plus `nothing_done`."""
+    entry = {
+        "op": op,
+        "path": vpath,
+        "zone": zone,
+        "session": session,
+        "workspace": workspace,
+        "trust": None,
+        "allowed": allowed,
+        "reason": reason,
+        "errno": None,
+        "pid": os.getpid(),
+        "uid": os.getuid(),
+        "comm": "sandboxfs",
+        "bytes": None,
+        "detail": detail,
+    }
+    try:
+        log = AuditLog(path)
+        try:
+            log.record(entry)
+            log.flush()
+        finally:
+            log.close()
+    except OSError as exc:
+        raise UserError(
+            f"cannot write the audit log {path}: {exc.strerror}{nothing_done}", exit_code=1
+        ) from None

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import state, subcommands, toolchain, userconfig
-from .audit import AuditLog
+from .audit import record_now
 from .audit_anchor import state_root
 from .core.policy import Trust
 from .errors import UserError
@@ -421,32 +421,11 @@ def _reset(project: Path, workspace: str, levels: list[Trust], yes: bool) -> int
 
 def _record(project: Path, workspace: str, detail: str) -> None:
     """The audit entry (op `home`) of a seed or reset, written first."""
-    try:
-        log = AuditLog(audit_path(project))
-        try:
-            log.record(
-                {
-                    "op": "home",
-                    "path": None,
-                    "zone": "home",
-                    "session": None,
-                    "workspace": workspace,
-                    "trust": None,
-                    "allowed": True,
-                    "reason": None,
-                    "errno": None,
-                    "pid": os.getpid(),
-                    "uid": os.getuid(),
-                    "comm": "sandboxfs",
-                    "bytes": None,
-                    "detail": detail,
-                }
-            )
-            log.flush()
-        finally:
-            log.close()
-    except OSError as exc:
-        raise UserError(
-            f"cannot write the audit log {audit_path(project)}: {exc.strerror}; nothing changed",
-            exit_code=1,
-        ) from None
+    record_now(
+        audit_path(project),
+        "home",
+        zone="home",
+        workspace=workspace,
+        detail=detail,
+        nothing_done="; nothing changed",
+    )

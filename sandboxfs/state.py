@@ -36,7 +36,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from .audit import AuditLog
+from .audit import record_now
 from .core.syscalls import fstat
 from .errors import UserError
 from .project import audit_path, check_id, state_dir
@@ -373,35 +373,15 @@ def _record(project: Path, session: Session) -> None:
         f"pruned session {session.id} of workspace {session.workspace} "
         f"({format_size(session.bytes)}, last used {iso(session.last_used)})"
     )
-    try:
-        log = AuditLog(audit_path(project))
-        try:
-            log.record(
-                {
-                    "op": "prune",
-                    "path": None,
-                    "zone": "session",
-                    "session": session.id,
-                    "workspace": session.workspace,
-                    "trust": None,
-                    "allowed": True,
-                    "reason": None,
-                    "errno": None,
-                    "pid": os.getpid(),
-                    "uid": os.getuid(),
-                    "comm": "sandboxfs",
-                    "bytes": None,
-                    "detail": detail,
-                }
-            )
-            log.flush()
-        finally:
-            log.close()
-    except OSError as exc:
-        raise UserError(
-            f"cannot write the audit log {audit_path(project)}: {exc.strerror}; nothing pruned",
-            exit_code=1,
-        ) from None
+    record_now(
+        audit_path(project),
+        "prune",
+        zone="session",
+        session=session.id,
+        workspace=session.workspace,
+        detail=detail,
+        nothing_done="; nothing pruned",
+    )
 
 
 # ----- removing -----------------------------------------------------------------------------------

@@ -11,8 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..audit import AuditLog
-from ..errors import UserError
+from ..audit import record_now
 from ..project import audit_path
 from .format import MODE_FILE
 from .git import Git
@@ -33,34 +32,17 @@ def record(
     reason: str | None = None,
 ) -> None:
     """Append an entry of op `stage` to the project's audit log, durably."""
-    try:
-        log = AuditLog(audit_path(ws.project))
-        try:
-            log.record(
-                {
-                    "op": "stage",
-                    "path": f"/staged/{commit_id}",
-                    "zone": "staged",
-                    "session": session,
-                    "workspace": ws.name,
-                    "trust": None,
-                    "allowed": allowed,
-                    "reason": reason,
-                    "errno": None,
-                    "pid": os.getpid(),
-                    "uid": os.getuid(),
-                    "comm": "sandboxfs",
-                    "bytes": None,
-                    "detail": detail,
-                }
-            )
-            log.flush()
-        finally:
-            log.close()
-    except OSError as exc:
-        raise UserError(
-            f"cannot write the audit log {audit_path(ws.project)}: {exc.strerror}", exit_code=1
-        ) from None
+    record_now(
+        audit_path(ws.project),
+        "stage",
+        vpath=f"/staged/{commit_id}",
+        zone="staged",
+        session=session,
+        workspace=ws.name,
+        allowed=allowed,
+        reason=reason,
+        detail=detail,
+    )
 
 
 # ----- committing ---------------------------------------------------------------------------------
