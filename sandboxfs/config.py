@@ -13,8 +13,6 @@ from __future__ import annotations
 import glob
 import os
 import re
-import shutil
-import subprocess
 import typing
 from importlib import resources
 from pathlib import Path
@@ -35,6 +33,7 @@ from . import inputs
 from .core.limits import Quota, ZoneLimits
 from .core.policy import BUILTIN_ZONES, Matrix, Trust, Zone, ZoneAccess, in_git_dir
 from .errors import UserError
+from .gitquery import rev_parse
 from .inputs import cut, shown
 
 PROJECT_CONFIG_NAME = "sandboxfs.yaml"
@@ -449,7 +448,6 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
 
 
 # Variables that would point the probe below at another repository than the user's git finds.
-_GIT_LOCATION_ENV = ("GIT_DIR", "GIT_WORK_TREE", "GIT_COMMON_DIR", "GIT_INDEX_FILE")
 _GIT_WHERE = ("--git-dir", "--git-common-dir", "--git-path", "hooks")
 # What sandboxfs.core.policy.git_rule protects in a git directory, as protect globs below one
 # that is not named .git ("*" spans "/", as submodules' names do).
@@ -484,30 +482,11 @@ def git_surface_protect(project: Path) -> list[str]:
       directory inside the project under another name.
 
     Empty when git is missing or the project is in no work tree."""
-    git = shutil.which("git")
-    if git is None:
+    # Paths relative to the project, core.hooksPath applied (in any of the user's config files).
+    lines = rev_parse(project, *_GIT_WHERE)
+    if lines is None or len(lines) != 3:
         return []
-    env = {k: v for k, v in os.environ.items() if k not in _GIT_LOCATION_ENV}
-    env["GIT_OPTIONAL_LOCKS"] = "0"
-    try:
-        # Paths relative to the current directory, core.hooksPath applied. rev-parse reads
-        # config only: no hook, fsmonitor or pager runs, so a project another user owns (root
-        # running sandboxfs on it) is read too, where git would stop at safe.directory.
-        result = subprocess.run(
-            [git, "-c", "safe.directory=*", "rev-parse", *_GIT_WHERE],
-            cwd=project,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            env=env,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return []
-    lines = os.fsdecode(result.stdout).split("\n")
-    if result.returncode != 0 or len(lines) != 4 or lines[3]:
-        return []
-    git_dir, common_dir, hooks = (os.path.join(project, line) for line in lines[:3])
+    git_dir, common_dir, hooks = (os.path.join(project, line) for line in lines)
     real_project = os.path.realpath(project)
     patterns: list[str] = []
 

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
 import stat
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from .core import gitconfig
 from .core.context import CONFINED_MOUNTPOINT
 from .core.policy import Op, Trust, Zone
 from .errors import UserError
+from .gitquery import rev_parse
 
 GIT_DIR_ZONE = "gitdir"
 EXIT_SETUP = 125  # as sandboxfs.run.EXIT_SETUP: the sandbox could not be set up
@@ -185,24 +184,8 @@ def hooks_protect(project: Path, common_dir: str) -> list[str]:
     under another name than `hooks/` (which git's rules protect already), as the user's git
     finds it. Zone-relative like every protect pattern: the same path in other zones is
     protected too, which errs on the safe side."""
-    git = shutil.which("git")
-    if git is None:
-        return []
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    try:
-        result = subprocess.run(
-            [git, "-c", "safe.directory=*", "rev-parse", "--git-path", "hooks"],
-            cwd=project,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            env=env,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return []
-    lines = os.fsdecode(result.stdout).split("\n")
-    if result.returncode != 0 or len(lines) != 2 or lines[1]:
+    lines = rev_parse(project, "--git-path", "hooks")
+    if lines is None or len(lines) != 1:
         return []
     hooks = os.path.realpath(os.path.join(project, lines[0]))
     rel = os.path.relpath(hooks, os.path.realpath(common_dir))

@@ -15,6 +15,8 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from .gitquery import rev_parse
+
 IDENTITY_VARIABLES = (
     "GIT_AUTHOR_NAME",
     "GIT_AUTHOR_EMAIL",
@@ -83,18 +85,8 @@ def project_identity(project: Path, environ: Mapping[str, str] = os.environ) -> 
 
 
 def _repo_configs(project: Path) -> list[Path]:
-    try:
-        result = subprocess.run(
-            ["git", "rev-parse", "--git-common-dir"],
-            cwd=project,
-            capture_output=True,
-            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GIT_CONFIG_NOSYSTEM": "1"},
-            timeout=_TIMEOUT,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
+    lines = rev_parse(project, "--git-common-dir")
+    if lines is None or len(lines) != 1:
         return []
-    if result.returncode != 0:
-        return []
-    common = Path(os.fsdecode(result.stdout.strip()))
-    return [(project / common if not common.is_absolute() else common) / "config"]
+    common = Path(lines[0])
+    return [(common if common.is_absolute() else project / common) / "config"]
