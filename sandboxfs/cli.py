@@ -32,6 +32,7 @@ from . import (
     staged_cli,
     staging,
     state,
+    subcommands,
     toolchain,
     userconfig,
 )
@@ -49,6 +50,7 @@ from .mounts import (
     MountRequest,
     choose_session,
     discard_new_session,
+    live_contexts,
     mount_owner,
     read_context,
     sandboxfs_mounts,
@@ -290,14 +292,7 @@ def _project_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _trust(text: str) -> Trust:
-    try:
-        return Trust(text)
-    except ValueError:
-        accepted = ", ".join(t.value for t in Trust)
-        raise argparse.ArgumentTypeError(
-            f"unknown trust level {text!r}; accepted: {accepted}"
-        ) from None
+_trust = subcommands.trust_level
 
 
 def _positive(text: str) -> int:
@@ -670,14 +665,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 def _trust_target(target: str | None, project: Path | None) -> Path:
     """The mount that promote/demote aim at: a mountpoint, a session id, or (none given) the
     only running session of the project."""
-    mounts = sandboxfs_mounts()
-    if target is not None and os.path.abspath(target) in mounts:
+    if target is not None and os.path.abspath(target) in sandboxfs_mounts():
         return Path(os.path.abspath(target))
-    live = []
-    for mnt in mounts:
-        context = read_context(Path(mnt), timeout=2.0)
-        if isinstance(context, dict):
-            live.append((mnt, context))
+    live = live_contexts()
     if target is not None and ("/" in target or os.path.exists(target)):
         raise UserError(f"{target} is not a sandboxfs mount (see 'sandboxfs status')")
     if target is not None:

@@ -271,7 +271,7 @@ def add_parser(sub: argparse._SubParsersAction[P]) -> None:
     for parser in (seeding, reset):
         parser.add_argument(
             "--trust",
-            type=_level,
+            type=subcommands.trust_level,
             metavar="LEVEL",
             help="only the home of this trust level (default: every level's)",
         )
@@ -296,16 +296,6 @@ def add_parser(sub: argparse._SubParsersAction[P]) -> None:
     seeding.add_argument("--force", action="store_true", help="replace files already there")
     reset.add_argument("--yes", action="store_true", help="do not ask")
     subcommands.with_default(home, {"show": show, "seed": seeding, "reset": reset}, "show")
-
-
-def _level(text: str) -> Trust:
-    try:
-        return Trust(text)
-    except ValueError:
-        accepted = ", ".join(t.value for t in Trust)
-        raise argparse.ArgumentTypeError(
-            f"unknown trust level {text!r}; accepted: {accepted}"
-        ) from None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -63,7 +63,7 @@ def choose_session(
                 f"({'existing, newest first: ' + listed if known else 'it has no sessions yet'}); "
                 f"to start one with this id: --new-session {session}"
             )
-        for mountpoint, context in _live_contexts():
+        for mountpoint, context in live_contexts():
             if (context.get("project"), context.get("workspace"), context.get("session")) == (
                 str(project),
                 workspace,
@@ -97,7 +97,8 @@ def existing_sessions(project: Path, workspace: str) -> list[str]:
     return [e.name for e in entries]
 
 
-def _live_contexts() -> list[tuple[str, dict[str, Any]]]:
+def live_contexts() -> list[tuple[str, dict[str, Any]]]:
+    """The live mounts (and runs) whose context.json can be read: (mountpoint, context)."""
     found = []
     for mountpoint in sandboxfs_mounts():
         context = read_context(Path(mountpoint), timeout=2.0)

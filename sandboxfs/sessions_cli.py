@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from . import state, subcommands
-from .mounts import read_context, sandboxfs_mounts
+from .mounts import live_contexts
 from .project import audit_path, check_id, state_dir, validate_project
 
 P = TypeVar("P", bound=argparse.ArgumentParser)
@@ -100,16 +100,6 @@ def main(args: argparse.Namespace) -> int:
     return _list(args, project)
 
 
-def live_mounts() -> list[state.LiveMount]:
-    """The live mounts (and runs) whose context.json can be read, as `sandboxfs status` does."""
-    found = []
-    for mountpoint in sandboxfs_mounts():
-        context = read_context(Path(mountpoint), timeout=2.0)
-        if isinstance(context, dict):
-            found.append((mountpoint, context))
-    return found
-
-
 def _note(message: str) -> None:
     print(f"sandboxfs: {message}", file=sys.stderr)
 
@@ -140,7 +130,7 @@ def _table(found: list[state.Session], now: float) -> list[str]:
 
 def _list(args: argparse.Namespace, project: Path) -> int:
     now = time.time()
-    found = state.sessions(project, live_mounts(), args.workspace)
+    found = state.sessions(project, live_contexts(), args.workspace)
     if args.json:  # a list: one JSON array (see "JSON output" in the README)
         print(json.dumps([s.as_json(now) for s in found], indent=2))
         return 0
@@ -163,7 +153,7 @@ def _list(args: argparse.Namespace, project: Path) -> int:
 
 def _prune(args: argparse.Namespace, project: Path) -> int:
     state.finish_interrupted(project)
-    live = live_mounts()
+    live = live_contexts()
     now = time.time()
     older = state.format_duration(args.older_than.total_seconds())
     found = state.sessions(project, live, args.workspace)

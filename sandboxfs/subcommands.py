@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any, cast
 
+from .core.policy import Trust
 from .errors import UserError
 from .state import parse_duration
 
@@ -98,3 +99,14 @@ def duration(text: str) -> timedelta:
         return parse_duration(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def trust_level(text: str) -> Trust:
+    """A trust level as an argparse type: its name, or one line naming those accepted."""
+    try:
+        return Trust(text)
+    except ValueError:
+        accepted = ", ".join(t.value for t in Trust)
+        raise argparse.ArgumentTypeError(
+            f"unknown trust level {text!r}; accepted: {accepted}"
+        ) from None

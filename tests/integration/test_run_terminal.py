@@ -28,6 +28,9 @@ import pytest
 
 from sandboxfs import run as run_mod
 from tests.conftest import SANDBOXFS, wait_until
+from tests.integration.test_run import fuse_mounts, nothing_left_behind, run_dirs
+
+__all__ = ["nothing_left_behind"]  # the run tests' check that no mount is left, used here too
 
 TIMEOUT = 60.0
 PY = "/usr/bin/python3"  # the system's, which the sandbox's read-only /usr holds
@@ -36,30 +39,6 @@ SECRET = b"my-typed-secret"
 pytestmark = pytest.mark.skipif(
     not os.path.exists("/usr/bin/bwrap"), reason="bubblewrap is installed by .ci/setup"
 )
-
-
-def run_dirs() -> list[Path]:
-    root = Path(os.environ["SANDBOXFS_STATE_DIR"]) / "run"
-    return sorted(root.iterdir()) if root.is_dir() else []
-
-
-def fuse_mounts() -> list[str]:
-    text = Path("/proc/self/mounts").read_text()
-    return [line.split()[1] for line in text.splitlines() if " fuse.sandboxfs " in line]
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_behind() -> Iterator[None]:
-    before = set(fuse_mounts())
-    yield
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (set(fuse_mounts()) - before or run_dirs()):
-        time.sleep(0.05)
-    left = set(fuse_mounts()) - before
-    for mnt in left:
-        subprocess.run(["fusermount3", "-u", "-z", mnt], check=False)
-    assert not left, f"mounts left behind: {left}"
-    assert not run_dirs(), f"run directories left behind: {run_dirs()}"
 
 
 # ----- the user's terminal: a pty of the test's own ----------------------------------------------
