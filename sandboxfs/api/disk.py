@@ -21,15 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..audit import AuditLog, AuditQuery, query
-from ..config import Config
-from ..core.errors import SandboxError
-from ..core.guard import Guard, MountInfo
-from ..core.policy import Trust, Zone
-from ..core.store import Node, StatLike, Store
-from ..core.syscalls import fstat, write_all
-from ..errors import UserError
-from ..project import (
+from sandboxfs.audit.log import AuditLog, AuditQuery, query
+from sandboxfs.config.model import Config
+from sandboxfs.project.layout import (
     audit_path,
     config_source,
     hidden_identities,
@@ -37,8 +31,15 @@ from ..project import (
     prepare_zones,
     worker_layers,
 )
-from ..project import check_id as project_check_id
-from ..state import hold
+from sandboxfs.project.layout import check_id as project_check_id
+from sandboxfs.project.state import hold
+
+from ..core.errors import SandboxError
+from ..core.guard import Guard, MountInfo
+from ..core.policy import Trust, Zone
+from ..core.store import Node, StatLike, Store
+from ..core.syscalls import fstat, write_all
+from ..errors import UserError
 
 _READ_CHUNK = 1 << 20
 
@@ -67,7 +68,7 @@ class DiskBackend:
         self.root = store.root
         self.zone_roots = store.zone_roots
         self._created: set[Identity] = set()
-        self._in_use = in_use  # the session's mark of use (sandboxfs.state.hold), or -1
+        self._in_use = in_use  # the session's mark of use (sandboxfs.project.state.hold), or -1
 
     @property
     def moves(self) -> int:

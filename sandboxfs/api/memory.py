@@ -17,14 +17,15 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from ..config import Config
+from sandboxfs.config.model import Config
+from sandboxfs.project.layout import SESSION_SUBDIRS
+
 from ..core.errors import SandboxError
 from ..core.guard import Guard, MountInfo
 from ..core.limits import Tally
 from ..core.policy import Policy, Trust, Zone
 from ..core.secrets import KeyScanner
 from ..core.store import FIRST_DYNAMIC_INO, ROOT_INO, Node, StatLike
-from ..project import SESSION_SUBDIRS
 
 _LAYOUT: dict[Zone, list[tuple[bytes, ...]]] = {
     Zone.SESSION: [(name.encode(),) for name in SESSION_SUBDIRS],

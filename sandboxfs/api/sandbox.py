@@ -27,14 +27,15 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, defaults, load
+from sandboxfs.config.model import Config, defaults, load
+from sandboxfs.project.layout import new_session_id, validate_project
+
 from ..core.context import context
 from ..core.errors import SandboxError
 from ..core.guard import Guard
 from ..core.policy import ZONE_ROOT_REASON, Decision, Op, Trust, Zone
 from ..core.store import FIRST_DYNAMIC_INO, HiddenEntry, Node, StatLike
 from ..errors import UserError
-from ..project import new_session_id, validate_project
 from . import tools as tool_defs
 from .arguments import (
     Call,
@@ -164,7 +165,7 @@ class Sandbox:
         if config is None:
             config = defaults()
         elif not isinstance(config, Config):
-            raise TypeError(f"config must be a sandboxfs.config.Config, not {type(config)}")
+            raise TypeError(f"config must be a sandboxfs.config.model.Config, not {type(config)}")
         level = as_trust(trust, config.default_trust)
         names = {zone.value: zone for zone in config.zone_list()}
         seeds = []

@@ -61,7 +61,7 @@ class Caller(Protocol):
 
 
 class AuditSink(Protocol):
-    """Where entries go (sandboxfs.audit.AuditLog)."""
+    """Where entries go (sandboxfs.audit.log.AuditLog)."""
 
     @property
     def failing(self) -> bool: ...
@@ -79,7 +79,7 @@ class MountInfo:
     mountpoint: str
     command: tuple[str, ...] | None = None  # what `sandboxfs run` started on this mount
     via: str | None = None  # "api" for the Python API; absent for the mount
-    control: str | None = None  # the mount's control socket (see sandboxfs.control)
+    control: str | None = None  # the mount's control socket (see sandboxfs.project.control)
 
 
 class Guard:

@@ -309,7 +309,7 @@ class Patterns:
 #   submodule's hooks into the working tree.
 #
 # What these rules cannot see by name (a core.hooksPath inside the project, a `.git/hooks` or
-# `.git` that links to another directory there) sandboxfs.config.git_surface_protect finds by
+# `.git` that links to another directory there) sandboxfs.config.model.git_surface_protect finds by
 # asking the user's git, and adds to the mount's protect list.
 #
 # Deliberately not here: info/attributes and .gitattributes (they only select drivers that
@@ -425,8 +425,9 @@ def in_git_dir(relpath: str) -> bool:
 
 def git_path(relpath: str, git_root: bool) -> str:
     """`relpath` as git's rules judge it: in a zone whose root is itself a git directory
-    (`git_root`: the main repository's git dir of a linked-worktree project, sandboxfs.gitdir),
-    as if below a `.git` (its `hooks/` and `config` are `.git/hooks` and `.git/config`)."""
+    (`git_root`: the main repository's git dir of a linked-worktree project,
+    sandboxfs.project.gitdir), as if below a `.git` (its `hooks/` and `config` are `.git/hooks`
+    and `.git/config`)."""
     return f".git/{relpath}" if git_root else relpath
 
 

@@ -1,5 +1,5 @@
 """Staged commits: what an agent proposes in /staged, how the user reviews it
-(`sandboxfs staged`, sandboxfs.staged_cli), and how it lands as one git commit.
+(`sandboxfs staged`, sandboxfs.cli.staged), and how it lands as one git commit.
 
 The first review freezes a staged commit into a snapshot in no zone, so what was reviewed is
 what lands. Nothing here follows a symlink in the staged tree or the working tree, runs the

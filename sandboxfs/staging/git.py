@@ -14,7 +14,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from .. import identity
+from sandboxfs.project import identity
+
 from ..errors import UserError
 from .text import decode, escape_text
 
@@ -189,9 +190,9 @@ class Git:
         return result.stdout if result.returncode == 0 else None
 
     def identity(self) -> dict[str, str]:
-        """Author and committer: the user's (sandboxfs.identity: GIT_AUTHOR_*/GIT_COMMITTER_*
-        if set, else user.name and user.email of the repository's config, else of the user's
-        global config, each read as data), else sandboxfs."""
+        """Author and committer: the user's (sandboxfs.project.identity:
+        GIT_AUTHOR_*/GIT_COMMITTER_* if set, else user.name and user.email of the repository's
+        config, else of the user's global config, each read as data), else sandboxfs."""
         found = identity.identity([self.common_dir / "config"])
         name = found.get("GIT_AUTHOR_NAME", "sandboxfs")
         email = found.get("GIT_AUTHOR_EMAIL", "sandboxfs@localhost")

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..audit import record_now
-from ..project import audit_path
+from sandboxfs.audit.log import record_now
+from sandboxfs.project.layout import audit_path
+
 from .format import MODE_FILE
 from .git import Git
 from .plan import Change, Plan, RepoState, make_plan

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from sandboxfs.project.state import format_size, move_to_trash, remove_tree, usage
+
 from ..errors import UserError
-from ..state import format_size, move_to_trash, remove_tree, usage
 from .land import record
 from .review import Review, Workspace, iso
 

@@ -25,11 +25,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ..audit import AuditQuery, query
+from sandboxfs.audit.log import AuditQuery, query
+from sandboxfs.project.layout import audit_path, check_id, review_dir, state_dir
+
 from ..core.errors import SandboxError
 from ..core.store import STATE_DIR_NAME, ensure_dirs
 from ..errors import UserError
-from ..project import audit_path, check_id, review_dir, state_dir
 from .format import (
     CREATE_FLAGS,
     DIR_FLAGS,

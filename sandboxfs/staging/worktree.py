@@ -10,8 +10,9 @@ import secrets
 import stat
 from pathlib import Path
 
+from sandboxfs.project.layout import hidden_identities
+
 from ..core.syscalls import write_all
-from ..project import hidden_identities
 from .format import CREATE_FLAGS, DIR_FLAGS, MODE_EXEC, MODE_FILE, READ_FLAGS, kind_of
 from .git import MODE_LINK
 from .text import escape_name

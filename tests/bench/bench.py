@@ -46,7 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sandboxfs.config import DEFAULT_DENY, DEFAULT_PRIVATE_KEYS
+from sandboxfs.config.model import DEFAULT_DENY, DEFAULT_PRIVATE_KEYS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CMD_TIMEOUT = 900

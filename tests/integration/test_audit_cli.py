@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from sandboxfs.audit_anchor import anchor_path
+from sandboxfs.audit.anchor import anchor_path
 from tests.conftest import SANDBOXFS, assert_one_line_error, make_project, mounted, sandboxfs, sh
 
 SPEC_FIELDS = (

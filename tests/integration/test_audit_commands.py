@@ -22,7 +22,7 @@ from typing import IO, Any
 
 import pytest
 
-from sandboxfs.audit import AuditLog
+from sandboxfs.audit.log import AuditLog
 from tests.conftest import SANDBOXFS, assert_one_line_error
 
 OLD = ("2020-01-01T00:00:00.000000Z", "2020-06-01T12:00:00.000000Z")

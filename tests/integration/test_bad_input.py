@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from sandboxfs import cli
-from sandboxfs.project import session_dir
+from sandboxfs.cli import main as cli
+from sandboxfs.project.layout import session_dir
 from tests.conftest import SANDBOXFS, force_unmount, make_project
 
 TIME_LIMIT = 10.0  # seconds: each answer comes in well under one
@@ -273,10 +273,10 @@ def test_failed_mount_leaves_no_new_session(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The daemon lays out the session, then fusermount3 refuses: the session goes again."""
-    from sandboxfs import daemon
-    from sandboxfs import project as project_mod
     from sandboxfs.errors import UserError
-    from sandboxfs.mounts import MountRequest
+    from sandboxfs.fuse import daemon
+    from sandboxfs.project import layout as project_mod
+    from sandboxfs.project.mounts import MountRequest
 
     project = make_project(tmp_path)
     mnt = tmp_path / "mnt"
@@ -326,7 +326,7 @@ def test_unexpected_error_is_one_line_and_a_crash_file(
 
 
 def test_cli_never_imports_the_daemon() -> None:
-    probe = "import sys, sandboxfs.cli; print(sorted(m for m in sys.modules if m.split('.')[0] in ('pyfuse3', 'trio') or m == 'sandboxfs.daemon'))"  # noqa: E501
+    probe = "import sys, sandboxfs.cli.main; print(sorted(m for m in sys.modules if m.split('.')[0] in ('pyfuse3', 'trio') or m == 'sandboxfs.fuse.daemon'))"  # noqa: E501
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
@@ -336,7 +336,7 @@ def test_doctor_runs_without_pyfuse3() -> None:
     """libfuse3 missing at run time: doctor says so in its own check instead of crashing."""
     probe = (
         "import sys; sys.modules['pyfuse3'] = None\n"  # import pyfuse3 now raises ImportError
-        "from sandboxfs.cli import main\n"
+        "from sandboxfs.cli.main import main\n"
         "sys.exit(main(['doctor', '--json']))\n"
     )
     result = subprocess.run(

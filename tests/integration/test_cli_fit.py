@@ -238,7 +238,7 @@ def test_dev_fuse_permission_error_names_the_fix(open_dir: Path) -> None:
 
 
 def test_every_option_has_help() -> None:
-    from sandboxfs.cli import build_parser
+    from sandboxfs.cli.main import build_parser
 
     def walk(parser: object, where: str) -> list[str]:
         import argparse

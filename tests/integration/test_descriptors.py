@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxfs import control
+from sandboxfs.project import control
 from tests.conftest import (
     SANDBOXFS,
     Mount,

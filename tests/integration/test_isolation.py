@@ -738,7 +738,7 @@ def test_same_uid_cannot_reach_into_the_daemon(who: str, open_tmp: Path) -> None
     as_user = prefixed(NOBODY, open_tmp) if nobody else prefixed(NO_PTRACE)
     if nobody:
         os.chown(open_tmp, NOBODY_UID, NOBODY_UID)
-        usable = as_user([sys.executable, "-c", "import sandboxfs.cli, pyfuse3"], 30)
+        usable = as_user([sys.executable, "-c", "import sandboxfs.cli.main, pyfuse3"], 30)
         if usable.returncode != 0:
             pytest.skip(f"nobody cannot run {sys.executable} with sandboxfs: {usable.stderr}")
         fuse = as_user(["test", "-r", "/dev/fuse", "-a", "-w", "/dev/fuse"])

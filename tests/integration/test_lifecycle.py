@@ -700,7 +700,11 @@ def test_without_allow_other_another_user_is_refused(open_tmp: Path) -> None:
 
 def test_installed_package_works_outside_the_repo() -> None:
     result = subprocess.run(
-        [sys.executable, "-c", "import sandboxfs.config as c; print(c.defaults().default_trust)"],
+        [
+            sys.executable,
+            "-c",
+            "import sandboxfs.config.model as c; print(c.defaults().default_trust)",
+        ],
         cwd="/",
         capture_output=True,
         text=True,
@@ -756,5 +760,5 @@ def test_wheel_ships_defaults_and_entry_point(tmp_path: Path) -> None:
         entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
         text = wheel.read(entry_points).decode()
         assert "[console_scripts]" in text
-        assert "sandboxfs = sandboxfs.cli:main" in text
+        assert "sandboxfs = sandboxfs.cli.main:main" in text
         assert not [n for n in names if n.startswith("tests/")]

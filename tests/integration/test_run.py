@@ -871,7 +871,7 @@ def nobody_home() -> Iterator[Path]:
         (root / "home").mkdir()
         subprocess.run(["chown", "-R", f"{NOBODY_UID}:{NOBODY_UID}", str(root)], check=True)
         usable = subprocess.run(
-            [*NOBODY, sys.executable, "-c", "import sandboxfs.cli"], capture_output=True
+            [*NOBODY, sys.executable, "-c", "import sandboxfs.cli.main"], capture_output=True
         )
         assert usable.returncode == 0, f"nobody cannot run sandboxfs: {usable.stderr!r}"
         yield root

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from sandboxfs.api import Sandbox, SandboxAPIError
-from sandboxfs.project import find_project, state_dir
+from sandboxfs.project.layout import find_project, state_dir
 from tests.conftest import SANDBOXFS
 from tests.integration.test_run import TIMEOUT, nothing_left_behind, sbx  # noqa: F401
 

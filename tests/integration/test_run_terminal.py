@@ -26,7 +26,7 @@ from typing import IO, Any
 
 import pytest
 
-from sandboxfs import run as run_mod
+from sandboxfs.run import supervisor as run_mod
 from tests.conftest import SANDBOXFS, wait_until
 from tests.integration.test_run import fuse_mounts, nothing_left_behind, run_dirs
 

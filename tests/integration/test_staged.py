@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from sandboxfs import staged_cli
-from sandboxfs.cli import main as cli_main
+from sandboxfs.cli import staged as staged_cli
+from sandboxfs.cli.main import main as cli_main
 from sandboxfs.errors import UserError
 from tests.conftest import mounted, sh
 

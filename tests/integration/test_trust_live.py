@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from sandboxfs import control
+from sandboxfs.project import control
 from tests.conftest import SANDBOXFS, Mount, assert_one_line_error, sandboxfs, sh, wait_until
 
 PY = "/usr/bin/python3"  # the system's: readable by nobody and present inside a run sandbox

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxfs.config import Config
+from sandboxfs.config.model import Config
 from sandboxfs.core.policy import Policy, Trust, Zone
 from tests.integration.test_git_surface import READ_ONLY, git
 from tests.integration.test_run import audit, sbx

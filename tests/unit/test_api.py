@@ -3,8 +3,8 @@
 Every test takes `make`, a factory of sandboxes over the same tree of files, once on disk (a
 project in tmp_path, `Sandbox.open`) and once in memory (`Sandbox.memory`): the two must refuse
 the same things with the same exception types and audit the same entries. Expectations of the
-trust matrix are derived from sandboxfs.config.DEFAULT_PERMISSIONS. A few tests only make sense
-on disk (symlinks planted in the project, the state dir, the audit log file, workers layers).
+trust matrix are derived from sandboxfs.config.model.DEFAULT_PERMISSIONS. A few tests only make
+sense on disk (symlinks planted in the project, the state dir, the audit log file, workers layers).
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from sandboxfs.api import (
     StagedCommit,
     SuffixNotAllowed,
 )
-from sandboxfs.audit import AuditLog, verify
-from sandboxfs.config import DEFAULT_PERMISSIONS, load
+from sandboxfs.audit.log import AuditLog, verify
+from sandboxfs.config.model import DEFAULT_PERMISSIONS, load
 from sandboxfs.core.policy import BUILTIN_ZONES, Trust
-from sandboxfs.project import audit_path
+from sandboxfs.project.layout import audit_path
 
 ROOT = Path(__file__).resolve().parents[2]
 ZONES = [zone.value for zone in BUILTIN_ZONES]

@@ -16,7 +16,7 @@ import pytest
 
 from sandboxfs import Sandbox
 from sandboxfs.api import tools as tool_defs
-from sandboxfs.config import load
+from sandboxfs.config.model import load
 
 FILES = {
     "/workspace/data/README.md": "# Data\n",

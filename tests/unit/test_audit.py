@@ -29,9 +29,9 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import sandboxfs.audit as audit_mod
-from sandboxfs import daemon
-from sandboxfs.audit import (
+import sandboxfs.audit.log as audit_mod
+from sandboxfs.audit.anchor import Anchor, anchor_path, state_root
+from sandboxfs.audit.log import (
     GENESIS,
     TAMPER_OP,
     AuditLog,
@@ -43,7 +43,7 @@ from sandboxfs.audit import (
     read_entries,
     verify,
 )
-from sandboxfs.audit_anchor import Anchor, anchor_path, state_root
+from sandboxfs.fuse import daemon
 
 T0 = datetime(2026, 11, 22, 8, 0, tzinfo=UTC)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from sandboxfs import audit as audit_mod
-from sandboxfs.audit import (
+from sandboxfs.audit import log as audit_mod
+from sandboxfs.audit.log import (
     ITEMISED_BURST,
     UNCLEAN_OP,
     AuditLog,
@@ -87,7 +87,7 @@ def test_window_end_writes_the_count_without_a_close(
 def test_distinct_refusals_past_the_limit_are_counted_per_op(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("sandboxfs.audit.time.monotonic", lambda: 1000.0)  # no refill
+    monkeypatch.setattr("sandboxfs.audit.log.time.monotonic", lambda: 1000.0)  # no refill
     path = tmp_path / "audit.jsonl"
     log = AuditLog(path)
     for i in range(3000):
@@ -109,7 +109,7 @@ def test_a_60s_refusal_loop_stays_well_under_5mb(
     """60 one-second windows of a tight loop over distinct and repeated refusals, with the
     clock stepped instead of waited for: the log's growth is bounded and the count exact."""
     clock = [1000.0]
-    monkeypatch.setattr("sandboxfs.audit.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("sandboxfs.audit.log.time.monotonic", lambda: clock[0])
     path = tmp_path / "audit.jsonl"
     log = AuditLog(path)
     total = 0
@@ -135,7 +135,7 @@ def test_failing_closed_costs_the_same_per_request_and_is_counted(
     def full(fd: int, data: bytes | bytearray) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("sandboxfs.audit.write_all", full)
+    monkeypatch.setattr("sandboxfs.audit.log.write_all", full)
     log.record(_refusal(path="/first"))
     assert log.failing
 
@@ -151,7 +151,7 @@ def test_failing_closed_costs_the_same_per_request_and_is_counted(
         burst(2000)
     late = burst(2000)
     assert late < early * 3 + 20e-6, (early, late)  # constant, not growing with the queue
-    monkeypatch.setattr("sandboxfs.audit.write_all", write_all)
+    monkeypatch.setattr("sandboxfs.audit.log.write_all", write_all)
     time.sleep(audit_mod._RETRY_EVERY)
     assert log.try_flush() and not log.failing
     log.close()
@@ -178,7 +178,7 @@ def test_a_renamed_project_keeps_its_log(tmp_path: Path) -> None:
 _WRITER = """
 import sys, time
 from pathlib import Path
-from sandboxfs.audit import AuditLog
+from sandboxfs.audit.log import AuditLog
 log = AuditLog(Path(sys.argv[1]))
 log.record({"op": "write", "path": "/repo/written", "allowed": True})
 log.flush()

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from sandboxfs import completion, manpage
-from sandboxfs.cli import build_parser
+from sandboxfs.cli import completion, manpage
+from sandboxfs.cli.main import build_parser
 from sandboxfs.core.policy import Trust
 
 LEVELS = [t.value for t in Trust]

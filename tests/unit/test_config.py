@@ -1,4 +1,4 @@
-"""Unit tests for sandboxfs/config.py: shipped defaults, project overrides, and error messages."""
+"""Unit tests for sandboxfs/config/model.py: shipped defaults, project overrides, error messages."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxfs import config
+from sandboxfs.config import model as config
 from sandboxfs.core.policy import BUILTIN_ZONES, Trust, Zone, ZoneAccess
 from sandboxfs.errors import UserError
 

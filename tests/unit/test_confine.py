@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from sandboxfs import confine
-from sandboxfs.config import load
+from sandboxfs.config.model import load
 from sandboxfs.errors import UserError
+from sandboxfs.run import confine
 
 
 def fake_etc(root: Path) -> Path:

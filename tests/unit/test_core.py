@@ -11,6 +11,7 @@ import ast
 import errno
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,51 @@ def test_core_imports_nothing_outside_itself() -> None:
                     assert top not in ("sandboxfs", "pyfuse3", "trio"), (module.name, alias.name)
 
 
+# What each part of the package may import: a layer sees only those below it, and nothing below
+# `cli` imports it. `fuse` is the only part that imports pyfuse3 or trio (`run` reaches the
+# daemon through it, in the forked child only).
+LAYERS: dict[str, set[str]] = {
+    "core": set(),
+    "errors": set(),
+    "gitquery": set(),
+    "audit": {"core", "errors"},
+    "config": {"core", "errors", "gitquery"},
+    "project": {"core", "errors", "gitquery", "audit", "config"},
+    "staging": {"core", "errors", "audit", "project"},
+    "api": {"core", "errors", "audit", "config", "project", "staging"},
+    "fuse": {"core", "errors", "audit", "config", "project"},
+    "run": {"core", "errors", "audit", "config", "project", "fuse"},
+    "cli": {"core", "errors", "audit", "config", "project", "staging", "fuse", "run"},
+    "__init__": {"api", "core", "errors"},
+    "__main__": {"cli"},
+}
+
+
+def _imports(module: Path) -> Iterator[str]:
+    for node in ast.walk(ast.parse(module.read_text(), str(module))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+
+
+def test_each_layer_imports_only_those_below_it() -> None:
+    package = ROOT / "sandboxfs"
+    parts = {p.name.removesuffix(".py") for p in package.iterdir() if p.name != "__pycache__"}
+    parts.discard("defaults.yaml")
+    parts.discard("py.typed")
+    assert parts == set(LAYERS), "a new part of the package needs its line in LAYERS"
+    for module in sorted(package.rglob("*.py")):
+        part = module.relative_to(package).parts[0].removesuffix(".py")
+        for name in _imports(module):
+            top, _, rest = name.partition(".")
+            if top in ("pyfuse3", "trio"):
+                assert part == "fuse", (str(module), name)
+            elif top == "sandboxfs" and rest:
+                below = rest.split(".")[0]
+                assert below == part or below in LAYERS[part], (str(module), name)
+
+
 def test_core_works_with_pyfuse3_and_trio_unavailable(tmp_path: Path) -> None:
     """Import the core, the config and the project layer with pyfuse3 and trio made
     unimportable, and enforce a rule end to end: a refusal audited by the guard."""
@@ -49,12 +95,12 @@ sys.modules["pyfuse3"] = None
 sys.modules["trio"] = None
 import errno, os
 from pathlib import Path
-from sandboxfs.config import defaults
+from sandboxfs.config.model import defaults
 from sandboxfs.core.errors import SandboxError
 from sandboxfs.core.guard import Guard, MountInfo
 from sandboxfs.core.policy import Trust, Zone
 from sandboxfs.core.store import Store
-from sandboxfs.project import make_guard, prepare_zones
+from sandboxfs.project.layout import make_guard, prepare_zones
 
 project = Path({str(tmp_path)!r})
 config = defaults()
@@ -191,7 +237,7 @@ class _Caller:
 
 
 def test_guard_refusals_are_audited_with_the_limit(tmp_path: Path) -> None:
-    from sandboxfs.config import defaults
+    from sandboxfs.config.model import defaults
 
     config = defaults()
     policy = Policy(config.matrix(), config.deny, Trust.SESSION, config.protect)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from sandboxfs import doctor
-from sandboxfs.doctor import Check
+from sandboxfs.run import doctor
+from sandboxfs.run.doctor import Check
 
 NAMES = [
     "fuse3",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxfs.config import ProjectConfig, _merge, defaults, git_surface_protect
+from sandboxfs.config.model import ProjectConfig, _merge, defaults, git_surface_protect
 from sandboxfs.core.policy import (
     Patterns,
     Policy,
@@ -25,7 +25,7 @@ from sandboxfs.core.policy import (
     in_git_dir,
 )
 from sandboxfs.core.store import ZONE_INO
-from sandboxfs.project import protected_patterns
+from sandboxfs.project.layout import protected_patterns
 from sandboxfs.staging.paths import path_problem
 
 from .test_operations import CTX, Harness, fails, make, no_mounts_left_behind

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxfs.config import defaults
+from sandboxfs.config.model import defaults
 from sandboxfs.core.gitconfig import (
     MAX_CONFIG_BYTES,
     ConfigSyntaxError,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from sandboxfs.config import ALWAYS_PROTECTED, ProjectConfig, _merge, defaults
+from sandboxfs.config.model import ALWAYS_PROTECTED, ProjectConfig, _merge, defaults
 from sandboxfs.core.policy import Patterns, Policy, Trust, Zone, fold
 from sandboxfs.core.store import ZONE_INO
 
@@ -277,7 +277,7 @@ async def test_allocating_calls_run_with_the_callers_filesystem_identity(
     h = make("full")
     h.ops.running_as_root = True
     calls: list[tuple[int, int]] = []
-    monkeypatch.setattr("sandboxfs.operations.set_fs_ids", lambda u, g: calls.append((u, g)))
+    monkeypatch.setattr("sandboxfs.fuse.operations.set_fs_ids", lambda u, g: calls.append((u, g)))
     caller = Ctx(uid=4242, gid=4343, pid=os.getpid())
     working = await h.ino("/session/working")
     monkeypatch.setattr(os, "fchown", lambda *a: None)

@@ -1,4 +1,4 @@
-"""sandboxfs.inputs: the bounded reader and YAML loader of every config file."""
+"""sandboxfs.config.inputs: the bounded reader and YAML loader of every config file."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from sandboxfs.config.inputs import MAX_SHOWN, load_yaml, read_file, shown
 from sandboxfs.errors import UserError
-from sandboxfs.inputs import MAX_SHOWN, load_yaml, read_file, shown
 
 
 def test_ordinary_yaml_still_loads() -> None:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-import sandboxfs.netproxy as netproxy
-from sandboxfs.netproxy import (
+import sandboxfs.run.netproxy as netproxy
+from sandboxfs.run.netproxy import (
     AllowHostError,
     Allowlist,
     HostRule,

@@ -1,4 +1,4 @@
-"""The FUSE adapter (sandboxfs/operations.py) driven directly, without a mount.
+"""The FUSE adapter (sandboxfs/fuse/operations.py) driven directly, without a mount.
 
 A real `Store` over temporary zone directories, a `Policy` from the built-in defaults and a real
 `AuditLog` are wired into `SandboxOperations`; the async callbacks are awaited with a fake request
@@ -24,9 +24,8 @@ from typing import Any, cast
 import pyfuse3
 import pytest
 
-from sandboxfs import operations
-from sandboxfs.audit import AuditLog, read_entries
-from sandboxfs.config import defaults
+from sandboxfs.audit.log import AuditLog, read_entries
+from sandboxfs.config.model import defaults
 from sandboxfs.core.context import context_document
 from sandboxfs.core.guard import Guard, MountInfo, ProcessNames
 from sandboxfs.core.policy import Policy, Trust, Zone
@@ -40,7 +39,8 @@ from sandboxfs.core.store import (
     ZONE_INO,
     Store,
 )
-from sandboxfs.operations import SandboxOperations
+from sandboxfs.fuse import operations
+from sandboxfs.fuse.operations import SandboxOperations
 from tests.conftest import make_project
 
 COMM = Path("/proc/self/comm").read_text().strip()
@@ -554,7 +554,7 @@ async def test_listings_repeat_given_attributes_within_their_validity(
     assert h.store.nodes[main].lookups == 2
 
     later = time.monotonic() + h.ops.replies.attr_timeout + 0.01
-    monkeypatch.setattr("sandboxfs.operations.time.monotonic", lambda: later)
+    monkeypatch.setattr("sandboxfs.fuse.operations.time.monotonic", lambda: later)
     listed = (await listed_attrs(h, "/repo/src"))[b"main.py"]
     assert listed.st_size == backing.stat().st_size
     assert listed.attr_timeout == h.ops.replies.attr_timeout

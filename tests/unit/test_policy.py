@@ -1,4 +1,4 @@
-"""Unit tests for the pure policy core (sandboxfs/policy.py) against SPEC §3 and §4.
+"""Unit tests for the pure policy core (sandboxfs/core/policy.py) against SPEC §3 and §4.
 
 The expected outcomes are written out literally from the SPEC §3 permission matrix below; they
 are deliberately not derived from the code's own DEFAULT_PERMISSIONS.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxfs import config
+from sandboxfs.config import model as config
 from sandboxfs.core.policy import BUILTIN_ZONES, Decision, Op, Policy, Trust, Zone, ZoneAccess
 from sandboxfs.errors import UserError
 

@@ -1,4 +1,4 @@
-"""The daemon's wait for the next request (sandboxfs/request_wait.py), on a pipe instead of
+"""The daemon's wait for the next request (sandboxfs/fuse/request_wait.py), on a pipe instead of
 /dev/fuse: ready at once, caught while spinning, caught after sleeping in trio, and stopped."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import trio
 
-from sandboxfs.request_wait import RequestWait
+from sandboxfs.fuse.request_wait import RequestWait
 
 
 @pytest.fixture

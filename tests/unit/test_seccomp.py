@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from sandboxfs import seccomp
-from sandboxfs.seccomp import (
+from sandboxfs.run import seccomp
+from sandboxfs.run.seccomp import (
     BLOCKED_SYSCALLS,
     SECCOMP_RET_ALLOW,
     SECCOMP_RET_ERRNO,

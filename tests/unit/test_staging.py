@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sandboxfs import staging
-from sandboxfs.config import DEFAULT_DENY, DEFAULT_PROTECT
+from sandboxfs.config.model import DEFAULT_DENY, DEFAULT_PROTECT
 from sandboxfs.core.policy import Patterns
 from sandboxfs.errors import UserError
 from sandboxfs.staging import (

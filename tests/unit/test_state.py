@@ -1,6 +1,6 @@
-"""sandboxfs.state: durations, sizes, the sessions of a state dir, the mark of a session in use,
-and removing trees an agent left (read-only directories, symlinks). Real mounts, runs and the
-CLI are in tests/integration/test_sessions.py."""
+"""sandboxfs.project.state: durations, sizes, the sessions of a state dir, the mark of a session
+in use, and removing trees an agent left (read-only directories, symlinks). Real mounts, runs
+and the CLI are in tests/integration/test_sessions.py."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from sandboxfs import state
 from sandboxfs.api import Sandbox, SandboxSetupError
 from sandboxfs.errors import UserError
-from sandboxfs.project import session_dir
+from sandboxfs.project import state
+from sandboxfs.project.layout import session_dir
 
 
 @pytest.mark.parametrize(

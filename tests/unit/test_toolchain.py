@@ -1,5 +1,5 @@
-"""What `run` shows of the host for CMD (sandboxfs.toolchain), the user config and the agent
-profiles (sandboxfs.userconfig): pure resolution against trees made in tmp_path, nothing run."""
+"""What `run` shows of the host for CMD (sandboxfs.run.toolchain), the user config and the agent
+profiles (sandboxfs.config.user): pure resolution against trees made in tmp_path, nothing run."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from sandboxfs import confine, netproxy, toolchain, userconfig
-from sandboxfs.config import load
+from sandboxfs.config import user as userconfig
+from sandboxfs.config.model import load
 from sandboxfs.core.policy import Op, Trust, Zone
 from sandboxfs.errors import UserError
-from sandboxfs.project import HOME_ZONE, prepare_zones, with_home
+from sandboxfs.project.layout import HOME_ZONE, prepare_zones, with_home
+from sandboxfs.run import confine, netproxy, toolchain
 
 
 def make_home(root: Path) -> Path:

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from sandboxfs.api import Protected, Sandbox, SandboxSetupError
-from sandboxfs.config import defaults, load
+from sandboxfs.config.model import defaults, load
 from sandboxfs.core.errors import SandboxError
 from sandboxfs.core.policy import Zone
 from sandboxfs.core.store import Store
 from sandboxfs.errors import UserError
-from sandboxfs.project import (
+from sandboxfs.project.layout import (
     project_zone_dirs,
     protected_patterns,
     worker_layers,

@@ -1,0 +1,820 @@
+"""The `sandboxfs` command: mount, umount, status, audit.
+
+Every user error is one line on stderr and exit code 2; nothing is left mounted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import pwd
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, NoReturn
+
+from sandboxfs import staging
+from sandboxfs.audit.anchor import state_root
+from sandboxfs.cli import audit as audit_cli
+from sandboxfs.cli import completion, manpage, subcommands
+from sandboxfs.cli import home as home_mod
+from sandboxfs.cli import sessions as sessions_cli
+from sandboxfs.cli import staged as staged_cli
+from sandboxfs.config import model as config_mod
+from sandboxfs.config import user as userconfig
+from sandboxfs.config.inputs import cut
+from sandboxfs.core.policy import Trust
+from sandboxfs.errors import UserError
+from sandboxfs.project import control, gitdir, state
+from sandboxfs.project import layout as project_mod
+from sandboxfs.project.layout import check_id, find_project, validate_project
+from sandboxfs.project.mounts import (
+    NOT_YOURS,
+    MountRequest,
+    choose_session,
+    discard_new_session,
+    live_contexts,
+    mount_owner,
+    read_context,
+    sandboxfs_mounts,
+    validate_mountpoint,
+)
+from sandboxfs.run import confine, netproxy, toolchain
+from sandboxfs.run import doctor as doctor_mod
+from sandboxfs.run import supervisor as run_mod
+
+UNMOUNT_WAIT = 10.0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message} (see '{self.prog} --help')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="sandboxfs",
+        description="A FUSE sandbox for AI agents: zones, trust levels, audit log.",
+    )
+    parser.add_argument("--version", action="version", version=f"sandboxfs {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    mount = sub.add_parser(
+        "mount",
+        help="mount the virtual tree; returns when it answers",
+        description="Mount the project's virtual tree at MOUNTPOINT and return once it answers "
+        "(the daemon stays in the background; -f keeps it in the foreground).",
+    )
+    mount.add_argument("mountpoint", type=Path, help="an existing, empty directory")
+    mount.add_argument(
+        "--trust",
+        type=_trust,
+        help="untrusted, session, workspace or full (default: config, else session)",
+    )
+    _project_options(mount)
+    mount.add_argument(
+        "-f",
+        "--foreground",
+        action="store_true",
+        help="stay in the foreground; unmount on Ctrl-C, SIGINT or SIGTERM",
+    )
+    mount.add_argument(
+        "--audit-sync",
+        action="store_true",
+        help="fsync every audit entry before the operation returns",
+    )
+    mount.add_argument(
+        "--allow-other",
+        action="store_true",
+        help="let other users use the mount (needs user_allow_other in /etc/fuse.conf)",
+    )
+    mount.add_argument(
+        "-d",
+        "--debug",
+        action="store_true",
+        help="log every FUSE request (opcode, inode or name, result, time) to the daemon log",
+    )
+    mount.add_argument(
+        "-o",
+        dest="options",
+        action="append",
+        default=[],
+        metavar="OPT[,OPT...]",
+        help="mount options, as sshfs and bindfs take them: "
+        + ", ".join(MOUNT_OPTIONS)
+        + "; repeatable",
+    )
+
+    run = sub.add_parser(
+        "run",
+        help="run a command confined to a private mount of the project",
+        description="Mount the project privately, run CMD inside a bubblewrap sandbox whose only "
+        "view of it is the mount (at /sandbox), unmount, and exit with CMD's status "
+        "(125: the sandbox could not be set up; 126: CMD cannot be executed; 127: not found).",
+    )
+    run.add_argument("--trust", type=_trust, help="as for mount (default: config, else session)")
+    _project_options(run)
+    run.add_argument(
+        "--net",
+        choices=["none", "allow", "host"],
+        help="none: loopback only; allow: only --allow-host hosts, through sandboxfs's proxy; "
+        "host: the host's network (default: config, else none)",
+    )
+    run.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="HOST[:PORT]",
+        help="with --net allow: a host the program may reach (name, *.suffix or address; "
+        "no port: 80 and 443; NAME=IP: the name, also at that non-global address); repeatable",
+    )
+    run.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
+        help="pass one more environment variable (your value, or VALUE); repeatable",
+    )
+    run.add_argument(
+        "--cwd",
+        metavar="VIRTUAL_PATH",
+        help="working directory inside, e.g. /repo/src (default: /repo when the trust level "
+        "can list it, else /session/working)",
+    )
+    run.add_argument(
+        "--audit-sync",
+        action="store_true",
+        help="fsync every audit entry before the operation returns",
+    )
+    run.add_argument("--quiet", "-q", action="store_true", help="no summary line at exit")
+    run.add_argument(
+        "--agent",
+        metavar="NAME",
+        help="an agent profile: its hosts (with --net allow, the default then), environment "
+        "variables and exposed paths: " + ", ".join(userconfig.BUILTIN_AGENTS) + " or your own",
+    )
+    run.add_argument(
+        "--expose",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="show this host file or directory read-only at the same path inside (never a "
+        "home, a secret, the project or sandboxfs's state); repeatable",
+    )
+    run.add_argument(
+        "argv",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD [ARG...]",
+        help="the command to run inside, after --",
+    )
+
+    doctor = sub.add_parser("doctor", help="check what mount and run need on this machine")
+    doctor.add_argument("--json", action="store_true", help="a JSON list of checks")
+
+    umount = sub.add_parser("umount", help="unmount, also a mount whose daemon died")
+    umount.add_argument("mountpoint", type=Path, help="where a sandboxfs mount is")
+    umount.add_argument(
+        "--lazy",
+        action="store_true",
+        help="detach it now even if busy or hung; it goes once no process uses it",
+    )
+    umount.add_argument(
+        "--force",
+        action="store_true",
+        help="(root) unmount another user's live mount",
+    )
+
+    status = sub.add_parser("status", help="list sandboxfs mounts")
+    status.add_argument("mountpoint", type=Path, nargs="?", help="only this mount")
+    status.add_argument("--json", action="store_true", help="a JSON list instead of a table")
+
+    for name, verb in (("promote", "raise"), ("demote", "lower")):
+        change = sub.add_parser(
+            name,
+            help=f"{verb} the trust level of a running mount or run, at once",
+            description=f"{verb.capitalize()} the trust level of a live mount (or of the mount "
+            "of a `sandboxfs run`, listed by `sandboxfs status`) through its control socket. "
+            "It takes effect for the next operation: the kernel's cached names, attributes and "
+            "file pages are dropped, and open files and directories are checked again.",
+        )
+        change.add_argument(
+            "mountpoint",
+            nargs="?",
+            metavar="MOUNTPOINT|SESSION",
+            help="the mount or the session id, as `sandboxfs status` shows them; left out: "
+            "the only running session of the project",
+        )
+        change.add_argument(
+            "--project", type=Path, default=None, help="the project (default: this directory)"
+        )
+        change.add_argument(
+            "--trust", type=_trust, required=True, metavar="LEVEL", help="the new trust level"
+        )
+        change.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
+
+    audit_cli.add_parser(sub, trust_type=_trust, when_type=_when, positive_type=_positive)
+    staged_cli.add_parser(sub)
+    sessions_cli.add_parser(sub)
+    home_mod.add_parser(sub)
+    shell = sub.add_parser(
+        "completion",
+        help="print the bash or zsh completion script",
+        description="Print the shell completion script of sandboxfs, generated from its options. "
+        "bash: sandboxfs completion bash > ~/.local/share/bash-completion/completions/sandboxfs, "
+        'or eval "$(sandboxfs completion bash)" in ~/.bashrc. zsh: '
+        'eval "$(sandboxfs completion zsh)" in ~/.zshrc, after compinit.',
+    )
+    shell.add_argument("shell", choices=completion.SHELLS, help="the shell: %(choices)s")
+    sub.add_parser(
+        "man",
+        help="print the man page",
+        description="Print the sandboxfs(1) man page, in roff. Read it: sandboxfs man | man -l -; "
+        "install it: sandboxfs man > ~/.local/share/man/man1/sandboxfs.1",
+    )
+    return parser
+
+
+MOUNT_OPTIONS = {
+    "allow_other": "as --allow-other",
+    "ro": "read-only: nothing changes through the mount, at any trust level",
+    "trust=LEVEL": "as --trust",
+    "project=DIR": "as --project",
+    "workspace=ID": "as --workspace",
+    "session=ID": "as --session",
+    "new_session=ID": "as --new-session",
+    "config=FILE": "as --config",
+    "entry_timeout=SECONDS": "how long the kernel caches names",
+    "attr_timeout=SECONDS": "how long the kernel caches attributes",
+    "audit_sync": "as --audit-sync",
+    "debug": "as --debug",
+}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("sandboxfs")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        from sandboxfs import __version__
+
+        return __version__
+
+
+def _project_options(parser: argparse.ArgumentParser) -> None:
+    """The options `mount` and `run` share: which project, workspace, session and config."""
+    parser.add_argument(
+        "--project", type=Path, default=Path("."), help="project directory (default: .)"
+    )
+    parser.add_argument("--workspace", default="default", help="workspace id (default: default)")
+    sessions = parser.add_mutually_exclusive_group()
+    sessions.add_argument("--session", metavar="ID", help="resume this existing session")
+    sessions.add_argument(
+        "--new-session", metavar="ID", help="start a new session with this id (default: random)"
+    )
+    parser.add_argument(
+        "--config", type=Path, help="config file (default: <project>/sandboxfs.yaml)"
+    )
+
+
+_trust = subcommands.trust_level
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return int(text)
+
+
+_AGE_RE = re.compile(r"^(\d+)([smhdw])$")
+_AGE_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def _when(text: str) -> datetime:
+    match = _AGE_RE.match(text)
+    if match:
+        return datetime.now(UTC) - timedelta(**{_AGE_UNITS[match.group(2)]: int(match.group(1))})
+    try:
+        value = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid time {text!r}: expected ISO 8601 (2026-11-22T08:00:00Z) "
+            f"or an age (30s, 10m, 2h, 7d)"
+        ) from None
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+# ----- mount ------------------------------------------------------------------------------------
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    run_mod.sweep_dead_runs()
+    read_only, cache = _apply_mount_options(args)
+    project = validate_project(args.project)
+    cfg = config_mod.load(project, args.config)
+    if cache:
+        cfg = cfg.model_copy(update={"cache": cfg.cache.model_copy(update=cache)})
+    mountpoint = validate_mountpoint(args.mountpoint, project)
+    workspace = check_id("workspace", args.workspace)
+    session, resumed = choose_session(project, workspace, args.session, args.new_session)
+    req = MountRequest(
+        mountpoint=mountpoint,
+        project=project,
+        trust=args.trust or cfg.default_trust,
+        workspace=workspace,
+        session=session,
+        config=cfg,
+        audit_sync=args.audit_sync,
+        debug=args.debug,
+        allow_other=args.allow_other,
+        config_file=args.config,
+        read_only=read_only,
+    )
+    from sandboxfs.fuse.daemon import serve
+
+    try:
+        if args.foreground:
+
+            def announce() -> None:
+                print(_mounted_line(req, resumed), flush=True)
+
+            serve(req, announce)
+            return 0
+        return _spawn_daemon(req, resumed)
+    except UserError:
+        if not resumed:  # a session that never served is not left behind
+            discard_new_session(project, workspace, session)
+        raise
+
+
+def _apply_mount_options(args: argparse.Namespace) -> tuple[bool, dict[str, float]]:
+    """`-o a,b=c`: each option sets what its long flag sets; returns (ro, cache timeouts)."""
+    read_only = False
+    cache: dict[str, float] = {}
+    flags = {"allow_other": "allow_other", "audit_sync": "audit_sync", "debug": "debug"}
+    valued: dict[str, tuple[str, Callable[[str], Any]]] = {
+        "trust": ("trust", _trust),
+        "project": ("project", Path),
+        "workspace": ("workspace", str),
+        "session": ("session", str),
+        "new_session": ("new_session", str),
+        "config": ("config", Path),
+    }
+    accepted = ", ".join(MOUNT_OPTIONS)
+    for group in args.options:
+        for option in filter(None, group.split(",")):
+            name, sep, value = option.partition("=")
+            if name in flags or name == "ro":
+                if sep:
+                    raise UserError(f"mount option {name} takes no value (got {option!r})")
+                if name == "ro":
+                    read_only = True
+                else:
+                    setattr(args, flags[name], True)
+            elif name in valued or name in ("entry_timeout", "attr_timeout"):
+                if not value:
+                    raise UserError(f"mount option {name} needs a value: {name}=...")
+                if name in valued:
+                    dest, convert = valued[name]
+                    try:
+                        setattr(args, dest, convert(value))
+                    except argparse.ArgumentTypeError as exc:
+                        raise UserError(f"mount option {option}: {exc}") from None
+                else:
+                    try:
+                        seconds = float(value)
+                    except ValueError:
+                        seconds = -1.0
+                    if not seconds >= 0:
+                        raise UserError(f"mount option {option}: expected a number of seconds >= 0")
+                    cache[name] = seconds
+            else:
+                raise UserError(f"unknown mount option {option!r}; accepted: {accepted}")
+    if args.session is not None and args.new_session is not None:
+        raise UserError("--session and --new-session (or their -o forms) exclude each other")
+    return read_only, cache
+
+
+def _mounted_line(req: MountRequest, resumed: bool) -> str:
+    return (
+        f"mounted {req.mountpoint} (trust {req.trust.value}, workspace {req.workspace}, "
+        f"{'resumed' if resumed else 'new'} session{', read-only' if req.read_only else ''})\n"
+        f"session: {req.session}"
+    )
+
+
+def _spawn_daemon(req: MountRequest, resumed: bool) -> int:
+    from sandboxfs.fuse.daemon import spawn_daemon
+
+    spawn_daemon(req)
+    print(_mounted_line(req, resumed))
+    return 0
+
+
+# ----- run and doctor ----------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    command = list(args.argv)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise UserError("run needs a command: sandboxfs run [OPTIONS] -- CMD [ARG...]")
+    project = validate_project(args.project)
+    cfg = config_mod.load(project, args.config)
+    workspace = check_id("workspace", args.workspace)
+    session, _ = choose_session(project, workspace, args.session, args.new_session)
+    user = userconfig.load()
+    profile = userconfig.agent(args.agent, user) if args.agent else None
+    net = args.net or ("allow" if profile and profile.allow_hosts else cfg.run.network)
+    hosts = args.allow_host or ([] if args.net and args.net != "allow" else cfg.run.allow_hosts)
+    if args.allow_host and net != "allow":
+        raise UserError("--allow-host needs --net allow")
+    if profile is not None:
+        hosts = list(dict.fromkeys([*profile.allow_hosts, *hosts]))
+    try:
+        allow = tuple(netproxy.parse_allow_host(h) for h in hosts) if net == "allow" else ()
+        env = profile.environment(os.environ) if profile is not None else {}
+        env.update(confine.parse_env_option(e, os.environ) for e in args.env)
+        cwd = confine.virtual_cwd(args.cwd) if args.cwd is not None else None
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if net == "allow" and not allow:
+        raise UserError(
+            "--net allow needs at least one --allow-host HOST[:PORT] (or run.allow_hosts in "
+            "the config); use --net none for no network"
+        )
+    trust = args.trust or cfg.default_trust
+    tools = _run_toolchain(args, project, command, env, user, profile)
+    req = run_mod.RunRequest(
+        project=project,
+        trust=trust,
+        workspace=workspace,
+        session=session,
+        config=gitdir.with_git_dir(project_mod.with_home(cfg, project, workspace, trust), project),
+        command=tuple(command),
+        config_file=args.config,
+        net=net,
+        allow=allow,
+        env=env,
+        cwd=cwd,
+        audit_sync=args.audit_sync,
+        quiet=args.quiet,
+        tools=tools,
+    )
+    return run_mod.run(req)
+
+
+def _run_toolchain(
+    args: argparse.Namespace,
+    project: Path,
+    command: list[str],
+    env: dict[str, str],
+    user: userconfig.UserConfig,
+    profile: userconfig.AgentProfile | None,
+) -> toolchain.Toolchain:
+    """What CMD needs of the host and what the user exposes (sandboxfs.run.toolchain): one line
+    and exit 125 for a path that may not be exposed, 127 when CMD cannot run inside."""
+    limits = toolchain.Limits.of(project, [project_mod.state_dir(project), state_root()])
+    exposed = [(path, f"{userconfig.path()}: expose:") for path in user.expose]
+    if profile is not None:
+        exposed += [(path, f"--agent {args.agent}: expose:") for path in profile.expose]
+    exposed += [(path, "--expose") for path in args.expose]
+    tools = toolchain.expose(exposed, caller_env=os.environ, limits=limits, tools=None)
+    for program in profile.programs if profile is not None else ():
+        if program == command[0]:
+            continue
+        try:
+            toolchain.resolve(
+                [program],
+                caller_env=os.environ,
+                limits=limits,
+                project=project,
+                tools=tools,
+                strict=False,
+            )
+        except toolchain.NotRunnable as exc:
+            if not args.quiet:
+                print(f"sandboxfs: warning: --agent {args.agent}: {exc.message}", file=sys.stderr)
+    return toolchain.resolve(
+        command,
+        caller_env=os.environ,
+        limits=limits,
+        project=project,
+        tools=tools,
+        strict="PATH" not in env,
+    )
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    checks = doctor_mod.run_checks()
+    print(doctor_mod.report_json(checks) if args.json else doctor_mod.format_report(checks))
+    return doctor_mod.exit_code(checks)
+
+
+# ----- umount and status --------------------------------------------------------------------------
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    run_mod.sweep_dead_runs()
+    control.sweep()  # control sockets of daemons that were killed
+    mountpoint = Path(os.path.abspath(args.mountpoint))
+    if str(mountpoint) not in sandboxfs_mounts():
+        raise UserError(f"{args.mountpoint} is not a sandboxfs mount (see 'sandboxfs status')")
+    context = read_context(mountpoint, timeout=2.0)
+    owner = mount_owner(str(mountpoint))
+    if context == NOT_YOURS and not args.force:
+        raise UserError(
+            f"{args.mountpoint} is {_user_name(owner)}'s mount, in use by them; "
+            + (
+                "to unmount it anyway: sandboxfs umount --force " + str(args.mountpoint)
+                if os.geteuid() == 0
+                else "only they (or root, with --force) can unmount it"
+            ),
+            exit_code=1,
+        )
+    if context == "unresponsive" and not args.lazy:
+        raise UserError(
+            f"{args.mountpoint} does not answer (its daemon is alive but hung or very busy); "
+            f"detach it now with: sandboxfs umount --lazy {args.mountpoint}",
+            exit_code=1,
+        )
+    dead = context == "dead"
+    lazy = dead or args.lazy
+    cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), str(mountpoint)]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        detail = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"
+        if "busy" in detail.lower():
+            raise UserError(
+                f"{args.mountpoint} is busy: processes still use it (see: fuser -vm "
+                f"{args.mountpoint}); close them, or detach it now with: "
+                f"sandboxfs umount --lazy {args.mountpoint}",
+                exit_code=1,
+            )
+        raise UserError(f"cannot unmount {args.mountpoint}: {detail}", exit_code=1)
+    pid = context.get("pid") if isinstance(context, dict) else None
+    if isinstance(pid, int):
+        _wait_for_exit(pid, UNMOUNT_WAIT)
+    how = " (its daemon had died)" if dead else " (detached: it goes once unused)" if lazy else ""
+    print(f"unmounted {args.mountpoint}{how}")
+    return 0
+
+
+def _user_name(uid: int | None) -> str:
+    if uid is None:
+        return "another user"
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _wait_for_exit(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
+        except (OSError, IndexError):
+            return
+        if state == "Z":
+            return
+        time.sleep(0.02)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    control.sweep()  # control sockets of daemons that were killed
+    mounts = sandboxfs_mounts()
+    if args.mountpoint is not None:
+        wanted = os.path.abspath(args.mountpoint)
+        if wanted not in mounts:
+            raise UserError(f"{args.mountpoint} is not a sandboxfs mount")
+        mounts = [wanted]
+    rows: list[dict[str, Any]] = []
+    sizes: dict[str, int | None] = {}  # per project: several mounts of one are measured once
+    for mp in mounts:
+        context = read_context(Path(mp), timeout=2.0)
+        if isinstance(context, dict):
+            rows.append(
+                {
+                    "mountpoint": mp,
+                    "state": "running",
+                    **{
+                        k: context.get(k)
+                        for k in ("trust", "session", "workspace", "project", "pid")
+                    },
+                    # `sandboxfs run` sessions name their command
+                    **({"command": context["command"]} if "command" in context else {}),
+                    "pending": _pending_staged(context),
+                    "state_dir_bytes": _state_dir_bytes(context, sizes),
+                }
+            )
+        elif context == NOT_YOURS:
+            rows.append({"mountpoint": mp, "state": context, "owner": _user_name(mount_owner(mp))})
+        else:
+            rows.append({"mountpoint": mp, "state": context})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no sandboxfs mounts")
+        return 0
+    headers = [
+        "MOUNTPOINT",
+        "STATE",
+        "TRUST",
+        "SESSION",
+        "WORKSPACE",
+        "PID",
+        "PENDING",
+        "STATE DIR",
+        "PROJECT",
+    ]
+    if any(r.get("owner") for r in rows):
+        headers.insert(2, "OWNER")  # other users' mounts
+    if any(r.get("command") for r in rows):
+        headers.append("COMMAND")  # `sandboxfs run` sessions
+    for shown in rows:
+        size = shown.get("state_dir_bytes")
+        # one word, as every other cell: `du -h` style, 12.5MiB
+        shown["state dir"] = (
+            state.format_size(size).replace(" ", "") if isinstance(size, int) else None
+        )
+    table = [[_status_cell(r.get(k.lower())) for k in headers] for r in rows]
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
+    for row in [headers, *table]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _trust_target(target: str | None, project: Path | None) -> Path:
+    """The mount that promote/demote aim at: a mountpoint, a session id, or (none given) the
+    only running session of the project."""
+    if target is not None and os.path.abspath(target) in sandboxfs_mounts():
+        return Path(os.path.abspath(target))
+    live = live_contexts()
+    if target is not None and ("/" in target or os.path.exists(target)):
+        raise UserError(f"{target} is not a sandboxfs mount (see 'sandboxfs status')")
+    if target is not None:
+        found = [mnt for mnt, context in live if context.get("session") == target]
+        if len(found) == 1:
+            return Path(found[0])
+        sessions = ", ".join(sorted({str(c.get("session")) for _, c in live})) or "none"
+        raise UserError(
+            f"{target} is neither a sandboxfs mount nor a running session "
+            f"(running sessions: {sessions}; see 'sandboxfs status')"
+        )
+    where = project.resolve() if project is not None else find_project(Path.cwd())
+    found = [mnt for mnt, context in live if context.get("project") == str(where)]
+    if len(found) == 1:
+        return Path(found[0])
+    if not found:
+        raise UserError(f"no session of {where} is running (see 'sandboxfs status')")
+    sessions = ", ".join(
+        sorted(str(c.get("session")) for m, c in live if c.get("project") == str(where))
+    )
+    raise UserError(f"{len(found)} sessions of {where} are running ({sessions}): name one")
+
+
+def cmd_trust(args: argparse.Namespace) -> int:
+    """promote and demote: one request on the mount's control socket."""
+    mountpoint = _trust_target(args.mountpoint, args.project)
+    args.mountpoint = str(mountpoint)
+    context = read_context(mountpoint, timeout=5.0)
+    if not isinstance(context, dict):
+        why = "it is another user's mount" if context == NOT_YOURS else f"it is {context}"
+        raise UserError(f"cannot change the trust level of {args.mountpoint}: {why}", exit_code=1)
+    levels = list(Trust)
+    current, wanted = Trust(str(context.get("trust"))), args.trust
+    promote = args.command == "promote"
+    if wanted == current:
+        raise UserError(f"{args.mountpoint} is at trust level {current.value} already", exit_code=1)
+    if (levels.index(wanted) > levels.index(current)) != promote:
+        other = "demote" if promote else "promote"
+        raise UserError(
+            f"{wanted.value} is {'below' if promote else 'above'} the current level "
+            f"{current.value}: use sandboxfs {other} {args.mountpoint} --trust {wanted.value}"
+        )
+    path = context.get("control")
+    if not isinstance(path, str):
+        raise UserError(f"{args.mountpoint} has no control socket (mounted by an older sandboxfs)")
+    answer = control.request(Path(path), {"op": "trust", "trust": wanted.value})
+    if args.json:
+        print(json.dumps(answer))
+    if not answer.get("ok"):
+        raise UserError(f"the daemon refused: {answer.get('error')}", exit_code=1)
+    if not args.json:
+        print(f"{args.mountpoint}: trust {answer.get('old')} -> {answer.get('new')}")
+    return 0
+
+
+def _pending_staged(context: dict[str, Any]) -> int | None:
+    """How many staged commits of the mount's workspace wait for review (None: unknown)."""
+    project, workspace = context.get("project"), context.get("workspace")
+    if not isinstance(project, str) or not isinstance(workspace, str):
+        return None
+    try:
+        return len(staging.pending(Path(project), workspace))
+    except (OSError, UserError):
+        return None
+
+
+def _state_dir_bytes(context: dict[str, Any], sizes: dict[str, int | None]) -> int | None:
+    """What the mount's project's state dir takes on disk (None: unknown); the table shows it
+    as STATE DIR, and `sandboxfs sessions` tells what in it."""
+    project = context.get("project")
+    if not isinstance(project, str):
+        return None
+    if project not in sizes:
+        sizes[project] = state.state_dir_bytes(Path(project)) if Path(project).is_dir() else None
+    return sizes[project]
+
+
+def _status_cell(value: Any) -> str:
+    if isinstance(value, list):
+        return shlex.join(str(v) for v in value)
+    return "" if value is None else str(value)
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    print(completion.script(build_parser(), args.shell), end="")  # script() annotates its parser
+    return 0
+
+
+def cmd_man(args: argparse.Namespace) -> int:
+    print(manpage.render(build_parser(), _version()), end="")
+    return 0
+
+
+COMMANDS = {
+    "mount": cmd_mount,
+    "run": cmd_run,
+    "doctor": cmd_doctor,
+    "completion": cmd_completion,
+    "man": cmd_man,
+    "umount": cmd_umount,
+    "status": cmd_status,
+    "promote": cmd_trust,
+    "demote": cmd_trust,
+    "audit": audit_cli.main,
+    "staged": staged_cli.main,
+    "sessions": sessions_cli.main,
+    "home": home_mod.main,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args)
+    except UserError as exc:
+        print(f"sandboxfs: {exc.message}", file=sys.stderr)
+        if exc.exit_code == 2 and argv[:1] == ["run"]:
+            return run_mod.EXIT_SETUP  # as `docker run`: 125 for its own errors
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:  # a bug of sandboxfs's: one line, the traceback kept in a file
+        where = _write_crash_report(argv)
+        detail = cut((str(exc).splitlines() or [""])[0])
+        saved = f"the full traceback is in {where}" if where else "no traceback could be saved"
+        print(
+            f"sandboxfs: internal error: {type(exc).__name__}: {detail}; {saved} "
+            f"(please report it)",
+            file=sys.stderr,
+        )
+        return run_mod.EXIT_SETUP if argv[:1] == ["run"] else 1
+
+
+def _write_crash_report(argv: Sequence[str]) -> Path | None:
+    """The traceback being handled, in `crash-<time>.txt` in the user's state dir (0600)."""
+    import traceback
+
+    text = f"sandboxfs {_version()}\nargv: {shlex.join(argv)}\n\n{traceback.format_exc()}"
+    try:
+        directory = state_root()
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+        path = directory / f"crash-{stamp}-{os.getpid()}.txt"
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        with os.fdopen(fd, "w", encoding="utf-8", errors="replace") as f:
+            f.write(text)
+    except OSError:
+        return None
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,572 @@
+"""Mount lifecycle: validate the request, lay out the state dir, serve until unmounted.
+
+`validate` runs in the `sandboxfs mount` process so that bad input fails before anything is
+mounted; `serve` runs in the daemon and reports readiness (or one line of error) through a
+pipe, so that `mount` returns only once the filesystem answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import faulthandler
+import inspect
+import logging
+import os
+import select
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import trio
+
+from sandboxfs.audit.log import AuditLog
+from sandboxfs.core.context import context_document
+from sandboxfs.core.guard import MountInfo
+from sandboxfs.core.policy import Trust, Zone
+from sandboxfs.core.store import (
+    CONTEXT_NAME,
+    CONTROL_NAME,
+    STATE_DIR_NAME,
+    Node,
+    Store,
+    ensure_dirs,
+)
+from sandboxfs.core.syscalls import CAP_SYS_RESOURCE, drop_effective_capability, make_undumpable
+from sandboxfs.errors import UserError
+from sandboxfs.fuse import request_wait
+from sandboxfs.fuse.operations import SandboxOperations
+from sandboxfs.project import control
+from sandboxfs.project.layout import (
+    audit_path,
+    config_source,
+    hidden_identities,
+    make_guard,
+    prepare_zones,
+    session_dir,
+    worker_layers,
+)
+from sandboxfs.project.mounts import MountRequest, lazy_unmount
+from sandboxfs.project.state import hold
+
+log = logging.getLogger(__name__)
+
+# accept() errors of the control socket: out of descriptors, and a connection gone before it
+# was accepted (nothing to do but take the next).
+_NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_TRANSIENT_ACCEPT = (errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN)
+
+
+def prepare_store(req: MountRequest) -> Store:
+    """Lay out the state dir for the session and open every zone once."""
+    dirs = prepare_zones(
+        req.project,
+        req.workspace,
+        req.session,
+        req.config,
+        config_source(req.project, req.config_file),
+    )
+    # The mountpoint is the directory under the mount (what a listing's d_ino names); once
+    # mounted, lookups see a mount root, which is never entered anyway.
+    return Store(dirs, worker_layers(req.project), hidden_identities(req.project, req.mountpoint))
+
+
+def _identity(node: Node) -> tuple[int, int] | None:
+    return node.key[1:] if node.key is not None else None
+
+
+def _setup_logging(req: MountRequest) -> None:
+    logs = ensure_dirs(req.project, STATE_DIR_NAME, "logs")
+    stream = open(logs / f"{req.session}.log", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if req.debug else logging.INFO)
+    faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+
+
+def serve(
+    req: MountRequest,
+    ready: Callable[[], None],
+    lifeline: int | None = None,
+    after: Callable[[], None] | None = None,
+) -> None:
+    """Mount and serve until unmounted or signalled; the audit log is flushed on the way out.
+
+    `lifeline` is the read end of a pipe whose write end only the process that wants this
+    mount holds (`sandboxfs run`): when it closes, even by that process being killed, the
+    daemon unmounts and exits, so no mount outlives its user; `after` runs once it has
+    unmounted (`run` removes its private mountpoint there).
+    """
+    os.umask(0)  # modes arrive already masked by the kernel; apply them exactly
+    _raise_fd_limit()
+    # Before the first descriptor into backing storage: a same-uid process must not reach
+    # them through /proc/<pid>/fd, nor ptrace the daemon.
+    make_undumpable()
+    # Writes for callers are charged to them (see SandboxOperations._as_caller); a root
+    # daemon that kept CAP_SYS_RESOURCE would let them use root's reserve and pass quotas.
+    drop_effective_capability(CAP_SYS_RESOURCE)
+    store = prepare_store(req)
+    try:  # the session is in use while this daemon serves it (see sandboxfs.project.state)
+        session_root = store.zone_roots[Zone.SESSION]
+        in_use = hold(session_dir(req.project, req.workspace, req.session), _identity(session_root))
+    except BaseException:
+        store.close()
+        raise
+    _setup_logging(req)
+    audit = AuditLog(audit_path(req.project), sync=req.audit_sync or req.config.audit.sync)
+    pid = os.getpid()
+    control_path = control.socket_path(pid)
+    info = MountInfo(
+        req.session,
+        req.workspace,
+        str(req.project),
+        str(req.mountpoint),
+        req.command,
+        control=str(control_path),
+    )
+    try:
+        guard = make_guard(req.project, req.config, req.config_file, req.trust, info, store, audit)
+        control.sweep()  # what daemons killed before they could unmount left behind
+        listener = control.bind(control_path)
+    except BaseException:
+        audit.close()
+        store.close()
+        os.close(in_use)
+        raise
+    ops = SandboxOperations(
+        store,
+        guard,
+        entry_timeout=req.config.cache.entry_timeout,
+        attr_timeout=req.config.cache.attr_timeout,
+        context_json=context_document(guard.policy, info, os.getpid(), guard.limits),
+    )
+    if req.debug:
+        _log_requests(ops)
+    options = set(pyfuse3.default_options)
+    options |= {"fsname=sandboxfs", "subtype=sandboxfs", "nosuid", "nodev", "default_permissions"}
+    if req.allow_other:
+        options.add("allow_other")
+    if req.read_only:
+        options.add("ro")
+    if req.debug:
+        options.add("debug")
+    comm = guard.process_names.get(pid)
+
+    def lifecycle(op: str) -> None:
+        guard.record(op, "/", None, pid=pid, uid=os.getuid(), comm=comm, detail=str(req.mountpoint))
+
+    try:
+        pyfuse3.init(ops, str(req.mountpoint), options)
+    except RuntimeError as exc:
+        listener.close()
+        control_path.unlink(missing_ok=True)
+        audit.close()
+        store.close()
+        os.close(in_use)
+        raise UserError(f"cannot mount {req.mountpoint}: {exc}", exit_code=1) from None
+    ops.kernel_store = pyfuse3.notify_store
+    lifecycle("mount")
+    log.info("mounted %s (trust %s, session %s)", req.mountpoint, req.trust.value, req.session)
+    try:
+        trio.run(_main, req, audit, ready, lifeline, Control(ops, info, listener))
+    except BaseException:
+        log.exception("the daemon stopped on an unexpected error")
+        raise
+    finally:
+        ops.kernel_store = None  # the session goes away with close()
+        with contextlib.suppress(Exception):
+            pyfuse3.close(unmount=True)
+        listener.close()
+        control_path.unlink(missing_ok=True)
+        ops.release_all()
+        lifecycle("unmount")
+        audit.close()
+        store.close()
+        os.close(in_use)
+        log.info("unmounted %s", req.mountpoint)
+        if after is not None:
+            after()
+
+
+async def _main(
+    req: MountRequest,
+    audit: AuditLog,
+    ready: Callable[[], None],
+    lifeline: int | None,
+    ctl: Control,
+) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_flush_audit, audit, req.config.audit.flush_interval)
+        nursery.start_soon(ctl.serve)
+        wait = request_wait.install(req.config.daemon.spin_us / 1e6)
+        nursery.start_soon(_terminate_on_signal, wait)
+        if lifeline is not None:
+            nursery.start_soon(_terminate_when_closed, lifeline, wait)
+        nursery.start_soon(_report_ready, req.mountpoint, ready)
+        await pyfuse3.main(min_tasks=1, max_tasks=1)
+        nursery.cancel_scope.cancel()
+
+
+@dataclass
+class Control:
+    """The daemon's side of the control channel (see sandboxfs.project.control): requests are
+    handled between two FUSE requests, in the daemon's only thread that touches its state."""
+
+    ops: SandboxOperations
+    info: MountInfo
+    listener: socket.socket
+
+    changing: trio.Lock = field(default_factory=trio.Lock)
+
+    # A descriptor held for nothing but to be given up when the table is full, so that the
+    # owner can still reach the daemon (to demote an agent that holds every descriptor).
+    spare: int = -1
+
+    async def serve(self) -> None:
+        """Each connection in a task of its own (an idle client holds up nobody); trust
+        changes one at a time. No error ends the server (or the daemon): a failed accept
+        is logged and the next one tried."""
+        listener = trio.socket.from_stdlib_socket(self.listener)
+        try:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    self._keep_spare()
+                    try:
+                        conn = await self._accept(listener)
+                    except Exception:
+                        log.exception("control socket: accept failed")
+                        await trio.sleep(0.1)
+                        continue
+                    if conn is not None:
+                        nursery.start_soon(self._connection, conn)
+        finally:
+            if self.spare >= 0:
+                os.close(self.spare)
+                self.spare = -1
+
+    async def _accept(self, listener: trio.socket.SocketType) -> trio.socket.SocketType | None:
+        """The next connection, or None after an error that is passed over. Out of
+        descriptors (EMFILE, ENFILE), the store gives back its cached ones, or else the spare
+        descriptor is given up, and the connection is accepted in the room made."""
+        try:
+            conn, _ = await listener.accept()
+            return conn
+        except OSError as exc:
+            if exc.errno in _TRANSIENT_ACCEPT:
+                return None
+            if exc.errno not in _NO_DESCRIPTOR:
+                log.warning("control socket: accept failed: %s", exc)
+                await trio.sleep(0.1)
+                return None
+        log.warning("control socket: out of descriptors; making room for the request")
+        if self.ops.store.make_room() == 0 and self.spare >= 0:
+            os.close(self.spare)
+            self.spare = -1
+        try:
+            conn, _ = await listener.accept()
+            return conn
+        except OSError as exc:
+            log.warning("control socket: accept failed: %s", exc)
+            await trio.sleep(0.1)  # the next try after descriptors were given back
+            return None
+
+    def _keep_spare(self) -> None:
+        if self.spare < 0:
+            with contextlib.suppress(OSError):
+                self.spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+    async def _connection(self, conn: trio.socket.SocketType) -> None:
+        try:
+            await self._served(conn)
+        finally:
+            self._keep_spare()
+
+    async def _served(self, conn: trio.socket.SocketType) -> None:
+        with conn:
+            try:
+                with trio.move_on_after(10):
+                    await conn.send(await self._answer(conn))
+            except OSError as exc:
+                log.warning("control connection: %s", exc)
+            except Exception:  # no request may end the daemon
+                log.exception("control request failed")
+                with contextlib.suppress(OSError), trio.move_on_after(1):
+                    await conn.send(control.reply(False, error="internal error"))
+
+    async def _answer(self, conn: trio.socket.SocketType) -> bytes:
+        peer = control.peer_of(conn)  # type: ignore[arg-type]
+        data = await self._request_line(conn)
+        why = control.refusal(peer, os.getuid())
+        if why is not None:
+            log.warning("control request from pid %d (uid %d) refused: %s", peer.pid, peer.uid, why)
+            return control.reply(False, error=why)
+        if len(data) > control.MAX_REQUEST:
+            return control.reply(False, error=f"request larger than {control.MAX_REQUEST} bytes")
+        try:
+            request = control.parse_request(data)
+        except control.BadRequest as exc:
+            return control.reply(False, error=str(exc))
+        guard = self.ops.guard
+        if request["op"] == "status":
+            return control.reply(True, trust=guard.policy.trust.value, session=self.info.session)
+        trust: Trust = request["trust"]
+        async with self.changing:
+            old = self.ops.set_trust(trust, peer.pid, peer.uid, self._context)
+            inodes, names = self.ops.kernel_caches()
+            await trio.to_thread.run_sync(_invalidate, inodes, names)
+        log.info("trust %s -> %s, asked by pid %d", old.value, trust.value, peer.pid)
+        return control.reply(True, old=old.value, new=trust.value)
+
+    async def _request_line(self, conn: trio.socket.SocketType) -> bytes:
+        """The request (read whole before any answer, so the client never meets a closed
+        socket), at most a little past MAX_REQUEST."""
+        data = b""
+        while not data.endswith(b"\n") and len(data) <= control.MAX_REQUEST:
+            chunk = await conn.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+    def _context(self) -> bytes:
+        guard = self.ops.guard
+        return context_document(guard.policy, self.info, os.getpid(), guard.limits)
+
+
+def _invalidate(inodes: list[int], names: list[tuple[int, bytes]]) -> None:
+    """Make the kernel forget every name, attribute and cached page it holds for the mount,
+    so the next request of every kind reaches the daemon and the new trust level.
+    In a worker thread: the kernel may wait for a request the daemon has yet to answer."""
+    for parent, name in names:
+        with contextlib.suppress(OSError):
+            pyfuse3.invalidate_entry(parent, name)
+    for inode in inodes:
+        with contextlib.suppress(OSError):
+            pyfuse3.invalidate_inode(inode, attr_only=False)
+
+
+async def _flush_audit(audit: AuditLog, interval: float) -> None:
+    """Write queued audit entries every `interval` seconds until cancelled, then once more."""
+    try:
+        while True:
+            await trio.sleep(interval)
+            audit.try_flush()
+    finally:
+        audit.try_flush()  # synchronous, so cancellation cannot interrupt it
+
+
+async def _terminate_on_signal(wait: request_wait.RequestWait | None) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("received signal %d, unmounting", signum)
+            if wait is not None:
+                wait.stop()
+            pyfuse3.terminate()
+            return
+
+
+async def _terminate_when_closed(fd: int, wait: request_wait.RequestWait | None) -> None:
+    """Unmount once the lifeline pipe reports end of file: its only writer is gone."""
+    while True:
+        await trio.lowlevel.wait_readable(fd)
+        try:
+            if not os.read(fd, 4096):
+                break
+        except BlockingIOError:
+            continue
+    log.info("the process this mount was made for is gone, unmounting")
+    if wait is not None:
+        wait.stop()
+    pyfuse3.terminate()
+
+
+async def _report_ready(mountpoint: Path, ready: Callable[[], None]) -> None:
+    """Tell the parent once the mount answers a real request (served by this very loop)."""
+    probe = mountpoint / CONTROL_NAME.decode() / CONTEXT_NAME.decode()
+    await trio.to_thread.run_sync(os.stat, probe)
+    ready()
+
+
+MOUNT_TIMEOUT = 20.0
+
+
+def spawn_daemon(
+    req: MountRequest, lifeline: int | None = None, after: Callable[[], None] | None = None
+) -> int:
+    """Fork the daemon (already validated and imported: no second interpreter start-up) and
+    wait until it reports that the mount answers; its pid, or UserError saying why not.
+
+    The daemon keeps no descriptor of its parent's but `lifeline` (see `serve`): a program's
+    terminal, pipes or the write end of that very lifeline would otherwise live on in it.
+    """
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the daemon: its own session, no terminal, never returns into the caller
+        code = 1
+        try:
+            os.setsid()
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(devnull, fd)
+            keep = sorted({0, 1, 2, write_end, *(() if lifeline is None else (lifeline,))})
+            for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")], strict=True):
+                os.closerange(low + 1, high)
+            code = _run_daemon(req, write_end, lifeline, after)
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    message = _read_status(read_end, MOUNT_TIMEOUT)
+    os.close(read_end)
+    if message.startswith("READY"):
+        return pid
+    if not message:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        lazy_unmount(req.mountpoint)
+        raise UserError(
+            f"the daemon did not report a working mount within {MOUNT_TIMEOUT:.0f} s", exit_code=1
+        )
+    os.waitpid(pid, 0)
+    status, _, text = message.partition(" ")[2].partition(" ")
+    raise UserError(text.strip(), exit_code=int(status) if status.isdigit() else 1)
+
+
+def _read_status(fd: int, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    data = b""
+    while b"\n" not in data:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            return ""
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode("utf-8", "replace").strip()
+
+
+def _run_daemon(
+    req: MountRequest, ready_fd: int, lifeline: int | None, after: Callable[[], None] | None
+) -> int:
+    def ready() -> None:
+        os.write(ready_fd, b"READY\n")
+        os.close(ready_fd)
+
+    try:
+        serve(req, ready, lifeline, after)
+    except UserError as exc:
+        os.write(ready_fd, f"ERROR {exc.exit_code} {exc.message}\n".encode())
+        return exc.exit_code
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.write(ready_fd, f"ERROR 1 daemon failed: {type(exc).__name__}: {exc}\n".encode())
+        raise
+    return 0
+
+
+# The requests a mount answers: what --debug logs, one line each.
+_REQUESTS = (
+    "lookup",
+    "getattr",
+    "setattr",
+    "readlink",
+    "forget",
+    "opendir",
+    "readdir",
+    "releasedir",
+    "fsyncdir",
+    "open",
+    "read",
+    "write",
+    "flush",
+    "fsync",
+    "release",
+    "create",
+    "mkdir",
+    "symlink",
+    "mknod",
+    "link",
+    "unlink",
+    "rmdir",
+    "rename",
+    "getxattr",
+    "listxattr",
+    "setxattr",
+    "removexattr",
+    "statfs",
+)
+
+
+def _log_requests(ops: SandboxOperations) -> None:
+    """(--debug) Wrap every request handler so that each request is logged to the daemon log
+    with its opcode, inode or name, caller, result and time. Off by default: it costs."""
+    for name in _REQUESTS:
+        handler = getattr(ops, name, None)
+        if handler is not None:
+            setattr(ops, name, _logged(name, handler))
+
+
+def _logged(name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
+    async def logged(*args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            result = handler(*args)
+            if inspect.isawaitable(result):  # forget is a plain function in pyfuse3
+                result = await result
+        except pyfuse3.FUSEError as exc:
+            outcome = errno.errorcode.get(exc.errno, str(exc.errno))
+            raise
+        except BaseException as exc:
+            outcome = f"raised {type(exc).__name__}"
+            raise
+        else:
+            outcome = _shown(result)
+            return result
+        finally:
+            took = (time.perf_counter() - start) * 1e6
+            shown = " ".join(_shown(arg) for arg in args)
+            log.debug("request %s %s -> %s (%.0f us)", name, shown, outcome, took)
+
+    return logged
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "ok"
+    if isinstance(value, int | float | str):
+        return str(value)
+    if isinstance(value, bytes):
+        return repr(value) if len(value) <= 64 else f"<{len(value)} bytes>"
+    if isinstance(value, pyfuse3.RequestContext):
+        return f"pid={value.pid} uid={value.uid}"
+    if isinstance(value, pyfuse3.EntryAttributes):
+        return f"ino={value.st_ino}" if value.st_ino else "absent (a negative entry)"
+    if isinstance(value, pyfuse3.FileInfo):
+        return f"fh={value.fh}"
+    if isinstance(value, tuple):
+        return "(" + " ".join(_shown(v) for v in value) + ")"
+    return type(value).__name__
+
+
+def _raise_fd_limit() -> None:
+    """Raise the soft limit on descriptors to the hard one (each file open through the mount
+    holds one in the daemon); the store sizes its cache of descriptors from the result."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard
+    if hard == resource.RLIM_INFINITY:  # the kernel allows at most fs.nr_open
+        try:
+            wanted = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            return
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))

@@ -1,0 +1,1073 @@
+"""The pyfuse3 adapter: a translator between FUSE callbacks and the core.
+
+Each callback resolves inodes to store nodes, asks the guard (sandboxfs.core.guard) whether the
+caller may do what it asks (the guard decides and audits refusals), has the store make the
+backing call, tells the guard what happened (the guard writes the entry), and answers the
+kernel: attribute replies (sandboxfs.fuse.replies), handles, lookup counts, the kernel's page cache.
+It decides nothing and builds no audit entry itself.
+
+Handlers do their work synchronously between awaits, so the inode table never changes under
+a running callback. One guard (`_guarded`) turns `SandboxError` and `OSError` into
+`FUSEError`, and anything unexpected into a logged, audited `EIO`: only `FUSEError` may leave
+a handler, or pyfuse3 takes the whole mount down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import stat
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import pyfuse3
+
+from sandboxfs.core.context import confined_context, guide
+from sandboxfs.core.errors import SandboxError
+from sandboxfs.core.gitconfig import read_bounded
+from sandboxfs.core.guard import Guard, MountInfo
+from sandboxfs.core.policy import Op, Trust, Zone
+from sandboxfs.core.store import (
+    CONTEXT_INO,
+    CONTEXT_NAME,
+    CONTROL_INO,
+    CONTROL_NAME,
+    GUIDE_INO,
+    GUIDE_NAME,
+    ROOT_INO,
+    HiddenEntry,
+    Listed,
+    Node,
+    StatLike,
+    Store,
+)
+from sandboxfs.core.syscalls import Stat, fstat, set_fs_ids
+from sandboxfs.fuse.replies import Replies, dot_attrs
+
+__all__ = ["FileHandle", "MountInfo", "SandboxOperations"]
+
+log = logging.getLogger(__name__)
+
+_SUID_SGID = stat.S_ISUID | stat.S_ISGID
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+# Files up to this size are handed to the kernel's page cache whole after a write that left
+# pages partly written (see _release); larger ones are re-read by the next reader instead.
+_KERNEL_STORE_LIMIT = 256 << 10
+_OPEN_STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_DIRECT
+_SECURITY_XATTR_PREFIX = b"security."
+
+# Callbacks that write an audit entry when they succeed: refused while the log is failing.
+_AUDITED_CALLBACKS = frozenset(
+    {
+        "open",
+        "opendir",
+        "create",
+        "mkdir",
+        "symlink",
+        "mknod",
+        "link",
+        "unlink",
+        "rmdir",
+        "rename",
+        "setattr",
+        "setxattr",
+        "removexattr",
+    }
+)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(slots=True)
+class FileHandle:
+    fd: int
+    node: Node
+    writable: bool
+    created: bool
+    pid: int
+    uid: int
+    gid: int
+    comm: str | None
+    bytes_written: int = 0
+    # A write began inside a page: the kernel then holds pages only partly written through
+    # this handle, which it never marks up to date and later reads back one page per request.
+    partial_pages: bool = False
+    # A write ended inside a page (a file's tail): one page the kernel will read back.
+    ragged_end: bool = False
+    # Writes must check the file's size first (max_file_bytes or a quota in its zone).
+    sized: bool = False
+    # The guard's generation when the handle was opened, or last checked again for reading
+    # and for writing (each right is checked again on its own after a trust change).
+    read_generation: int = 0
+    write_generation: int = 0
+
+
+@dataclass(slots=True)
+class DirHandle:
+    node: Node
+    entries: list[Listed] | None = None
+    generation: int = 0
+    caller: tuple[int, int, int] = (0, 0, 0)
+
+
+@dataclass(slots=True)
+class BlobHandle:
+    data: bytes
+
+
+def _guarded(
+    fn: Callable[Concatenate[SandboxOperations, P], R],
+) -> Callable[Concatenate[SandboxOperations, P], Awaitable[R]]:
+    """Run a synchronous handler as the async callback pyfuse3 expects, mapping every error."""
+
+    audited = fn.__name__ in _AUDITED_CALLBACKS
+
+    async def wrapper(self: SandboxOperations, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        audit = self.guard.audit
+        if audited and audit.failing and not audit.try_flush():
+            # Fail closed: nothing that would be audited happens while the log cannot be
+            # written (its refusals wait in memory; see AuditLog.failing). Each such refusal
+            # is counted, at a constant cost, and the count written once the log works again.
+            ctx = next((a for a in args if isinstance(a, pyfuse3.RequestContext)), None)
+            self.guard.record(
+                fn.__name__,
+                None,
+                None,
+                pid=ctx.pid if ctx is not None else 0,
+                uid=ctx.uid if ctx is not None else 0,
+                allowed=False,
+                reason="the audit log cannot be written: refused until it can (fail closed)",
+                err=errno.ENOSPC,
+            )
+            raise pyfuse3.FUSEError(errno.ENOSPC)
+        try:
+            return fn(self, *args, **kwargs)
+        except SandboxError as exc:
+            raise pyfuse3.FUSEError(exc.errno) from None
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                # Out of descriptors outside the store's own retries: give the cached ones
+                # back, so that this request fails alone and the next ones are served.
+                self.store.make_room()
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+        except pyfuse3.FUSEError:
+            raise
+        except Exception as exc:
+            log.exception("internal error in %s", fn.__name__)
+            self.guard.internal_error(fn.__name__, exc)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
+    """Translate FUSE callbacks into policy checks, store operations and audit entries."""
+
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+    # The kernel caches and enforces POSIX ACLs itself (with default_permissions) instead of
+    # asking the daemon for them on every `ls -l`; the ACLs live on the backing files.
+    enable_acl = True
+
+    def __init__(
+        self,
+        store: Store,
+        guard: Guard,
+        *,
+        entry_timeout: float,
+        attr_timeout: float,
+        context_json: bytes,
+    ) -> None:
+        super().__init__()
+        self.store = store
+        self.guard = guard
+        self.context_json = context_json
+        self._write_guides()
+        self._pid_namespace = os.readlink("/proc/self/ns/pid")
+        self.running_as_root = os.geteuid() == 0
+        session_root = os.stat(store.zone_roots[Zone.SESSION].fd)
+        self.replies = Replies(
+            store,
+            guard.readable,
+            lambda: len(self.context_json),
+            entry_timeout=entry_timeout,
+            attr_timeout=attr_timeout,
+            owner=(session_root.st_uid, session_root.st_gid),
+            guide_size=lambda: len(self.guides[1]),
+        )
+        self._handles: dict[int, FileHandle | BlobHandle] = {}
+        self._dirs: dict[int, DirHandle] = {}
+        self._next_fh = 1
+        # pyfuse3.notify_store once the mount is up: (inode, offset, data) into the page cache.
+        self.kernel_store: Callable[[int, int, bytes], None] | None = None
+        self._zone_names = {zone.value.encode(): zone for zone in guard.policy.zones}
+
+    @contextlib.contextmanager
+    def _as_caller(self, uid: int, gid: int) -> Iterator[None]:
+        """Make backing calls with the caller's filesystem identity, so the kernel charges
+        their blocks and inodes to the caller (disk quotas, ext4's reserve for root) rather
+        than to a root daemon. The daemon keeps its own identity for everything else."""
+        if not self.running_as_root or (uid == 0 and gid == 0):
+            yield
+            return
+        set_fs_ids(uid, gid)
+        try:
+            yield
+        finally:
+            set_fs_ids(0, 0)
+
+    # ----- lookup and attributes ------------------------------------------------------------------
+
+    @_guarded
+    def lookup(self, parent_inode: int, name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
+        parent = self.store.get(parent_inode)
+        if name == b".":
+            node = parent
+        elif name == b"..":
+            node = parent.parent or parent
+        elif parent.ino == ROOT_INO:
+            node = self._lookup_root(name)
+        elif parent.ino == CONTROL_INO:
+            node = self._control_child(name)
+        else:
+            return self._lookup_zone(parent, name, ctx)
+        node.lookups += 1
+        return self.replies.node_attrs(node)
+
+    def _lookup_root(self, name: bytes) -> Node:
+        if name == CONTROL_NAME:
+            return self.store.control
+        zone = self._zone_names.get(name)
+        if zone is None:
+            raise SandboxError(errno.ENOENT)
+        return self.store.zone_roots[zone]
+
+    def _lookup_zone(self, parent: Node, name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
+        """LOOKUP: the guard decides whether the name is visible (see Guard.visible); a
+        CREATE, MKDIR, SYMLINK, MKNOD or LINK that follows a refused lookup reaches its own
+        callback and is refused and audited there as `write`."""
+        zone = parent.zone
+        assert zone is not None
+        found = self._find(ctx, Op.READ, parent, name)
+        st, layer = found if found is not None else (None, 0)
+        created_here = False
+        if st is not None:
+            known = self.store.by_key.get((zone, st.st_dev, st.st_ino))
+            created_here = (
+                known is not None
+                and known.created_here
+                and (not known.birth_ns or known.birth_ns == st.st_birthtime_ns)
+            )
+        if not self.guard.visible(ctx, parent, name, st, created_here) or st is None:
+            return self.replies.negative_entry()
+        node = self.store.remember(parent, name, st, layer)
+        return self.replies.attrs(node, st)
+
+    def _find(self, ctx: Any, op: Op, parent: Node, name: bytes) -> tuple[Stat, int] | None:
+        """store.find, with an entry that is never part of a zone (sandboxfs's state, another
+        mount) refused as absent and audited as `op`."""
+        try:
+            return self.store.find(parent, name)
+        except HiddenEntry as exc:
+            raise self.guard.hidden(ctx, op, parent, name, exc.reason) from None
+
+    @_guarded
+    def getattr(self, inode: int, ctx: Any) -> pyfuse3.EntryAttributes:
+        node = self.store.get(inode)
+        if self.guard.generation:
+            self.guard.may_stat(ctx, node)
+        return self.replies.node_attrs(node)
+
+    @_guarded
+    def setattr(
+        self, inode: int, attr: pyfuse3.EntryAttributes, fields: Any, fh: int | None, ctx: Any
+    ) -> pyfuse3.EntryAttributes:
+        node = self.store.get(inode)
+        handle = self._handles.get(fh) if fh is not None else None
+        creating = isinstance(handle, FileHandle) and handle.created
+        self.guard.may_change(ctx, node, allow_created=creating or not fields.update_size)
+        self.replies.changing(node)
+        fd = handle.fd if isinstance(handle, FileHandle) else None
+        changes: list[str] = []
+        if fields.update_size:
+            writable = handle is not None and handle.writable  # type: ignore[union-attr]
+            wfd = fd if fd is not None and writable else self.store.reopen(node, os.O_WRONLY)
+            try:
+                old_size = os.fstat(wfd).st_size
+                self.guard.may_resize(ctx, node, old_size, attr.st_size)
+                try:
+                    with self._as_caller(ctx.uid, ctx.gid):  # growing a file allocates blocks
+                        os.truncate(wfd, attr.st_size)
+                except BaseException:
+                    self.guard.freed(node.zone, attr.st_size - old_size, 0)
+                    raise
+            finally:
+                if wfd != fd:
+                    os.close(wfd)
+            changes.append(f"size={attr.st_size}")
+        mode = owner = times = None
+        if fields.update_mode:
+            mode = stat.S_IMODE(attr.st_mode) & ~_SUID_SGID
+            changes.append(f"mode={mode:o}")
+        if fields.update_uid or fields.update_gid:
+            owner = (
+                attr.st_uid if fields.update_uid else -1,
+                attr.st_gid if fields.update_gid else -1,
+            )
+            changes.append(f"owner={owner[0]}:{owner[1]}")
+        # A new mtime alone leaves the kernel's cached pages valid (`tar` sets it after
+        # writing): carry the cache stamp over, if it held up to now.
+        keeps_cache = False
+        if fields.update_atime or fields.update_mtime:
+            if node.cache_stamp is None or fields.update_size:
+                current = None
+            else:
+                current = self.store.stat_node(node)
+                keeps_cache = node.cache_stamp == (current.st_mtime_ns, current.st_size)
+            if fields.update_atime and fields.update_mtime:
+                atime, mtime = attr.st_atime_ns, attr.st_mtime_ns
+            else:  # os.utime has no UTIME_OMIT: keep the other time as it is
+                current = current or self.store.stat_node(node)
+                atime = attr.st_atime_ns if fields.update_atime else current.st_atime_ns
+                mtime = attr.st_mtime_ns if fields.update_mtime else current.st_mtime_ns
+            times = (atime, mtime)
+            changes.append("times")
+        if mode is not None or owner is not None or times is not None:
+            self.store.change_meta(node, mode, owner, times)
+        if changes:
+            self.guard.did(ctx, Op.WRITE, node, detail="setattr " + " ".join(changes))
+        attrs = self.replies.node_attrs(node)
+        if keeps_cache:
+            node.cache_stamp = (attrs.st_mtime_ns, attrs.st_size)
+        return attrs
+
+    @_guarded
+    def readlink(self, inode: int, ctx: Any) -> bytes:
+        node = self.store.get(inode)
+        if node.zone is None:
+            raise SandboxError(errno.EINVAL)
+        self.guard.may_read_link(ctx, node)
+        self.replies.changing(node)  # the kernel stops trusting a read link's atime
+        return self.store.readlink(node)
+
+    def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        """Drop what the kernel no longer references. Synchronous on purpose: pyfuse3 awaits
+        only a returned coroutine, and FORGET gets no reply, so there is no errno to map."""
+        for inode, count in inode_list:
+            try:
+                self.store.forget(inode, count)
+                if inode not in self.store.nodes:
+                    self.replies.given.pop(inode, None)
+            except Exception:
+                log.exception("internal error in forget")
+
+    # ----- directories ----------------------------------------------------------------------------
+
+    @_guarded
+    def opendir(self, inode: int, ctx: Any) -> int:
+        node = self.store.get(inode)
+        if not node.is_dir:
+            raise SandboxError(errno.ENOTDIR)
+        self.guard.may_list(ctx, node)
+        fh = self._next_fh
+        self._next_fh += 1
+        self._dirs[fh] = DirHandle(node, None, self.guard.generation, (ctx.pid, ctx.uid, ctx.gid))
+        return fh
+
+    @_guarded
+    def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        handle = self._dirs[fh]
+        node = handle.node
+        if handle.generation != self.guard.generation:
+            if node.zone is not None:
+                self.guard.check_list(_Caller(*handle.caller), node)
+            handle.generation = self.guard.generation
+        if handle.entries is None or start_id == 0:
+            handle.entries = self._dir_entries(node)
+            self.replies.changing(node)  # the kernel stops trusting a listed directory's atime
+        entries = handle.entries
+        replay = node.key is not None and not (
+            node.zone is Zone.WORKERS and node.parent is self.store.root
+        )
+        now = time.monotonic()
+        layer_fds: dict[int, int] = {}  # where each layer's names live, looked up once
+        for index in range(start_id, len(entries)):
+            name, layer, ino, is_dir = entries[index]
+            if name == b".":
+                attrs = dot_attrs(node)
+            elif name == b"..":
+                attrs = dot_attrs(node.parent or node)
+            elif node.zone is None:
+                child = self._virtual_child(node, name)
+                attrs = self.replies.node_attrs(child)
+                if not pyfuse3.readdir_reply(token, name, attrs, index + 1):
+                    return
+                child.lookups += 1
+                continue
+            else:
+                replayed = self.replies.replayed(node, name, ino, is_dir, now) if replay else None
+                if replayed is not None:
+                    if not pyfuse3.readdir_reply(token, name, replayed, index + 1):
+                        self.store.get(replayed.st_ino).lookups -= 1
+                        return
+                    continue
+                try:
+                    fd = layer_fds.get(layer)
+                    if fd is None:
+                        fd = layer_fds[layer] = self.store.child_dir_fd(node, layer)
+                    st = self._entry_stat(node, name, fd, is_dir)
+                except PermissionError:
+                    if not pyfuse3.readdir_reply(
+                        token, name, self.replies.opaque_attrs(), index + 1
+                    ):
+                        return
+                    continue
+                if st is None:
+                    continue
+                child = self.store.remember(node, name, st, layer)
+                attrs = self.replies.attrs(child, st)
+                if not pyfuse3.readdir_reply(token, name, attrs, index + 1):
+                    child.lookups -= 1
+                    return
+                continue
+            if not pyfuse3.readdir_reply(token, name, attrs, index + 1):
+                return
+
+    def _entry_stat(
+        self, node: Node, name: bytes, dir_fd: int, listed_as_dir: bool
+    ) -> StatLike | None:
+        """lstat of a listed entry, or None if it vanished or turned into a directory the
+        guard leaves out of listings since the listing (which checked it with the type it had
+        then).
+
+        PermissionError means the daemon cannot search the directory (no x bit): the caller
+        lists the name without attributes, as getdents does natively.
+        """
+        try:
+            st = self.store.lstat(dir_fd, name)
+        except HiddenEntry:  # became a mount root since the listing
+            return None
+        if st is None:
+            return None
+        if (
+            stat.S_ISDIR(st.st_mode)
+            and not listed_as_dir
+            and not self.guard.listed(node, name, True, st.st_ino)
+        ):
+            return None
+        return st
+
+    def _dir_entries(self, node: Node) -> list[Listed]:
+        dots: list[Listed] = [(b".", 0, 0, True), (b"..", 0, 0, True)]
+        if node.ino == ROOT_INO:
+            zones: list[Listed] = [(name, 0, 0, True) for name in self._zone_names]
+            return dots + zones + [(CONTROL_NAME, 0, 0, True)]
+        if node.ino == CONTROL_INO:
+            return [*dots, (CONTEXT_NAME, 0, 0, False), (GUIDE_NAME, 0, 0, False)]
+        # Names the guard leaves out (Guard.listed: deny-listed ones, only where the level may
+        # not list the zone) are dropped here, before offsets are given, so that the offsets
+        # do not jump where a hidden name was and reveal how many sort before a visible one.
+        return dots + [
+            entry
+            for entry in self.store.list_entries(node)
+            if self.guard.listed(node, entry[0], entry[3], entry[2])
+        ]
+
+    def _virtual_child(self, node: Node, name: bytes) -> Node:
+        if node.ino == ROOT_INO:
+            return self._lookup_root(name)
+        return self._control_child(name)
+
+    def _control_child(self, name: bytes) -> Node:
+        if name == CONTEXT_NAME:
+            return self.store.context
+        if name == GUIDE_NAME:
+            return self.store.guide
+        raise SandboxError(errno.ENOENT)
+
+    def _write_guides(self) -> None:
+        """/.sandboxfs/README as the host side and a program inside `run` read it (the same
+        text, with the mount's own path or /sandbox), from the policy of the current level."""
+        info = self.guard.info
+        self.guides = (
+            guide(self.guard.policy, info, info.mountpoint),
+            guide(self.guard.policy, info),
+        )
+
+    @_guarded
+    def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    @_guarded
+    def fsyncdir(self, fh: int, datasync: bool) -> None:
+        node = self._dirs[fh].node
+        if node.zone is not None and node.key is not None:
+            self.store.fsync_dir(node)
+
+    # ----- files ----------------------------------------------------------------------------------
+
+    @_guarded
+    def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
+        node = self.store.get(inode)
+        accmode = flags & os.O_ACCMODE
+        wants_write = accmode != os.O_RDONLY or bool(flags & os.O_TRUNC)
+        if node.ino == CONTEXT_INO:
+            if wants_write:
+                self.guard.may_write_context(ctx, node)
+            # Not audited: the mount's public description, which `sandboxfs status` and
+            # `mount` read to tell a live mount from a dead one. A process in a PID namespace
+            # of its own (a program of `run`) is not shown the host's paths. Never from the
+            # page cache: the two documents differ.
+            document = self.context_json
+            if not self._host_side(ctx.pid):
+                document = confined_context(self.context_json)
+            return self._new_handle(BlobHandle(document), keep_cache=False, direct_io=True)
+        if node.ino == GUIDE_INO:  # the same, in plain text for the program
+            if wants_write:
+                self.guard.may_write_context(ctx, node)
+            document = self.guides[0] if self._host_side(ctx.pid) else self.guides[1]
+            return self._new_handle(BlobHandle(document), keep_cache=False, direct_io=True)
+        if node.zone is None or node.is_dir:
+            raise SandboxError(errno.EISDIR)
+        self.guard.may_open(ctx, node, read=accmode != os.O_WRONLY, write=wants_write)
+        limits = self.guard.zone_limits(node.zone)
+        old_size = -1
+        if flags & os.O_TRUNC:
+            self.replies.changing(node)
+            if limits.has_quota:
+                old_size = self.store.stat_node(node).st_size
+        fd = self.store.open_file(node, flags & ~_OPEN_STRIP)
+        st = os.stat(fd)
+        if old_size > st.st_size:
+            self.guard.freed(node.zone, old_size - st.st_size, 0)
+        stamp = (st.st_mtime_ns, st.st_size)
+        keep_cache = node.cache_stamp == stamp and not flags & os.O_TRUNC
+        node.cache_stamp = stamp
+        comm = self.guard.process_names.get(ctx.pid)
+        if not wants_write:
+            self.guard.did(ctx, Op.READ, node, comm=comm)
+        handle = FileHandle(fd, node, wants_write, False, ctx.pid, ctx.uid, ctx.gid, comm)
+        handle.sized = limits.sizes_matter
+        handle.read_generation = handle.write_generation = self.guard.generation
+        node.open_fds = (*node.open_fds, fd)
+        return self._new_handle(handle, keep_cache=keep_cache, direct_io=bool(flags & os.O_DIRECT))
+
+    def _host_side(self, pid: int) -> bool:
+        """Whether `pid` shares the daemon's PID namespace (False when that cannot be told)."""
+        try:
+            return os.readlink(f"/proc/{pid}/ns/pid") == self._pid_namespace
+        except OSError:
+            return False
+
+    def _new_handle(
+        self, handle: FileHandle | BlobHandle, keep_cache: bool, direct_io: bool = False
+    ) -> pyfuse3.FileInfo:
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = handle
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=direct_io)
+
+    @_guarded
+    def read(self, fh: int, off: int, size: int) -> bytes:
+        handle = self._handles[fh]
+        if isinstance(handle, BlobHandle):
+            return handle.data[off : off + size]
+        if handle.read_generation != self.guard.generation:
+            self.guard.may_keep(handle, handle.node, True, False, handle.created)
+            handle.read_generation = self.guard.generation
+        self.replies.changing(handle.node)  # the kernel stops trusting a read file's atime
+        return os.pread(handle.fd, size, off)
+
+    @_guarded
+    def write(self, fh: int, off: int, buf: bytes) -> int:
+        handle = self._handles[fh]
+        if not isinstance(handle, FileHandle) or not handle.writable:
+            raise SandboxError(errno.EBADF)
+        if handle.write_generation != self.guard.generation:
+            self.guard.may_keep(handle, handle.node, False, True, handle.created)
+            handle.write_generation = self.guard.generation
+        if handle.node.zone is Zone.STAGED:
+            self._staged_write(handle)
+        self.replies.changing(handle.node)
+        if handle.sized:
+            return self._sized_write(handle, off, buf)
+        with self._as_caller(handle.uid, handle.gid):
+            written = os.pwrite(handle.fd, buf, off)
+        return _wrote(handle, off, written)
+
+    def _staged_write(self, handle: FileHandle) -> None:
+        """A handle may be older than the review that froze its staged commit: every write
+        through it asks the guard again (it alone, of every zone's writes, pays for that).
+
+        The mount runs without the writeback cache, so write(2), O_APPEND, sendfile, the
+        fallbacks of fallocate and copy_file_range (neither is implemented here) and the
+        writeback of a shared mapping all arrive here as WRITE requests."""
+        try:
+            self.guard.may_write_staged(handle, handle.node)
+        except SandboxError:
+            # Pages of a shared mapping the kernel failed to write back stay in its cache as
+            # the program changed them: the next open drops them (keep_cache is False), and
+            # release hands the kernel the file as it is on disk where it can (_release).
+            handle.node.cache_stamp = None
+            handle.partial_pages = True
+            raise
+
+    def _sized_write(self, handle: FileHandle, off: int, buf: bytes) -> int:
+        """A write in a zone with max_file_bytes or a quota: checked and charged first."""
+        old_size = os.fstat(handle.fd).st_size
+        new_size = max(old_size, off + len(buf))
+        self.guard.may_resize(handle, handle.node, old_size, new_size)
+        try:
+            with self._as_caller(handle.uid, handle.gid):
+                written = os.pwrite(handle.fd, buf, off)
+        except BaseException:
+            self.guard.freed(handle.node.zone, new_size - old_size, 0)
+            raise
+        if written < len(buf):
+            self.guard.freed(handle.node.zone, new_size - max(old_size, off + written), 0)
+        return _wrote(handle, off, written)
+
+    async def flush(self, fh: int) -> None:
+        """Writes go straight to the backing file, so there is nothing to flush.
+
+        ENOSYS makes the kernel stop sending FLUSH at all, saving a round trip per close().
+        """
+        raise pyfuse3.FUSEError(errno.ENOSYS)
+
+    @_guarded
+    def fsync(self, fh: int, datasync: bool) -> None:
+        handle = self._handles[fh]
+        if isinstance(handle, FileHandle):
+            (os.fdatasync if datasync else os.fsync)(handle.fd)
+
+    @_guarded
+    def release(self, fh: int) -> None:
+        self._release(fh)
+
+    def release_all(self) -> None:
+        """Close what is still open when the mount stops, auditing writes as release would."""
+        for fh in list(self._handles):
+            try:
+                self._release(fh)
+            except OSError as exc:
+                log.warning("closing handle %d on unmount: %s", fh, exc.strerror)
+        self.guard.close()
+
+    def _release(self, fh: int) -> None:
+        handle = self._handles.pop(fh, None)
+        if not isinstance(handle, FileHandle):
+            return
+        node = handle.node
+        try:
+            node.open_fds = tuple(fd for fd in node.open_fds if fd != handle.fd)
+            stored = None
+            if handle.partial_pages or handle.ragged_end:
+                stored = self._complete_kernel_copy(node, handle.fd)
+            if stored is not None or handle.partial_pages:
+                # Unstored partial pages: the next open drops the kernel's copy, so a reader
+                # fetches whole read-ahead windows rather than one page per request.
+                node.cache_stamp = stored
+            elif handle.writable or handle.created:
+                st = os.stat(handle.fd)
+                node.cache_stamp = (st.st_mtime_ns, st.st_size)
+        finally:
+            os.close(handle.fd)
+        if handle.writable or handle.created:
+            detail = "create" if handle.created else None
+            self.guard.did(
+                handle, Op.WRITE, node, comm=handle.comm, nbytes=handle.bytes_written, detail=detail
+            )
+
+    def _complete_kernel_copy(self, node: Node, fd: int) -> tuple[int, int] | None:
+        """After writes that left pages partly written (`tar` writes 10 KiB records; most files
+        end inside a page), give the kernel the whole file, so that the next reader finds it
+        cached instead of fetching the pages the kernel never marked up to date one request
+        each. Returns the cache stamp, or None if the file was not stored.
+
+        Only when no other handle of the node is open: then no write or read through the mount
+        can be in flight on it, so nothing newer can be overwritten and no page the kernel
+        holds locked while it waits for this daemon can block the store.
+        """
+        if self.kernel_store is None or node.open_fds or node.zone is None:
+            return None
+        if not self.guard.may_cache(node.zone):
+            return None  # nobody may read it here (a create-only zone): nothing to cache
+        whole = self.store.read_whole(fd, _KERNEL_STORE_LIMIT)
+        if whole is None:
+            return None
+        data, st = whole
+        try:
+            self.kernel_store(node.ino, 0, data)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size)
+
+    # ----- creating entries -----------------------------------------------------------------------
+
+    def _own(self, path_fd: int, name: bytes, ctx: Any) -> None:
+        """Give a new entry to the caller, as the kernel would on a local filesystem."""
+        if self.running_as_root and (ctx.uid != 0 or ctx.gid != 0):
+            self.store.give(path_fd, name, ctx.uid, ctx.gid)
+
+    @_guarded
+    def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        parent = self.store.get(parent_inode)
+        zone = self.guard.may_create(ctx, parent, name)
+        self.replies.changing(parent)
+        open_flags = flags & ~(os.O_NOCTTY | os.O_DIRECT)
+        if self.guard.create_only(zone):
+            open_flags |= os.O_EXCL  # never reopen an existing file through "create"
+        try:
+            dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
+            with self._as_caller(ctx.uid, ctx.gid):
+                fd = self.store.create_file(dfd, name, open_flags, stat.S_IMODE(mode) & ~_SUID_SGID)
+        except BaseException as exc:
+            self.guard.freed(zone, 0, 1)
+            err = exc.errno if isinstance(exc, OSError) else None
+            if err in (errno.EEXIST, errno.EISDIR, errno.EXDEV):
+                self._find(ctx, Op.WRITE, parent, name)  # sandboxfs's state, a mount: EACCES
+            if err == errno.EEXIST:
+                self.guard.refuse_existing(ctx, parent, name, zone)
+            if err == errno.EXDEV:  # the name is the root of another mount
+                self.guard.refuse_mount_root(ctx, parent, name, zone)
+            raise
+        try:
+            if self.running_as_root and (ctx.uid != 0 or ctx.gid != 0):
+                os.fchown(fd, ctx.uid, ctx.gid)
+            st = fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        node = self.store.remember(parent, name, st, 0)
+        node.created_here = True
+        self.guard.created(zone, st)
+        node.cache_stamp = (st.st_mtime_ns, st.st_size)
+        node.open_fds = (*node.open_fds, fd)
+        comm = self.guard.process_names.get(ctx.pid)
+        handle = FileHandle(fd, node, True, True, ctx.pid, ctx.uid, ctx.gid, comm)
+        handle.sized = self.guard.zone_limits(zone).sizes_matter
+        handle.read_generation = handle.write_generation = self.guard.generation
+        info = self._new_handle(handle, keep_cache=True, direct_io=bool(flags & os.O_DIRECT))
+        return info, self.replies.attrs(node, st)
+
+    def _make_entry(
+        self,
+        ctx: Any,
+        parent: Node,
+        name: bytes,
+        detail: str,
+        make: Callable[[int], None],
+        mode: int = 0,
+    ) -> pyfuse3.EntryAttributes:
+        """mkdir, symlink and mknod: checks, the backing call as the caller, the new node."""
+        zone = self.guard.may_create(ctx, parent, name, detail, mode)
+        self.replies.changing(parent)
+        try:
+            dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
+            with self._as_caller(ctx.uid, ctx.gid):
+                make(dfd)
+        except BaseException as exc:
+            self.guard.freed(zone, 0, 1)
+            if isinstance(exc, OSError) and exc.errno in (errno.EEXIST, errno.EADDRINUSE):
+                # Only a creation that failed can have met sandboxfs's state or a mount.
+                self._find(ctx, Op.WRITE, parent, name)
+                self.guard.refuse_existing(ctx, parent, name, zone)
+            raise
+        dfd = self.store.child_dir_fd(parent, 0)
+        self._own(dfd, name, ctx)
+        st = self.store.lstat(dfd, name)
+        if st is None:
+            raise SandboxError(errno.ENOENT, "the new entry vanished")
+        node = self.store.remember(parent, name, st, 0)
+        node.created_here = True
+        self.guard.created(zone, st)
+        self.guard.did(ctx, Op.WRITE, node, detail=detail)
+        return self.replies.attrs(node, st)
+
+    @_guarded
+    def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> pyfuse3.EntryAttributes:
+        parent = self.store.get(parent_inode)
+
+        def make(dfd: int) -> None:
+            self.store.make_dir(dfd, name, stat.S_IMODE(mode) & ~_SUID_SGID)
+
+        return self._make_entry(ctx, parent, name, "mkdir", make)
+
+    @_guarded
+    def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: Any
+    ) -> pyfuse3.EntryAttributes:
+        parent = self.store.get(parent_inode)
+
+        def make(dfd: int) -> None:
+            self.store.make_symlink(dfd, name, target)
+
+        return self._make_entry(ctx, parent, name, "symlink", make)
+
+    @_guarded
+    def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any
+    ) -> pyfuse3.EntryAttributes:
+        parent = self.store.get(parent_inode)
+
+        def make(dfd: int) -> None:
+            self.store.make_node(dfd, name, stat.S_IFMT(mode) | (stat.S_IMODE(mode) & ~_SUID_SGID))
+
+        return self._make_entry(ctx, parent, name, "mknod", make, mode)
+
+    @_guarded
+    def link(
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any
+    ) -> pyfuse3.EntryAttributes:
+        node = self.store.get(inode)
+        parent = self.store.get(new_parent_inode)
+        src, dest = node.vpath(), parent.vpath(new_name)
+        self.guard.may_link(ctx, node, parent, new_name)
+        try:
+            self.store.stat_child(parent, new_name, 0)
+        except HiddenEntry as exc:  # never onto sandboxfs's state or another mount
+            raise self.guard.hidden_target(
+                ctx, "link", src, parent.zone, dest, exc.reason
+            ) from None
+        self.replies.changing(node, parent)
+        # Every check and walk with the daemon's identity, as create does: only the link
+        # itself is the caller's (a caller cannot search the state dir above the zone roots).
+        dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
+        src_fd = self.store.link_source(node)
+        with self._as_caller(ctx.uid, ctx.gid):
+            self.store.link(src_fd, node.name, dfd, new_name)
+        st = self.store.lstat(dfd, new_name)
+        if st is None:
+            raise SandboxError(errno.ENOENT, "the new link vanished")
+        self.store.remember(parent, new_name, st, 0)
+        self.guard.did(ctx, "link", node, path=src, dest=dest)
+        return self.replies.attrs(node, st)
+
+    # ----- removing and renaming ------------------------------------------------------------------
+
+    def _removable(
+        self, ctx: Any, parent: Node, name: bytes, op_name: str
+    ) -> tuple[Zone, int, StatLike]:
+        """Checks for deleting parent/name; returns its zone, the backing directory fd and the
+        entry's lstat."""
+        zone = self.guard.may_remove_in(ctx, parent, name, op_name)
+        found = self._find(ctx, Op.DELETE, parent, name)
+        if found is None:
+            raise SandboxError(errno.ENOENT)
+        st, layer = found
+        self.guard.may_remove(ctx, parent, name, stat.S_ISDIR(st.st_mode), layer, op_name)
+        return zone, self.store.child_dir_fd(parent, layer, checked=True), st
+
+    def _remove(self, ctx: Any, parent_inode: int, name: bytes, rmdir: bool) -> None:
+        parent = self.store.get(parent_inode)
+        zone, dfd, st = self._removable(ctx, parent, name, Op.DELETE.value)
+        node = self.store.by_key.get((zone, st.st_dev, st.st_ino))
+        self.replies.changing(parent, node)
+        self.store.remove(dfd, name, rmdir)
+        self.guard.removed(zone, st)
+        if node is not None:
+            self.store.detach(node, parent, name, st.st_nlink - 1 if not rmdir else 0)
+        self.guard.record(
+            Op.DELETE.value,
+            parent.vpath(name),
+            zone,
+            pid=ctx.pid,
+            uid=ctx.uid,
+            detail="rmdir" if rmdir else None,
+        )
+
+    @_guarded
+    def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        self._remove(ctx, parent_inode, name, rmdir=False)
+
+    @_guarded
+    def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        self._remove(ctx, parent_inode, name, rmdir=True)
+
+    @_guarded
+    def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: Any,
+    ) -> None:
+        old_parent = self.store.get(parent_inode_old)
+        new_parent = self.store.get(parent_inode_new)
+        src, dst = old_parent.vpath(name_old), new_parent.vpath(name_new)
+        flags_ok = not flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE)
+        zone = self.guard.may_rename_in(ctx, old_parent, name_old, new_parent, name_new, flags_ok)
+        exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
+        found_old = self._find(ctx, Op.WRITE, old_parent, name_old)
+        if found_old is None:
+            raise SandboxError(errno.ENOENT)
+        src_st, src_layer = found_old
+        self.guard.may_rename_from(ctx, old_parent, name_old, src_layer, dst)
+        self.guard.may_rename_to(ctx, new_parent, name_new)
+        try:
+            dst_st = self.store.stat_child(new_parent, name_new, 0)
+        except HiddenEntry as exc:  # never onto sandboxfs's state or another mount
+            raise self.guard.hidden_target(ctx, "rename", src, zone, dst, exc.reason) from None
+        moving = [(old_parent, name_old, src_st, new_parent, name_new)]
+        if exchange and dst_st is not None:
+            moving.append((new_parent, name_new, dst_st, old_parent, name_old))
+        for parent, name, st, to_parent, to_name in moving:
+            self.guard.may_move(ctx, parent, name, st, to_parent, to_name, src, dst, self._judged)
+        src_fd = self.store.child_dir_fd(old_parent, src_layer, checked=True)
+        dst_fd = self.store.child_dir_fd(new_parent, 0, create=True, checked=True)
+        src_node = self.store.by_key.get((zone, src_st.st_dev, src_st.st_ino))
+        dst_node = self.store.by_key.get((zone, dst_st.st_dev, dst_st.st_ino)) if dst_st else None
+        self.replies.changing(old_parent, new_parent, src_node, dst_node)
+        self.store.rename(src_fd, name_old, dst_fd, name_new, flags)
+        if dst_st is not None and not exchange and dst_st.st_ino != src_st.st_ino:
+            self.guard.removed(zone, dst_st)
+        if dst_node is not None and dst_node is not src_node:
+            if exchange:
+                self.store.moved(dst_node, new_parent, name_new, old_parent, name_old)
+            else:
+                nlink = dst_st.st_nlink - 1 if dst_st and not dst_node.is_dir else 0
+                self.store.detach(dst_node, new_parent, name_new, nlink)
+        if src_node is not None:
+            self.store.moved(src_node, old_parent, name_old, new_parent, name_new)
+            if new_parent.zone is Zone.WORKERS and new_parent.parent is self.store.root:
+                src_node.layer = 0
+        self.guard.record("rename", src, zone, pid=ctx.pid, uid=ctx.uid, dest=dst)
+
+    def _judged(self, parent: Node, name: bytes, expect: tuple[int, int] | None) -> bytes | None:
+        """The content of parent/name for the guard to judge a rename onto git's config
+        (Guard._judge_config). For the file renamed (`expect`: its (st_dev, st_ino)), every
+        open handle stops writing first, so that what is judged is what stays: git closes
+        its config.lock before the rename, and a later write through a handle kept open (or
+        a shared mapping) fails with EBADF."""
+        if expect is not None:
+            for handle in self._handles.values():
+                if isinstance(handle, FileHandle) and handle.writable:
+                    with contextlib.suppress(OSError):
+                        held = os.fstat(handle.fd)
+                        if (held.st_dev, held.st_ino) == expect:
+                            handle.writable = False
+        dir_fd = self.store.child_dir_fd(parent, 0, checked=True)
+        return read_bounded(dir_fd, name, expect)
+
+    # ----- live trust changes (sandboxfs.project.control) ----------------------------------
+
+    def set_trust(self, trust: Trust, pid: int, uid: int, context: Callable[[], bytes]) -> Trust:
+        """Switch the mount to another trust level between two requests; returns the old one.
+        The caller then has the kernel forget what it cached (see kernel_caches)."""
+        old = self.guard.set_trust(trust)
+        self.context_json = context()
+        self._write_guides()
+        self.replies.given.clear()
+        detail = f"{old.value} -> {trust.value}"
+        self.guard.record("trust", None, None, pid=pid, uid=uid, detail=detail)
+        self.guard.audit.try_flush()
+        return old
+
+    def kernel_caches(self) -> tuple[list[int], list[tuple[int, bytes]]]:
+        """Every inode and every name the kernel may hold, for invalidation."""
+        inodes = list(self.store.nodes)
+        names: list[tuple[int, bytes]] = []
+        for node in self.store.nodes.values():
+            if node.parent is not None:
+                names.append((node.parent.ino, node.name))
+            names.extend((parent.ino, name) for parent, name in node.links)
+        return inodes, names
+
+    # ----- extended attributes and statfs ---------------------------------------------------------
+
+    @_guarded
+    def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        if name.startswith(_SECURITY_XATTR_PREFIX):
+            # sandboxfs has no security.* namespace: it never shows or stores labels or file
+            # capabilities (the mount is nosuid). Say so at once, without a policy check that
+            # would audit a phantom denial. The kernel asks for security.capability before
+            # writes and `ls -l` for security.selinux; EOPNOTSUPP rather than ENODATA lets
+            # ls remember the answer for the whole mount instead of asking for every file.
+            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
+        node = self.store.get(inode)
+        if not self.guard.xattrs_visible(ctx, node):
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+        value = self.store.get_xattr(node, name)
+        if value is None:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return value
+
+    @_guarded
+    def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
+        node = self.store.get(inode)
+        if not self.guard.xattrs_visible(ctx, node):
+            return []
+        names = self.store.list_xattrs(node)
+        encoded = (n.encode("utf-8", "surrogateescape") for n in names)
+        return [n for n in encoded if not n.startswith(_SECURITY_XATTR_PREFIX)]
+
+    @_guarded
+    def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
+        node = self._changing_xattr(ctx, inode, name)
+        if not self.store.set_xattr(node, name, value):
+            raise SandboxError(errno.EPERM, "symlinks cannot carry extended attributes")
+        self.guard.did(ctx, Op.WRITE, node, detail=f"setxattr {_text(name)}")
+
+    @_guarded
+    def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
+        node = self._changing_xattr(ctx, inode, name)
+        if not self.store.remove_xattr(node, name):
+            raise SandboxError(pyfuse3.ENOATTR, "symlinks cannot carry extended attributes")
+        self.guard.did(ctx, Op.WRITE, node, detail=f"removexattr {_text(name)}")
+
+    def _changing_xattr(self, ctx: Any, inode: int, name: bytes) -> Node:
+        node = self.store.get(inode)
+        self.guard.may_change_xattr(ctx, node, name)
+        self.replies.changing(node)
+        return node
+
+    @_guarded
+    def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
+        st = self.store.statvfs(Zone.REPO)
+        data = pyfuse3.StatvfsData()
+        for attr in (
+            "f_bsize",
+            "f_frsize",
+            "f_blocks",
+            "f_bfree",
+            "f_bavail",
+            "f_files",
+            "f_ffree",
+            "f_favail",
+            "f_namemax",
+        ):
+            setattr(data, attr, getattr(st, attr))
+        return data
+
+
+def _wrote(handle: FileHandle, off: int, written: int) -> int:
+    """Count a write on its handle, and note pages it left partly written (see _release)."""
+    handle.bytes_written += written
+    if off % _PAGE_SIZE:
+        handle.partial_pages = True
+    elif (off + written) % _PAGE_SIZE:
+        handle.ragged_end = True
+    return written
+
+
+@dataclass(frozen=True, slots=True)
+class _Caller:
+    pid: int
+    uid: int
+    gid: int
+
+
+def _text(name: bytes) -> str:
+    return name.decode("utf-8", "replace")

@@ -1,0 +1,226 @@
+"""The control channel of a mount: a Unix socket the daemon serves for its owner.
+
+Where: `<state root>/control/<daemon pid>.sock` (see audit_anchor.state_root), a directory of
+mode 0700 outside every project, which neither the mount nor a `run` sandbox shows; the socket
+is mode 0600. Who: the credentials of the process that connected (SO_PEERCRED) must be the
+mount's owner's or root's, in the daemon's own PID and user namespaces, so a process inside a
+`run` sandbox is refused even if it could reach the socket.
+
+Protocol (version 1): one request per connection, a JSON object on one line (at most 64 KiB),
+answered by one JSON line. Every request has `"v": 1` and an `"op"`:
+
+    {"v": 1, "op": "status"}                 -> {"v": 1, "ok": true, "trust": ..., "session": ...}
+    {"v": 1, "op": "trust", "trust": LEVEL}  -> {"v": 1, "ok": true, "old": ..., "new": ...}
+
+A refused or malformed request gets `{"v": 1, "ok": false, "error": "..."}`; the daemon stays
+up. Later features (approvals) add ops to the same channel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sandboxfs.audit.anchor import state_root
+from sandboxfs.core.policy import Trust
+from sandboxfs.errors import UserError
+
+VERSION = 1
+MAX_REQUEST = 64 << 10
+_SUN_PATH_MAX = 100
+_UCRED = struct.Struct("3i")
+
+
+def control_dir() -> Path:
+    return state_root() / "control"
+
+
+def socket_path(pid: int) -> Path:
+    return control_dir() / f"{pid}.sock"
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    pid: int
+    uid: int
+    gid: int
+
+
+class BadRequest(Exception):
+    """A request the daemon answers with an error."""
+
+
+def peer_of(sock: socket.socket) -> Peer:
+    pid, uid, gid = _UCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    )
+    return Peer(pid, uid, gid)
+
+
+def refusal(peer: Peer, owner_uid: int) -> str | None:
+    """Why the daemon refuses this peer, or None."""
+    if peer.uid not in (owner_uid, 0):
+        return f"uid {peer.uid} is neither the mount's owner (uid {owner_uid}) nor root"
+    for ns in ("pid", "user"):
+        try:
+            theirs = os.readlink(f"/proc/{peer.pid}/ns/{ns}")
+            ours = os.readlink(f"/proc/self/ns/{ns}")
+        except OSError:
+            return "the requesting process cannot be identified"
+        if theirs != ours:
+            return "the request comes from inside a sandbox (another namespace)"
+    return None
+
+
+def parse_request(data: bytes) -> dict[str, Any]:
+    """The request in `data`, checked; BadRequest with a message otherwise."""
+    try:
+        request = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise BadRequest("the request is not JSON (or nested too deeply)") from None
+    if not isinstance(request, dict):
+        raise BadRequest("the request must be a JSON object")
+    version = request.get("v")
+    if type(version) is not int or version != VERSION:
+        raise BadRequest(
+            f"unsupported protocol version {request.get('v')!r}; this daemon speaks {VERSION}"
+        )
+    op = request.get("op")
+    if op == "status":
+        return {"op": op}
+    if op == "trust":
+        level = request.get("trust")
+        try:
+            trust = Trust(str(level))
+        except ValueError:
+            levels = ", ".join(t.value for t in Trust)
+            raise BadRequest(f"unknown trust level {level!r}; levels: {levels}") from None
+        return {"op": op, "trust": trust}
+    raise BadRequest(f"unknown op {op!r}; ops: status, trust")
+
+
+def reply(ok: bool, **fields: Any) -> bytes:
+    return (json.dumps({"v": VERSION, "ok": ok, **fields}) + "\n").encode()
+
+
+def bind(path: Path) -> socket.socket:
+    """A listening socket at `path` (mode 0600, in a 0700 directory), replacing a stale one."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        path.unlink(missing_ok=True)
+        old = os.umask(0o177)
+        try:
+            _at(path, sock.bind)
+        finally:
+            os.umask(old)
+        sock.listen(8)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def sweep() -> list[Path]:
+    """Remove the sockets that daemons killed without unmounting (kill -9, a crash) left in
+    the control directory; the paths removed.
+
+    Only `<pid>.sock` whose pid is no live process, and that nothing answers on (a daemon in
+    another PID namespace names its socket by a pid this one does not see), is removed; a
+    socket whose pid was reused by another process is left alone.
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(control_dir()))
+    except OSError:
+        return removed
+    for entry in entries:
+        stem, dot, ext = entry.name.partition(".")
+        if not (dot and ext == "sock" and stem.isdigit()) or _alive(int(stem)):
+            continue
+        path = Path(entry.path)
+        if _answered(path):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid is a running process (a zombie is not: a killed daemon whose parent is
+    gone may stay one where nothing reaps orphans)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # another user's process (EPERM)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[:1]
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return state not in ([b"Z"], [b"X"])
+
+
+def _answered(path: Path) -> bool:
+    """Whether something listens on the socket at `path` (never waits)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+        sock.setblocking(False)
+        try:
+            _at(path, sock.connect)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            return True  # EAGAIN: a full backlog, so a live listener; or unknown: keep it
+    return True
+
+
+def request(path: Path, message: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+    """Send one request to the daemon at `path` and return its reply (UserError if none)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+        sock.settimeout(timeout)
+        try:
+            _at(path, sock.connect)
+            sock.sendall((json.dumps({"v": VERSION, **message}) + "\n").encode())
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        except OSError as exc:
+            raise UserError(
+                f"cannot reach the mount's control socket {path}: {exc.strerror or exc}",
+                exit_code=1,
+            ) from None
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        raise UserError(f"the daemon gave no valid answer on {path}", exit_code=1) from None
+    if not isinstance(answer, dict):
+        raise UserError(f"the daemon gave no valid answer on {path}", exit_code=1)
+    return answer
+
+
+def _at(path: Path, call: Any) -> None:
+    """bind/connect to `path`, through its directory's descriptor when the path is longer
+    than a socket address can hold."""
+    if len(os.fsencode(path)) <= _SUN_PATH_MAX:
+        call(os.fsencode(path))
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        call(f"/proc/self/fd/{fd}/{path.name}".encode())
+    finally:
+        os.close(fd)

@@ -1,0 +1,92 @@
+"""The user's git identity, read once outside: what commits made inside `run` and landed
+staged commits carry.
+
+Inside, git sees no global config (the program's HOME is the session's), so without this every
+`git commit` stops with "Author identity unknown". The identity is read from the config files
+as data (`git config --file`, which follows no include and runs nothing): the repository's own
+config first, then the user's global ones, as git itself would pick it. GIT_AUTHOR_* and
+GIT_COMMITTER_* in the caller's environment win, as they do for git.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from sandboxfs.gitquery import rev_parse
+
+IDENTITY_VARIABLES = (
+    "GIT_AUTHOR_NAME",
+    "GIT_AUTHOR_EMAIL",
+    "GIT_COMMITTER_NAME",
+    "GIT_COMMITTER_EMAIL",
+)
+_TIMEOUT = 5.0  # seconds for one `git config --get`
+
+
+def global_configs(environ: Mapping[str, str]) -> list[Path]:
+    """The user's global git config files, in git's order of precedence (strongest first)."""
+    home = environ.get("HOME") or os.path.expanduser("~")
+    xdg = environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config")
+    return [Path(home) / ".gitconfig", Path(xdg) / "git" / "config"]
+
+
+def _get(config: Path, key: str) -> str | None:
+    if not config.is_file():
+        return None
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GIT_CONFIG_NOSYSTEM": "1"}
+    env["GIT_CONFIG_GLOBAL"] = "/dev/null"
+    try:
+        result = subprocess.run(
+            ["git", "config", "--file", str(config), "--get", key],
+            capture_output=True,
+            env=env,
+            timeout=_TIMEOUT,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    value = result.stdout.decode("utf-8", "replace").strip()
+    return value if result.returncode == 0 and value and "\n" not in value else None
+
+
+def configured(configs: Sequence[Path], key: str) -> str | None:
+    """`key` from the first of `configs` that sets it."""
+    for config in configs:
+        value = _get(config, key)
+        if value is not None:
+            return value
+    return None
+
+
+def identity(
+    repo_configs: Sequence[Path], environ: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """GIT_AUTHOR_* and GIT_COMMITTER_* for the user, as far as known (possibly empty)."""
+    configs = [*repo_configs, *global_configs(environ)]
+    name = environ.get("GIT_AUTHOR_NAME") or configured(configs, "user.name")
+    email = environ.get("GIT_AUTHOR_EMAIL") or configured(configs, "user.email")
+    found: dict[str, str] = {}
+    if name:
+        found["GIT_AUTHOR_NAME"] = name
+        found["GIT_COMMITTER_NAME"] = environ.get("GIT_COMMITTER_NAME") or name
+    if email:
+        found["GIT_AUTHOR_EMAIL"] = email
+        found["GIT_COMMITTER_EMAIL"] = environ.get("GIT_COMMITTER_EMAIL") or email
+    return found
+
+
+def project_identity(project: Path, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """identity() for a project: its repository's config (`.git/config`, or the common dir a
+    worktree's .git file leads to) and then the user's."""
+    return identity(_repo_configs(project), environ)
+
+
+def _repo_configs(project: Path) -> list[Path]:
+    lines = rev_parse(project, "--git-common-dir")
+    if lines is None or len(lines) != 1:
+        return []
+    common = Path(lines[0])
+    return [(common if common.is_absolute() else project / common) / "config"]

@@ -1,0 +1,362 @@
+"""What a confined program sees: the bubblewrap command line and the environment of `run`.
+
+Everything here is pure (it reads the host's /etc and / to mirror them, and nothing else), so
+the view can be tested without starting anything. The root of the sandbox is an allowlist, not
+the host's root with holes: the mount at /sandbox, the system read-only (/usr, the /bin and
+/lib* links, /etc without its secrets), and private /tmp, /proc and /dev. Homes, /root, /run,
+/var, /sys, /mnt, /media, the host's /tmp and the real project are simply not there (but for
+what sandboxfs.run.toolchain shows of a home for CMD, read-only: its package or prefix, never more).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import stat
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from sandboxfs.config.inputs import ENV_NAME
+from sandboxfs.core.context import CONFINED_MOUNTPOINT
+
+SANDBOX = CONFINED_MOUNTPOINT  # where the virtual tree is, inside
+GUIDE = f"{SANDBOX}/.sandboxfs/README"  # the mount's plain-text guide (core.context.guide)
+PROXY_ADDRESS = ("127.0.0.1", 3128)  # where the network proxy listens, inside (--net allow)
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+# The host's top-level system paths mirrored read-only (a symlink stays a symlink).
+SYSTEM = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+
+# Entries of /etc left out, as globs on the path below /etc. Passwords and their hashes, host
+# keys, private TLS keys, network and VPN secrets, package-registry and repository credentials.
+ETC_HIDDEN = (
+    "shadow",
+    "shadow-",
+    "gshadow",
+    "gshadow-",
+    ".pwd.lock",
+    "sudoers",
+    "sudoers.d",
+    "security/opasswd",
+    "ssh/*_key",
+    "ssl/private",
+    "pki/tls/private",
+    "NetworkManager/system-connections",
+    "wpa_supplicant",
+    "ppp",
+    "ipsec.secrets",
+    "ipsec.d",
+    "krb5.keytab",
+    "openvpn",
+    "wireguard",
+    "docker",
+    "letsencrypt",
+    "credstore",
+    "credstore.encrypted",
+    "apt/auth.conf",
+    "apt/auth.conf.d",
+    "npmrc",
+    "pip.conf",
+    "netrc",
+    "sandboxfs",
+)
+
+# Variables passed from the caller's environment when set; everything else is dropped unless
+# named with --env.
+ENV_PASSED = ("TERM", "LANG", "LANGUAGE", "TZ", "COLORTERM", "USER", "LOGNAME", "SHELL")
+ENV_PASSED_PREFIXES = ("LC_",)
+
+# The first thing run inside: put CMD's stderr in place (fd 4), tell the supervisor that the
+# sandbox is set up (fd 3), close both, and exec CMD as the leader of a session of its own, so
+# that signals reach its process group and, on a pty, the pty is its controlling terminal
+# (job control). setsid gives the exit codes of `docker run`: 127 when CMD is not found, 126
+# when it cannot be executed.
+LAUNCHER = (
+    "exec 2>&4 4>&-; printf . >&3; exec 3>&- 5>&- 6>&- 8>&-; "
+    'if [ "$1" = tty ]; then shift; exec setsid --ctty -- "$@"; fi; shift; exec setsid -- "$@"'
+)
+SYNC_FD, STDERR_FD, SECCOMP_FD, STATUS_FD = 3, 4, 5, 6
+# bubblewrap reads its options from here (--args), not from its argv: /proc/1/cmdline inside
+# would otherwise show every host path it binds, the user's home among them.
+ARGS_FD = 8
+# (--net none and allow) The sandbox's /etc/resolv.conf, which bubblewrap reads and closes: it
+# names the only nameserver inside, run's stub, which answers nothing and tells the user.
+DNS_FD = 9
+
+
+def system_args(root: Path = Path("/")) -> list[str]:
+    """/usr read-only, and /bin, /lib* as on the host: links where the host has links."""
+    args: list[str] = []
+    for name in SYSTEM:
+        path = root / name
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(path), f"/{name}"]
+        elif path.is_dir():
+            args += ["--ro-bind", str(path), f"/{name}"]
+    return args
+
+
+def etc_args(
+    etc: Path = Path("/etc"),
+    hidden: Sequence[str] = ETC_HIDDEN,
+    resolv_conf: bool = False,
+) -> list[str]:
+    """/etc read-only, with only what every user of the host may read, minus `hidden`.
+
+    A file is shown only when it is world-readable and a directory only when it is
+    world-readable and searchable, whatever its name: a root caller's program is the host's uid
+    0 and would otherwise read root-only files (/etc/default/cacerts, /etc/mysql/debian.cnf).
+    `hidden` names world-readable files that are secret all the same. A directory that holds
+    anything left out is rebuilt entry by entry; the rest is bound whole. Links are recreated as
+    links (/etc/localtime, /etc/mtab); `resolv_conf` binds the file a linked resolv.conf points
+    to (it usually lives under /run, which is not there), for --net host.
+    """
+    args = ["--dir", "/etc"]
+    for rel, kind in _etc_entries(etc, "", hidden):
+        host, inside = etc / rel, f"/etc/{rel}"
+        if kind == "dir":
+            args += ["--dir", inside]
+        elif kind == "link":
+            if rel == "resolv.conf" and resolv_conf and _world_readable(host.resolve()):
+                args += ["--ro-bind", str(host.resolve()), inside]
+            else:
+                args += ["--symlink", os.readlink(host), inside]
+        else:
+            args += ["--ro-bind", str(host), inside]
+    return args
+
+
+def _world_readable(path: Path) -> bool:
+    """A regular file every user may read, or a directory every user may list and enter."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    if stat.S_ISDIR(st.st_mode):
+        return st.st_mode & (stat.S_IROTH | stat.S_IXOTH) == stat.S_IROTH | stat.S_IXOTH
+    return stat.S_ISREG(st.st_mode) and bool(st.st_mode & stat.S_IROTH)
+
+
+def _etc_entries(etc: Path, below: str, hidden: Sequence[str]) -> Iterable[tuple[str, str]]:
+    try:
+        names = sorted(os.listdir(etc / below))
+    except OSError:
+        return
+    for name in names:
+        rel = f"{below}{name}"
+        if any(fnmatch.fnmatchcase(rel, pattern) for pattern in hidden):
+            continue
+        path = etc / rel
+        if path.is_symlink():
+            yield rel, "link"
+        elif not _world_readable(path):
+            continue  # root-only (or a socket, fifo or device): left out
+        elif path.is_dir():
+            if _holds_private(etc, rel, hidden):
+                yield rel, "dir"
+                yield from _etc_entries(etc, rel + "/", hidden)
+            else:
+                yield rel, "bind"
+        else:
+            yield rel, "bind"
+
+
+def _holds_private(etc: Path, rel: str, hidden: Sequence[str]) -> bool:
+    """Whether anything below /etc/`rel` is hidden or not world-readable (links excepted)."""
+    if any(pattern.startswith(rel + "/") for pattern in hidden):
+        return True
+    for top, dirs, files in os.walk(etc / rel):
+        for name in dirs + files:
+            path = Path(top) / name
+            if not path.is_symlink() and not _world_readable(path):
+                return True
+    return False
+
+
+# /proc is the sandbox's own (its PID namespace), but some of it is the host kernel's: the
+# tunables under /proc/sys, the magic SysRq key, IRQ and bus settings. For a root caller the
+# program is the host's uid 0, which is all the kernel checks before such a write, so these are
+# bound read-only over themselves. What shows other users' secrets or kernel internals is
+# covered with an empty file or directory, as container runtimes do.
+PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs", "driver", "pressure", "mtrr")
+PROC_MASKED_FILES = (
+    "kcore", "keys", "key-users", "kmsg", "timer_list", "sched_debug", "latency_stats",
+    "kpagecount", "kpageflags", "kpagecgroup", "kpageidle", "vmallocinfo", "slabinfo",
+    "pagetypeinfo", "iomem", "ioports", "timer_stats", "config.gz",
+)  # fmt: skip
+PROC_MASKED_DIRS = ("acpi", "asound", "scsi", "tty/driver", "sysvipc")
+
+
+def proc_args(proc: Path = Path("/proc")) -> list[str]:
+    """A /proc of the sandbox's own, with the host's kernel knobs read-only or covered."""
+    args = ["--proc", "/proc"]
+    for name in PROC_READ_ONLY:
+        if (proc / name).exists():
+            args += ["--ro-bind", f"/proc/{name}", f"/proc/{name}"]
+    for name in PROC_MASKED_FILES:
+        if (proc / name).exists():
+            args += ["--ro-bind", "/dev/null", f"/proc/{name}"]
+    for name in PROC_MASKED_DIRS:
+        if (proc / name).is_dir():
+            args += ["--tmpfs", f"/proc/{name}", "--remount-ro", f"/proc/{name}"]
+    return args
+
+
+def bwrap_args(
+    *,
+    mountpoint: Path,
+    cwd: str,
+    net: str,
+    root: Path = Path("/"),
+    tools: Sequence[str] = (),
+) -> list[str]:
+    """bubblewrap's options for `run` (handed over on ARGS_FD); `launcher_argv` follows them.
+    `tools`: what sandboxfs.run.toolchain shows of the host for CMD (read-only binds and links,
+    at the same paths), set up last, over the private /tmp.
+
+    Own user, PID, IPC, UTS and cgroup namespaces; no capabilities and no further user
+    namespaces; a new session (no controlling terminal but the one the launcher takes); dies
+    with its parent. The network namespace is the host's (`host`), or the one the supervisor
+    made, loopback only, with its DNS stub (and for `allow` the proxy's listener) in it: bwrap
+    shares it, and /etc/resolv.conf inside is the one run hands over on DNS_FD.
+    """
+    own_network = net != "host"
+    args = [
+        "--unshare-user",
+        "--unshare-ipc",
+        "--unshare-pid",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--disable-userns",
+        "--cap-drop",
+        "ALL",
+        "--die-with-parent",
+        "--new-session",
+        "--hostname",
+        "sandboxfs",
+        "--seccomp",
+        str(SECCOMP_FD),
+        "--json-status-fd",
+        str(STATUS_FD),
+        *system_args(root),
+        *etc_args(
+            root / "etc",
+            hidden=(*ETC_HIDDEN, "resolv.conf") if own_network else ETC_HIDDEN,
+            resolv_conf=not own_network,
+        ),
+        *(
+            ["--perms", "0644", "--ro-bind-data", str(DNS_FD), "/etc/resolv.conf"]
+            if own_network
+            else []
+        ),
+        *proc_args(root / "proc"),
+        "--dev",
+        "/dev",
+        "--perms",
+        "1777",
+        "--tmpfs",
+        "/tmp",
+        "--dir",
+        "/var",
+        "--symlink",
+        "../tmp",
+        "/var/tmp",
+        "--bind",
+        str(mountpoint),
+        SANDBOX,
+        *tools,
+        "--remount-ro",
+        "/",
+        "--chdir",
+        cwd,
+    ]
+    return args
+
+
+def launcher_argv(tty: bool, command: Sequence[str]) -> list[str]:
+    """What bubblewrap runs inside: the launcher, then CMD (the only argv /proc shows)."""
+    return [
+        "/bin/sh",
+        "-c",
+        LAUNCHER,
+        "sandboxfs",
+        "tty" if tty else "pipe",
+        *command,
+    ]
+
+
+def sandbox_env(
+    caller: Mapping[str, str],
+    *,
+    home: str,
+    session: str,
+    trust: str,
+    extra: Mapping[str, str],
+    proxy: bool,
+    path: str = PATH,
+) -> dict[str, str]:
+    """The program's whole environment: a short allowlist of the caller's, then --env.
+    `path`: the system's PATH, after the directories of CMD's toolchain
+    (sandboxfs.run.toolchain)."""
+    env = {"PATH": path, "HOME": home}
+    for name, value in caller.items():
+        if name in ENV_PASSED or name.startswith(ENV_PASSED_PREFIXES):
+            env[name] = value
+    env["SANDBOXFS"] = "1"
+    env["SANDBOXFS_SESSION"] = session
+    env["SANDBOXFS_TRUST"] = trust
+    env["SANDBOXFS_GUIDE"] = GUIDE  # what the program may do here, in a few lines
+    env.update(cache_env(home))
+    if proxy:
+        url = "http://{}:{}".format(*PROXY_ADDRESS)
+        for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+            env[name] = url
+        env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
+    env.update(extra)
+    return env
+
+
+def cache_env(home: str) -> dict[str, str]:
+    """Caches that tools write next to the code, sent to the session's home instead.
+
+    At levels where the repo is read-only, a tool that writes `__pycache__` or `.pytest_cache`
+    beside the sources fails or warns (pytest turns the warning into an error under
+    `filterwarnings = error`). Pointed at `$HOME/.cache`, they work at every level and the
+    project stays as it was. Tools that already cache under `$HOME` (pip, npm, uv) need nothing.
+    `--env` overrides any of these.
+    """
+    cache = f"{home}/.cache"
+    return {
+        "XDG_CACHE_HOME": cache,
+        "PYTHONPYCACHEPREFIX": f"{cache}/pycache",
+        "PYTEST_ADDOPTS": f"-o cache_dir={cache}/pytest",
+        "MYPY_CACHE_DIR": f"{cache}/mypy",
+        "RUFF_CACHE_DIR": f"{cache}/ruff",
+    }
+
+
+def parse_env_option(text: str, caller: Mapping[str, str]) -> tuple[str, str]:
+    """`--env NAME=VALUE`, or `--env NAME` for the caller's own value (which must be set)."""
+    name, sep, value = text.partition("=")
+    if not ENV_NAME.match(name):
+        raise ValueError(
+            f"--env {text!r}: expected NAME or NAME=VALUE with NAME made of letters, digits "
+            f"and '_', not starting with a digit"
+        )
+    if not sep:
+        if name not in caller:
+            raise ValueError(f"--env {name}: {name} is not set in your environment")
+        value = caller[name]
+    return name, value
+
+
+def virtual_cwd(text: str) -> str:
+    """--cwd as a path inside the sandbox: `/repo/src` and `/sandbox/repo/src` are the same."""
+    if not text.startswith("/"):
+        raise ValueError(f"--cwd {text!r}: expected an absolute virtual path such as /repo/src")
+    parts = [p for p in text.split("/") if p and p != "."]
+    if ".." in parts:
+        raise ValueError(f"--cwd {text!r}: '..' is not accepted")
+    if parts[:1] == [SANDBOX.strip("/")]:
+        parts = parts[1:]
+    return "/".join([SANDBOX, *parts])
