@@ -23,16 +23,16 @@ from typing import Any
 
 from sandboxfs.audit.log import AuditLog, AuditQuery, query
 from sandboxfs.config.model import Config
-from sandboxfs.project.layout import (
-    audit_path,
+from sandboxfs.layout import audit_path
+from sandboxfs.project.state import hold
+from sandboxfs.project.zones import check_id as project_check_id
+from sandboxfs.project.zones import (
     config_source,
     hidden_identities,
     make_guard,
     prepare_zones,
     worker_layers,
 )
-from sandboxfs.project.layout import check_id as project_check_id
-from sandboxfs.project.state import hold
 
 from ..core.errors import SandboxError
 from ..core.guard import Guard, MountInfo

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sandboxfs.config.model import Config
-from sandboxfs.project.layout import SESSION_SUBDIRS
+from sandboxfs.project.zones import SESSION_SUBDIRS
 
 from ..core.errors import SandboxError
 from ..core.guard import Guard, MountInfo

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sandboxfs.config.model import Config, defaults, load
-from sandboxfs.project.layout import new_session_id, validate_project
+from sandboxfs.project.zones import new_session_id, validate_project
 
 from ..core.context import context
 from ..core.errors import SandboxError

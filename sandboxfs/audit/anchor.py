@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandboxfs.core.syscalls import write_all
+from sandboxfs.layout import anchors_dir
 
 
 class Key:
@@ -57,24 +58,11 @@ _HEAD_RE = re.compile(rb"head ([0-9]{20}) ([0-9a-f]{64})\n")
 _HEAD_SIZE = len(b"head  \n") + 20 + 64
 
 
-def state_root() -> Path:
-    """The user's own sandboxfs state directory: $SANDBOXFS_STATE_DIR, else
-    $XDG_STATE_HOME/sandboxfs, else ~/.local/state/sandboxfs. Never inside a project, so a
-    program that sees only the project (through a mount) cannot reach what is kept here."""
-    explicit = os.environ.get("SANDBOXFS_STATE_DIR")
-    if explicit:
-        return Path(explicit).absolute()
-    xdg = os.environ.get("XDG_STATE_HOME")
-    if xdg and os.path.isabs(xdg):  # the XDG spec says to ignore a relative one
-        return Path(xdg) / "sandboxfs"
-    return Path.home() / ".local" / "state" / "sandboxfs"
-
-
 def anchor_path(log_path: Path) -> Path:
     """Where the anchor of the log at `log_path` is kept: named by the SHA-256 of the log's
     resolved absolute path, so every mount of a project finds the same one."""
     name = hashlib.sha256(os.fsencode(log_path.resolve())).hexdigest()
-    return state_root() / "anchors" / name
+    return anchors_dir() / name
 
 
 def locate_anchor(log_path: Path) -> tuple[Path | None, str]:

@@ -44,7 +44,8 @@ from sandboxfs.audit import log as audit_mod
 from sandboxfs.cli import subcommands as subcommands_mod
 from sandboxfs.core.policy import BUILTIN_ZONES, Op, Trust
 from sandboxfs.errors import UserError
-from sandboxfs.project.layout import audit_path, validate_project
+from sandboxfs.layout import audit_path
+from sandboxfs.project.zones import validate_project
 
 P = TypeVar("P", bound=argparse.ArgumentParser)
 

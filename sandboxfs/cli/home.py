@@ -27,22 +27,15 @@ import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sandboxfs.audit.anchor import state_root
 from sandboxfs.audit.log import record_now
 from sandboxfs.cli import subcommands
 from sandboxfs.config import user as userconfig
 from sandboxfs.core.policy import Trust
 from sandboxfs.errors import UserError
+from sandboxfs.layout import audit_path, home_dir, state_dir, state_root
 from sandboxfs.project import state
-from sandboxfs.project.layout import (
-    CONFINED_HOME,
-    audit_path,
-    check_id,
-    ensure_home,
-    home_dir,
-    state_dir,
-)
-from sandboxfs.project.layout import validate_project as _validate_project
+from sandboxfs.project.zones import CONFINED_HOME, check_id, ensure_home
+from sandboxfs.project.zones import validate_project as _validate_project
 from sandboxfs.run import toolchain
 from sandboxfs.run.home import plan_seed, seed
 

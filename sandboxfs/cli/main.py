@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from sandboxfs import staging
-from sandboxfs.audit.anchor import state_root
 from sandboxfs.cli import audit as audit_cli
 from sandboxfs.cli import completion, manpage, subcommands
 from sandboxfs.cli import home as home_mod
@@ -32,9 +31,9 @@ from sandboxfs.config import user as userconfig
 from sandboxfs.config.inputs import cut
 from sandboxfs.core.policy import Trust
 from sandboxfs.errors import UserError
+from sandboxfs.layout import state_dir, state_root
 from sandboxfs.project import control, gitdir, state
-from sandboxfs.project import layout as project_mod
-from sandboxfs.project.layout import check_id, find_project, validate_project
+from sandboxfs.project import zones as project_mod
 from sandboxfs.project.mounts import (
     NOT_YOURS,
     MountRequest,
@@ -46,6 +45,7 @@ from sandboxfs.project.mounts import (
     sandboxfs_mounts,
     validate_mountpoint,
 )
+from sandboxfs.project.zones import check_id, find_project, validate_project
 from sandboxfs.run import confine, netproxy, toolchain
 from sandboxfs.run import doctor as doctor_mod
 from sandboxfs.run import supervisor as run_mod
@@ -482,7 +482,7 @@ def _run_toolchain(
 ) -> toolchain.Toolchain:
     """What CMD needs of the host and what the user exposes (sandboxfs.run.toolchain): one line
     and exit 125 for a path that may not be exposed, 127 when CMD cannot run inside."""
-    limits = toolchain.Limits.of(project, [project_mod.state_dir(project), state_root()])
+    limits = toolchain.Limits.of(project, [state_dir(project), state_root()])
     exposed = [(path, f"{userconfig.path()}: expose:") for path in user.expose]
     if profile is not None:
         exposed += [(path, f"--agent {args.agent}: expose:") for path in profile.expose]

@@ -33,8 +33,8 @@ from typing import Any, TypeVar
 from sandboxfs.cli import subcommands as subcommands_mod
 from sandboxfs.config import model as config_mod
 from sandboxfs.errors import UserError
-from sandboxfs.project.layout import validate_project
 from sandboxfs.project.state import finish_interrupted, format_duration, format_size
+from sandboxfs.project.zones import validate_project
 from sandboxfs.staging import (
     Change,
     CommitRefused,

@@ -32,7 +32,6 @@ from sandboxfs.core.policy import Trust, Zone
 from sandboxfs.core.store import (
     CONTEXT_NAME,
     CONTROL_NAME,
-    STATE_DIR_NAME,
     Node,
     Store,
     ensure_dirs,
@@ -41,18 +40,17 @@ from sandboxfs.core.syscalls import CAP_SYS_RESOURCE, drop_effective_capability,
 from sandboxfs.errors import UserError
 from sandboxfs.fuse import request_wait
 from sandboxfs.fuse.operations import SandboxOperations
+from sandboxfs.layout import audit_path, logs_parts, session_dir
 from sandboxfs.project import control
-from sandboxfs.project.layout import (
-    audit_path,
+from sandboxfs.project.mounts import MountRequest, lazy_unmount
+from sandboxfs.project.state import hold
+from sandboxfs.project.zones import (
     config_source,
     hidden_identities,
     make_guard,
     prepare_zones,
-    session_dir,
     worker_layers,
 )
-from sandboxfs.project.mounts import MountRequest, lazy_unmount
-from sandboxfs.project.state import hold
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +79,7 @@ def _identity(node: Node) -> tuple[int, int] | None:
 
 
 def _setup_logging(req: MountRequest) -> None:
-    logs = ensure_dirs(req.project, STATE_DIR_NAME, "logs")
+    logs = ensure_dirs(req.project, *logs_parts())
     stream = open(logs / f"{req.session}.log", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -1,6 +1,6 @@
 """The control channel of a mount: a Unix socket the daemon serves for its owner.
 
-Where: `<state root>/control/<daemon pid>.sock` (see audit_anchor.state_root), a directory of
+Where: `<state root>/control/<daemon pid>.sock` (see sandboxfs.layout.state_root), a directory of
 mode 0700 outside every project, which neither the mount nor a `run` sandbox shows; the socket
 is mode 0600. Who: the credentials of the process that connected (SO_PEERCRED) must be the
 mount's owner's or root's, in the daemon's own PID and user namespaces, so a process inside a
@@ -27,18 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sandboxfs.audit.anchor import state_root
 from sandboxfs.core.policy import Trust
 from sandboxfs.errors import UserError
+from sandboxfs.layout import control_dir
 
 VERSION = 1
 MAX_REQUEST = 64 << 10
 _SUN_PATH_MAX = 100
 _UCRED = struct.Struct("3i")
-
-
-def control_dir() -> Path:
-    return state_root() / "control"
 
 
 def socket_path(pid: int) -> Path:

@@ -22,7 +22,8 @@ from typing import Any
 from sandboxfs.config.model import Config
 from sandboxfs.core.policy import Trust
 from sandboxfs.errors import UserError
-from sandboxfs.project.layout import check_id, new_session_id, session_dir, state_dir
+from sandboxfs.layout import session_dir, sessions_dir, state_dir
+from sandboxfs.project.zones import check_id, new_session_id
 
 FSTYPE = "fuse.sandboxfs"
 DEAD_MOUNT_ERRNOS = (errno.ENOTCONN, errno.ECONNABORTED)
@@ -88,7 +89,7 @@ def choose_session(
 
 def existing_sessions(project: Path, workspace: str) -> list[str]:
     """Session ids of a workspace, most recently used first."""
-    root = state_dir(project) / "workspaces" / workspace / "sessions"
+    root = sessions_dir(project, workspace)
     try:
         entries = [e for e in root.iterdir() if e.is_dir()]
     except OSError:

@@ -1,6 +1,6 @@
 """What a project's state dir (`<project>/.sandbox/`) holds, and trimming it.
 
-The state dir (laid out by sandboxfs.project.layout) holds the audit log (`audit.jsonl`, with its
+The state dir (laid out by sandboxfs.project.zones) holds the audit log (`audit.jsonl`, with its
 `.lock` and `.reserve`), the daemon logs (`logs/<session>.log`), the quota tallies
 (`quota/<zone>-<dev>-<ino>`), and per workspace (`workspaces/<ws>/`) the /workspace zone
 (`workspace/`), every session's /session zone (`sessions/<id>/`), the /staged zone (`staged/`)
@@ -39,14 +39,21 @@ from typing import Any
 from sandboxfs.audit.log import record_now
 from sandboxfs.core.syscalls import fstat
 from sandboxfs.errors import UserError
-from sandboxfs.project.layout import audit_path, check_id, state_dir
+from sandboxfs.layout import (
+    audit_path,
+    log_path,
+    pruning_dir,
+    quota_parts,
+    session_dir,
+    sessions_dir,
+    state_dir,
+    workspaces_dir,
+)
+from sandboxfs.project.zones import check_id
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _DURATION_RE = re.compile(r"^(\d+)([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-# Where a pruned directory is moved before it is deleted (one rename: whatever the deletion
-# meets, the name is gone at once); a later prune finishes what an interrupted one left.
-PRUNING_DIR = ".pruning"
 
 # A live mount: (mountpoint, its context.json), as `sandboxfs status` reads them.
 LiveMount = tuple[str, dict[str, Any]]
@@ -132,11 +139,6 @@ def usage(path: Path) -> Usage:
                 if stat.S_ISDIR(st.st_mode):
                     pending.append(entry.path)
     return found
-
-
-def audit_reserve(project: Path) -> Path:
-    """The space the audit log keeps preallocated for a full disk (sandboxfs.audit.log)."""
-    return audit_path(project).with_suffix(".reserve")
 
 
 def state_dir_bytes(project: Path) -> int:
@@ -236,7 +238,7 @@ class Session:
 
 
 def workspaces(project: Path) -> list[str]:
-    root = state_dir(project) / "workspaces"
+    root = workspaces_dir(project)
     try:
         names = sorted(e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False))
     except OSError:
@@ -252,17 +254,13 @@ def _valid_id(name: str) -> bool:
     return True
 
 
-def log_path(project: Path, session: str) -> Path:
-    return state_dir(project) / "logs" / f"{session}.log"
-
-
 def sessions(
     project: Path, live: Sequence[LiveMount], workspace: str | None = None
 ) -> list[Session]:
     """Every session of the project (of one workspace, if given), last used first."""
     found: list[Session] = []
     for ws in [workspace] if workspace is not None else workspaces(project):
-        root = state_dir(project) / "workspaces" / ws / "sessions"
+        root = sessions_dir(project, ws)
         try:
             names = [e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
         except OSError:
@@ -277,7 +275,7 @@ def sessions(
 def _session(
     project: Path, workspace: str, name: str, live: Sequence[LiveMount], locks: bool = True
 ) -> Session:
-    path = state_dir(project) / "workspaces" / workspace / "sessions" / name
+    path = session_dir(project, workspace, name)
     tree = usage(path)
     log = usage(log_path(project, name))
     created: float | None = None
@@ -354,11 +352,8 @@ def prune_sessions(
             _record(project, session)
             trash = move_to_trash(project, session.path)
         problem = remove_tree(trash)
-        _unlink_quiet(state_dir(project) / "quota" / f"session-{st.st_dev}-{st.st_ino}")
-        if not any(
-            (state_dir(project) / "workspaces" / ws / "sessions" / session.id).exists()
-            for ws in workspaces(project)
-        ):
+        _unlink_quiet(project.joinpath(*quota_parts(), f"session-{st.st_dev}-{st.st_ino}"))
+        if not any(session_dir(project, ws, session.id).exists() for ws in workspaces(project)):
             _unlink_quiet(log_path(project, session.id))
         if problem:
             result.failed.append((session, problem))
@@ -390,7 +385,7 @@ def _record(project: Path, session: Session) -> None:
 def move_to_trash(project: Path, path: Path) -> Path:
     """Rename `path` into the state dir's pruning directory (same file system): from here on
     nothing finds it by its name."""
-    trash = state_dir(project) / PRUNING_DIR
+    trash = pruning_dir(project)
     with contextlib.suppress(FileExistsError):
         os.mkdir(trash, 0o700)
     if trash.is_symlink() or not trash.is_dir():
@@ -402,7 +397,7 @@ def move_to_trash(project: Path, path: Path) -> Path:
 
 def finish_interrupted(project: Path) -> None:
     """Delete what an interrupted prune left in the pruning directory."""
-    trash = state_dir(project) / PRUNING_DIR
+    trash = pruning_dir(project)
     if trash.is_dir() and not trash.is_symlink():
         for entry in os.scandir(trash):
             remove_tree(Path(entry.path))

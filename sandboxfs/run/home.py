@@ -22,7 +22,7 @@ from pathlib import Path
 
 from sandboxfs.core.policy import Trust
 from sandboxfs.errors import UserError
-from sandboxfs.project.layout import (
+from sandboxfs.project.zones import (
     ensure_home,
 )
 from sandboxfs.run import toolchain

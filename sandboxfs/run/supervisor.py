@@ -32,17 +32,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from sandboxfs import layout
 from sandboxfs.audit import log as audit_mod
-from sandboxfs.audit.anchor import state_root
 from sandboxfs.audit.log import AuditLog
 from sandboxfs.config.model import Config
 from sandboxfs.core.policy import Op, Policy, Trust, Zone
 from sandboxfs.core.syscalls import make_undumpable, set_dumpable, write_all
 from sandboxfs.errors import UserError
+from sandboxfs.layout import audit_path
 from sandboxfs.project import gitdir
 from sandboxfs.project.identity import project_identity
-from sandboxfs.project.layout import CONFINED_HOME, HOME_ZONE, audit_path
 from sandboxfs.project.mounts import MountRequest, lazy_unmount, sandboxfs_mounts
+from sandboxfs.project.zones import CONFINED_HOME, HOME_ZONE
 from sandboxfs.run import confine, doctor, home, seccomp
 from sandboxfs.run.netproxy import (
     Allowlist,
@@ -100,7 +101,7 @@ class RunRequest:
 
 def runtime_root() -> Path:
     """Private mountpoints of `run`, in the user's own 0700 state dir (never in a project)."""
-    return state_root() / "run"
+    return layout.run_dir()
 
 
 def _start_time(pid: int) -> str | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandboxfs.audit.log import record_now
-from sandboxfs.project.layout import audit_path
+from sandboxfs.layout import audit_path
 
 from .format import MODE_FILE
 from .git import Git

@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from sandboxfs.audit.log import AuditQuery, query
-from sandboxfs.project.layout import audit_path, check_id, review_dir, state_dir
+from sandboxfs.layout import audit_path, review_dir, review_parts, staged_dir
+from sandboxfs.project.zones import check_id
 
 from ..core.errors import SandboxError
-from ..core.store import STATE_DIR_NAME, ensure_dirs
+from ..core.store import ensure_dirs
 from ..errors import UserError
 from .format import (
     CREATE_FLAGS,
@@ -129,7 +130,7 @@ class Workspace:
     def __init__(self, project: Path, workspace: str) -> None:
         self.project = project
         self.name = check_id("workspace", workspace)
-        self.staged = state_dir(project) / "workspaces" / workspace / "staged"
+        self.staged = staged_dir(project, workspace)
         self.review = review_dir(project, workspace)
         self._sessions: dict[str, tuple[str | None, datetime | None]] | None = None
 
@@ -263,12 +264,9 @@ class Workspace:
 
     def _review_dir(self, commit_id: str) -> Path:
         try:
-            return ensure_dirs(self.project, STATE_DIR_NAME, *self._review_parts(commit_id))
+            return ensure_dirs(self.project, *review_parts(self.name), commit_id)
         except SandboxError as exc:
             raise UserError(f"cannot create the review directory: {exc.reason}", 1) from None
-
-    def _review_parts(self, commit_id: str) -> tuple[str, ...]:
-        return ("workspaces", self.name, "review", commit_id)
 
     def read_state(self, commit_id: str) -> dict[str, Any] | None:
         path = self.review / commit_id / "state.json"

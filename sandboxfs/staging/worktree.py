@@ -10,7 +10,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from sandboxfs.project.layout import hidden_identities
+from sandboxfs.project.zones import hidden_identities
 
 from ..core.syscalls import write_all
 from .format import CREATE_FLAGS, DIR_FLAGS, MODE_EXEC, MODE_FILE, READ_FLAGS, kind_of

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from sandboxfs.cli import main as cli
-from sandboxfs.project.layout import session_dir
+from sandboxfs.layout import session_dir
 from tests.conftest import SANDBOXFS, force_unmount, make_project
 
 TIME_LIMIT = 10.0  # seconds: each answer comes in well under one
@@ -275,7 +275,7 @@ def test_failed_mount_leaves_no_new_session(
     """The daemon lays out the session, then fusermount3 refuses: the session goes again."""
     from sandboxfs.errors import UserError
     from sandboxfs.fuse import daemon
-    from sandboxfs.project import layout as project_mod
+    from sandboxfs.project import zones as project_mod
     from sandboxfs.project.mounts import MountRequest
 
     project = make_project(tmp_path)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from sandboxfs.api import Sandbox, SandboxAPIError
-from sandboxfs.project.layout import find_project, state_dir
+from sandboxfs.layout import state_dir
+from sandboxfs.project.zones import find_project
 from tests.conftest import SANDBOXFS
 from tests.integration.test_run import TIMEOUT, nothing_left_behind, sbx  # noqa: F401
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from sandboxfs.project import control
+from sandboxfs.layout import control_dir
 from tests.conftest import SANDBOXFS, Mount, assert_one_line_error, sandboxfs, sh, wait_until
 
 PY = "/usr/bin/python3"  # the system's: readable by nobody and present inside a run sandbox
@@ -474,7 +474,7 @@ except OSError as exc:
 
 @needs_bwrap
 def test_the_control_socket_is_unreachable_from_inside_a_run(project: Path) -> None:
-    probe = [PY, "-c", REACH, str(control.control_dir() / "{pid}.sock")]
+    probe = [PY, "-c", REACH, str(control_dir() / "{pid}.sock")]
     result = subprocess.run(
         [*SANDBOXFS, "run", "--project", str(project), "--trust", "full", "--quiet", "--", *probe],
         stdin=subprocess.DEVNULL,

@@ -45,7 +45,7 @@ from sandboxfs.api import (
 from sandboxfs.audit.log import AuditLog, verify
 from sandboxfs.config.model import DEFAULT_PERMISSIONS, load
 from sandboxfs.core.policy import BUILTIN_ZONES, Trust
-from sandboxfs.project.layout import audit_path
+from sandboxfs.layout import audit_path
 
 ROOT = Path(__file__).resolve().parents[2]
 ZONES = [zone.value for zone in BUILTIN_ZONES]

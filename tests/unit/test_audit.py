@@ -30,7 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sandboxfs.audit.log as audit_mod
-from sandboxfs.audit.anchor import Anchor, anchor_path, state_root
+from sandboxfs.audit.anchor import Anchor, anchor_path
 from sandboxfs.audit.log import (
     GENESIS,
     TAMPER_OP,
@@ -44,6 +44,7 @@ from sandboxfs.audit.log import (
     verify,
 )
 from sandboxfs.fuse import daemon
+from sandboxfs.layout import state_root
 
 T0 = datetime(2026, 11, 22, 8, 0, tzinfo=UTC)
 

@@ -48,14 +48,15 @@ LAYERS: dict[str, set[str]] = {
     "core": set(),
     "errors": set(),
     "gitquery": set(),
-    "audit": {"core", "errors"},
-    "config": {"core", "errors", "gitquery"},
-    "project": {"core", "errors", "gitquery", "audit", "config"},
-    "staging": {"core", "errors", "audit", "project"},
-    "api": {"core", "errors", "audit", "config", "project", "staging"},
-    "fuse": {"core", "errors", "audit", "config", "project"},
-    "run": {"core", "errors", "audit", "config", "project", "fuse"},
-    "cli": {"core", "errors", "audit", "config", "project", "staging", "fuse", "run"},
+    "layout": {"core"},
+    "audit": {"core", "errors", "layout"},
+    "config": {"core", "errors", "layout", "gitquery"},
+    "project": {"core", "errors", "layout", "gitquery", "audit", "config"},
+    "staging": {"core", "errors", "layout", "audit", "project"},
+    "api": {"core", "errors", "layout", "audit", "config", "project", "staging"},
+    "fuse": {"core", "errors", "layout", "audit", "config", "project"},
+    "run": {"core", "errors", "layout", "audit", "config", "project", "fuse"},
+    "cli": {"core", "errors", "layout", "audit", "config", "project", "staging", "fuse", "run"},
     "__init__": {"api", "core", "errors"},
     "__main__": {"cli"},
 }
@@ -100,7 +101,7 @@ from sandboxfs.core.errors import SandboxError
 from sandboxfs.core.guard import Guard, MountInfo
 from sandboxfs.core.policy import Trust, Zone
 from sandboxfs.core.store import Store
-from sandboxfs.project.layout import make_guard, prepare_zones
+from sandboxfs.project.zones import make_guard, prepare_zones
 
 project = Path({str(tmp_path)!r})
 config = defaults()

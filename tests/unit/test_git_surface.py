@@ -25,7 +25,7 @@ from sandboxfs.core.policy import (
     in_git_dir,
 )
 from sandboxfs.core.store import ZONE_INO
-from sandboxfs.project.layout import protected_patterns
+from sandboxfs.project.zones import protected_patterns
 from sandboxfs.staging.paths import path_problem
 
 from .test_operations import CTX, Harness, fails, make, no_mounts_left_behind

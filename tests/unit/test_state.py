@@ -12,8 +12,8 @@ import pytest
 
 from sandboxfs.api import Sandbox, SandboxSetupError
 from sandboxfs.errors import UserError
+from sandboxfs.layout import session_dir
 from sandboxfs.project import state
-from sandboxfs.project.layout import session_dir
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from sandboxfs.config import user as userconfig
 from sandboxfs.config.model import load
 from sandboxfs.core.policy import Op, Trust, Zone
 from sandboxfs.errors import UserError
-from sandboxfs.project.layout import HOME_ZONE, prepare_zones, with_home
+from sandboxfs.project.zones import HOME_ZONE, prepare_zones, with_home
 from sandboxfs.run import confine, netproxy, toolchain
 
 

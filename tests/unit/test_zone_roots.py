@@ -19,7 +19,7 @@ from sandboxfs.core.errors import SandboxError
 from sandboxfs.core.policy import Zone
 from sandboxfs.core.store import Store
 from sandboxfs.errors import UserError
-from sandboxfs.project.layout import (
+from sandboxfs.project.zones import (
     project_zone_dirs,
     protected_patterns,
     worker_layers,

@@ -13,7 +13,7 @@ import stat
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 
-from sandboxfs.audit.anchor import state_root
+from sandboxfs import layout
 from sandboxfs.config.inputs import shown
 from sandboxfs.config.model import PROJECT_CONFIG_NAME, Config, ZoneConfig, git_surface_protect
 from sandboxfs.core.context import CONFINED_MOUNTPOINT
@@ -24,6 +24,7 @@ from sandboxfs.core.policy import BUILTIN_ZONES, Policy, Trust, Zone, fold
 from sandboxfs.core.secrets import KeyScanner, StoreContents
 from sandboxfs.core.store import STATE_DIR_NAME, Store, ensure_dirs
 from sandboxfs.errors import UserError
+from sandboxfs.layout import review_dir, state_dir, state_root
 from sandboxfs.project.gitdir import git_dir_zones
 
 SESSION_SUBDIRS = ("inputs", "working", "outputs", "home")
@@ -67,23 +68,6 @@ def hidden_identities(project: Path, mountpoint: Path | None = None) -> set[tupl
     return hidden
 
 
-def state_dir(project: Path) -> Path:
-    return project / STATE_DIR_NAME
-
-
-def audit_path(project: Path) -> Path:
-    return state_dir(project) / "audit.jsonl"
-
-
-def session_dir(project: Path, workspace: str, session: str) -> Path:
-    return state_dir(project) / "workspaces" / workspace / "sessions" / session
-
-
-def home_dir(project: Path, workspace: str, trust: Trust) -> Path:
-    """The persistent home of `run` programs of `workspace` at `trust` (see HOME_ZONE)."""
-    return state_dir(project) / "workspaces" / workspace / "homes" / trust.value
-
-
 class HomeZoneConfig(ZoneConfig):
     """The home zone `run` adds to a mount's config (never read from a file: a project's
     zones are ZoneConfig). Its directory is made in the state dir by prepare_zones."""
@@ -97,7 +81,7 @@ def with_home(config: Config, project: Path, workspace: str, trust: Trust) -> Co
             f"shows the program's home ({CONFINED_HOME}); rename that zone"
         )
     home = HomeZoneConfig(
-        path=str(home_dir(project, workspace, trust)),
+        path=str(layout.home_dir(project, workspace, trust.value)),
         permissions={level: "rwld" for level in Trust},
     )
     return config.model_copy(update={"zones": {**config.zones, HOME_ZONE: home}})
@@ -106,9 +90,7 @@ def with_home(config: Config, project: Path, workspace: str, trust: Trust) -> Co
 def ensure_home(project: Path, workspace: str, trust: Trust) -> Path:
     """Create the home of `workspace` at `trust` (without following a link on the way)."""
     try:
-        return ensure_dirs(
-            project, STATE_DIR_NAME, "workspaces", workspace, "homes", trust.value, mode=0o700
-        )
+        return ensure_dirs(project, *layout.home_parts(workspace, trust.value), mode=0o700)
     except SandboxError as exc:
         raise UserError(f"cannot create the state dir: {exc.reason}") from None
     except OSError as exc:
@@ -178,7 +160,7 @@ def _has_state(directory: Path) -> bool:
     state = directory / STATE_DIR_NAME
     if state.is_symlink() or not state.is_dir():
         return False
-    return (state / "workspaces").is_dir() or (state / "audit.jsonl").is_file()
+    return layout.workspaces_dir(directory).is_dir() or layout.audit_path(directory).is_file()
 
 
 def worker_layers(project: Path) -> list[Path]:
@@ -324,20 +306,19 @@ def prepare_zones(
     """Create the state dir's zone directories for a session and return every zone's
     backing directory (the built-in ones but /workers, and the project's)."""
     zone_dirs = project_zone_dirs(project, config, source)
-    ws = ("workspaces", workspace)
     try:
         _ignore_in_git(ensure_dirs(project, STATE_DIR_NAME))
-        session_path = ensure_dirs(project, STATE_DIR_NAME, *ws, "sessions", session)
+        session_path = ensure_dirs(project, *layout.session_parts(workspace, session))
         for name in SESSION_SUBDIRS:
             ensure_dirs(session_path, name, mode=0o755)
-        workspace_path = ensure_dirs(project, STATE_DIR_NAME, *ws, "workspace")
+        workspace_path = ensure_dirs(project, *layout.workspace_parts(workspace), "workspace")
         for sub in (("cache", "web"), ("cache", "pdfs"), ("cache", "attachments"), ("data",)):
             ensure_dirs(workspace_path, *sub, mode=0o755)
-        staged = ensure_dirs(project, STATE_DIR_NAME, *ws, "staged")
+        staged = ensure_dirs(project, *layout.staged_parts(workspace))
         home = config.zones.get(HOME_ZONE)
         if isinstance(home, HomeZoneConfig):
             level = Path(home.path).name
-            made = ensure_dirs(project, STATE_DIR_NAME, *ws, "homes", level, mode=0o700)
+            made = ensure_dirs(project, *layout.home_parts(workspace, level), mode=0o700)
             if made != Path(home.path):
                 raise UserError(f"the home {home.path} is not one of workspace {workspace}")
             zone_dirs[Zone(HOME_ZONE)] = made
@@ -416,7 +397,7 @@ def make_guard(
             if zone_limits.has_quota and zone_limits.quota is not None:
                 root = store.zone_roots[zone]
                 assert root.key is not None
-                quotas = ensure_dirs(project, STATE_DIR_NAME, "quota")
+                quotas = ensure_dirs(project, *layout.quota_parts())
                 path = quotas / f"{zone.value}-{root.key[1]}-{root.key[2]}"
                 tallies[zone] = Tally(zone.value, zone_limits.quota, path, _usage(store, zone))
     guard = Guard(
@@ -450,12 +431,6 @@ def zone_roots_in_repo(project: Path, dirs: Mapping[Zone, Path]) -> dict[str, st
             what = f"holds the directory of zone {zone.value} ({rel})"
             pinned.setdefault(fold(above.as_posix()), what)
     return pinned
-
-
-def review_dir(project: Path, workspace: str) -> Path:
-    """Where the user's review of staged commits is kept (sandboxfs.staging): beside the
-    staged zone's directory, in no zone."""
-    return state_dir(project) / "workspaces" / workspace / "review"
 
 
 def _under_review(review: Path) -> Callable[[str], bool]:
