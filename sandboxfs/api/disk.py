@@ -39,7 +39,7 @@ from ..core.guard import Guard, MountInfo
 from ..core.policy import Trust, Zone
 from ..core.store import Node, StatLike, Store
 from ..core.syscalls import fstat, write_all
-from ..errors import UserError
+from ..errors import SandboxfsError
 
 _READ_CHUNK = 1 << 20
 
@@ -52,7 +52,7 @@ def check_id(kind: str, value: str) -> str:
         raise TypeError(f"{kind} must be a str, not {type(value).__name__}")
     try:
         return project_check_id(kind, value)
-    except UserError as exc:
+    except SandboxfsError as exc:
         raise ValueError(exc.message) from None
 
 

@@ -35,7 +35,7 @@ from ..core.errors import SandboxError
 from ..core.guard import Guard
 from ..core.policy import ZONE_ROOT_REASON, Decision, Op, Trust, Zone
 from ..core.store import FIRST_DYNAMIC_INO, HiddenEntry, Node, StatLike
-from ..errors import UserError
+from ..errors import SandboxfsError
 from . import tools as tool_defs
 from .arguments import (
     Call,
@@ -76,8 +76,8 @@ def _in_repo(path: str | None) -> bool:
     return path is not None and (path == "/repo" or path.startswith("/repo/"))
 
 
-def _setup_error(exc: UserError | SandboxError | OSError) -> SandboxSetupError:
-    if isinstance(exc, UserError):
+def _setup_error(exc: SandboxfsError | SandboxError | OSError) -> SandboxSetupError:
+    if isinstance(exc, SandboxfsError):
         message = exc.message
     elif isinstance(exc, SandboxError):
         message = exc.reason or os.strerror(exc.errno)
@@ -137,14 +137,14 @@ class Sandbox:
             root = validate_project(Path(project), discover=False)
             config_file = Path(config).absolute() if config is not None else None
             loaded = load(root, config_file)
-        except UserError as exc:
+        except SandboxfsError as exc:
             raise _setup_error(exc) from None
         level = as_trust(trust, loaded.default_trust)
         try:
             backend, guard, audit = open_disk(
                 root, loaded, config_file, level, workspace, session_id, audit_sync
             )
-        except (UserError, SandboxError, OSError) as exc:
+        except (SandboxfsError, SandboxError, OSError) as exc:
             raise _setup_error(exc) from None
         return cls(backend, guard, audit, lambda: read_entries(root, session_id, workspace), root)
 

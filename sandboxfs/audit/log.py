@@ -48,7 +48,7 @@ from sandboxfs.audit.anchor import (
     read_anchor,
 )
 from sandboxfs.core.syscalls import write_all
-from sandboxfs.errors import UserError
+from sandboxfs.errors import Failure
 
 log = logging.getLogger(__name__)
 _MAX_QUEUED = 100_000
@@ -1485,6 +1485,4 @@ def record_now(
         finally:
             log.close()
     except OSError as exc:
-        raise UserError(
-            f"cannot write the audit log {path}: {exc.strerror}{nothing_done}", exit_code=1
-        ) from None
+        raise Failure(f"cannot write the audit log {path}: {exc.strerror}{nothing_done}") from None

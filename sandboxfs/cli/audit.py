@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 from sandboxfs.audit import log as audit_mod
 from sandboxfs.cli import subcommands as subcommands_mod
 from sandboxfs.core.policy import BUILTIN_ZONES, Op, Trust
-from sandboxfs.errors import UserError
+from sandboxfs.errors import Failure
 from sandboxfs.layout import audit_path
 from sandboxfs.project.zones import validate_project
 
@@ -254,7 +254,7 @@ def _verify(args: argparse.Namespace, path: Path) -> int:
     result = audit_mod.verify(path)
     # No log and no anchor that says otherwise: nothing was ever written, so nothing to verify.
     if not result.ok and not result.keyed and not path.exists():
-        raise UserError(_no_log(path), exit_code=1)
+        raise Failure(_no_log(path))
     print(result.message)
     return 0 if result.ok else 1
 

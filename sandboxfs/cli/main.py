@@ -30,7 +30,14 @@ from sandboxfs.config import model as config_mod
 from sandboxfs.config import user as userconfig
 from sandboxfs.config.inputs import cut
 from sandboxfs.core.policy import Trust
-from sandboxfs.errors import UserError
+from sandboxfs.errors import (
+    CannotExecute,
+    Failure,
+    NotRunnable,
+    SandboxfsError,
+    SetupError,
+    UserError,
+)
 from sandboxfs.layout import state_dir, state_root
 from sandboxfs.project import control, gitdir, state
 from sandboxfs.project import zones as project_mod
@@ -51,6 +58,8 @@ from sandboxfs.run import doctor as doctor_mod
 from sandboxfs.run import supervisor as run_mod
 
 UNMOUNT_WAIT = 10.0
+EXIT_CANNOT_EXECUTE = 126  # as `docker run`
+EXIT_NOT_FOUND = 127
 
 
 class _Parser(argparse.ArgumentParser):
@@ -348,7 +357,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
             serve(req, announce)
             return 0
         return _spawn_daemon(req, resumed)
-    except UserError:
+    except SandboxfsError:
         if not resumed:  # a session that never served is not left behind
             discard_new_session(project, workspace, session)
         raise
@@ -500,7 +509,7 @@ def _run_toolchain(
                 tools=tools,
                 strict=False,
             )
-        except toolchain.NotRunnable as exc:
+        except NotRunnable as exc:
             if not args.quiet:
                 print(f"sandboxfs: warning: --agent {args.agent}: {exc.message}", file=sys.stderr)
     return toolchain.resolve(
@@ -531,20 +540,18 @@ def cmd_umount(args: argparse.Namespace) -> int:
     context = read_context(mountpoint, timeout=2.0)
     owner = mount_owner(str(mountpoint))
     if context == NOT_YOURS and not args.force:
-        raise UserError(
+        raise Failure(
             f"{args.mountpoint} is {_user_name(owner)}'s mount, in use by them; "
             + (
                 "to unmount it anyway: sandboxfs umount --force " + str(args.mountpoint)
                 if os.geteuid() == 0
                 else "only they (or root, with --force) can unmount it"
-            ),
-            exit_code=1,
+            )
         )
     if context == "unresponsive" and not args.lazy:
-        raise UserError(
+        raise Failure(
             f"{args.mountpoint} does not answer (its daemon is alive but hung or very busy); "
-            f"detach it now with: sandboxfs umount --lazy {args.mountpoint}",
-            exit_code=1,
+            f"detach it now with: sandboxfs umount --lazy {args.mountpoint}"
         )
     dead = context == "dead"
     lazy = dead or args.lazy
@@ -553,13 +560,12 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if result.returncode != 0:
         detail = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"
         if "busy" in detail.lower():
-            raise UserError(
+            raise Failure(
                 f"{args.mountpoint} is busy: processes still use it (see: fuser -vm "
                 f"{args.mountpoint}); close them, or detach it now with: "
-                f"sandboxfs umount --lazy {args.mountpoint}",
-                exit_code=1,
+                f"sandboxfs umount --lazy {args.mountpoint}"
             )
-        raise UserError(f"cannot unmount {args.mountpoint}: {detail}", exit_code=1)
+        raise Failure(f"cannot unmount {args.mountpoint}: {detail}")
     pid = context.get("pid") if isinstance(context, dict) else None
     if isinstance(pid, int):
         _wait_for_exit(pid, UNMOUNT_WAIT)
@@ -690,12 +696,12 @@ def cmd_trust(args: argparse.Namespace) -> int:
     context = read_context(mountpoint, timeout=5.0)
     if not isinstance(context, dict):
         why = "it is another user's mount" if context == NOT_YOURS else f"it is {context}"
-        raise UserError(f"cannot change the trust level of {args.mountpoint}: {why}", exit_code=1)
+        raise Failure(f"cannot change the trust level of {args.mountpoint}: {why}")
     levels = list(Trust)
     current, wanted = Trust(str(context.get("trust"))), args.trust
     promote = args.command == "promote"
     if wanted == current:
-        raise UserError(f"{args.mountpoint} is at trust level {current.value} already", exit_code=1)
+        raise Failure(f"{args.mountpoint} is at trust level {current.value} already")
     if (levels.index(wanted) > levels.index(current)) != promote:
         other = "demote" if promote else "promote"
         raise UserError(
@@ -709,7 +715,7 @@ def cmd_trust(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(answer))
     if not answer.get("ok"):
-        raise UserError(f"the daemon refused: {answer.get('error')}", exit_code=1)
+        raise Failure(f"the daemon refused: {answer.get('error')}")
     if not args.json:
         print(f"{args.mountpoint}: trust {answer.get('old')} -> {answer.get('new')}")
     return 0
@@ -722,7 +728,7 @@ def _pending_staged(context: dict[str, Any]) -> int | None:
         return None
     try:
         return len(staging.pending(Path(project), workspace))
-    except (OSError, UserError):
+    except (OSError, SandboxfsError):
         return None
 
 
@@ -770,16 +776,27 @@ COMMANDS = {
 }
 
 
+def exit_code(exc: SandboxfsError, run: bool) -> int:
+    """The one place an error's kind becomes an exit code: 2 for bad input, 1 for a failure;
+    `run` answers as `docker run` does: 125 when the sandbox could not be set up or the
+    input was bad (the program never ran), 126 and 127 when the program cannot run."""
+    if isinstance(exc, CannotExecute):
+        return EXIT_CANNOT_EXECUTE
+    if isinstance(exc, NotRunnable):
+        return EXIT_NOT_FOUND
+    if isinstance(exc, SetupError) or (run and isinstance(exc, UserError)):
+        return run_mod.EXIT_SETUP
+    return 2 if isinstance(exc, UserError) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
-    except UserError as exc:
+    except SandboxfsError as exc:
         print(f"sandboxfs: {exc.message}", file=sys.stderr)
-        if exc.exit_code == 2 and argv[:1] == ["run"]:
-            return run_mod.EXIT_SETUP  # as `docker run`: 125 for its own errors
-        return exc.exit_code
+        return exit_code(exc, argv[:1] == ["run"])
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

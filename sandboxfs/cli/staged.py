@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from sandboxfs.cli import subcommands as subcommands_mod
 from sandboxfs.config import model as config_mod
-from sandboxfs.errors import UserError
+from sandboxfs.errors import Failure, SandboxfsError, UserError
 from sandboxfs.project.state import finish_interrupted, format_duration, format_size
 from sandboxfs.project.zones import validate_project
 from sandboxfs.staging import (
@@ -235,7 +235,7 @@ def _repo(ws: Workspace, need_git: bool) -> RepoState:
 def _git_or_none(project: Path) -> Git | None:
     try:
         return Git.find(project)
-    except UserError:
+    except SandboxfsError:
         return None
 
 
@@ -314,7 +314,7 @@ def _frozen(args: argparse.Namespace, ws: Workspace, repo: RepoState) -> Review:
     commit_id = ws.require(args.commit_id)
     review = ws.freeze(commit_id, repo.git)
     if review.tree is None:
-        raise UserError(f"staged commit {commit_id}: {review.error}", exit_code=1)
+        raise Failure(f"staged commit {commit_id}: {review.error}")
     return review
 
 
@@ -620,7 +620,7 @@ def _commit(args: argparse.Namespace, ws: Workspace) -> int:
             landed = land(
                 review, repo, message=args.message, branch=args.branch, expect=args.expect
             )
-        except UserError as exc:  # git failed: nothing was moved, but it is recorded
+        except SandboxfsError as exc:  # git failed: nothing was moved, but it is recorded
             why = exc.message
             record(ws, commit_id, review.session, f"commit refused: {why}", False, why)
             raise

@@ -37,7 +37,7 @@ from sandboxfs.core.store import (
     ensure_dirs,
 )
 from sandboxfs.core.syscalls import CAP_SYS_RESOURCE, drop_effective_capability, make_undumpable
-from sandboxfs.errors import UserError
+from sandboxfs.errors import KINDS, Failure, SandboxfsError
 from sandboxfs.fuse import request_wait
 from sandboxfs.fuse.operations import SandboxOperations
 from sandboxfs.layout import audit_path, logs_parts, session_dir
@@ -110,43 +110,77 @@ def serve(
     # Writes for callers are charged to them (see SandboxOperations._as_caller); a root
     # daemon that kept CAP_SYS_RESOURCE would let them use root's reserve and pass quotas.
     drop_effective_capability(CAP_SYS_RESOURCE)
-    store = prepare_store(req)
-    try:  # the session is in use while this daemon serves it (see sandboxfs.project.state)
+    with contextlib.ExitStack() as stack:  # the one way down, from wherever setup stopped
+        mounted = False
+
+        def unmounted() -> None:
+            if mounted:
+                log.info("unmounted %s", req.mountpoint)
+                if after is not None:
+                    after()
+
+        stack.callback(unmounted)
+        store = prepare_store(req)
+        stack.callback(store.close)
+        # The session is in use while this daemon serves it (see sandboxfs.project.state).
         session_root = store.zone_roots[Zone.SESSION]
         in_use = hold(session_dir(req.project, req.workspace, req.session), _identity(session_root))
-    except BaseException:
-        store.close()
-        raise
-    _setup_logging(req)
-    audit = AuditLog(audit_path(req.project), sync=req.audit_sync or req.config.audit.sync)
-    pid = os.getpid()
-    control_path = control.socket_path(pid)
-    info = MountInfo(
-        req.session,
-        req.workspace,
-        str(req.project),
-        str(req.mountpoint),
-        req.command,
-        control=str(control_path),
-    )
-    try:
+        stack.callback(os.close, in_use)
+        _setup_logging(req)
+        audit = stack.enter_context(
+            contextlib.closing(
+                AuditLog(audit_path(req.project), sync=req.audit_sync or req.config.audit.sync)
+            )
+        )
+        pid = os.getpid()
+        control_path = control.socket_path(pid)
+        info = MountInfo(
+            req.session,
+            req.workspace,
+            str(req.project),
+            str(req.mountpoint),
+            req.command,
+            control=str(control_path),
+        )
         guard = make_guard(req.project, req.config, req.config_file, req.trust, info, store, audit)
         control.sweep()  # what daemons killed before they could unmount left behind
-        listener = control.bind(control_path)
-    except BaseException:
-        audit.close()
-        store.close()
-        os.close(in_use)
-        raise
-    ops = SandboxOperations(
-        store,
-        guard,
-        entry_timeout=req.config.cache.entry_timeout,
-        attr_timeout=req.config.cache.attr_timeout,
-        context_json=context_document(guard.policy, info, os.getpid(), guard.limits),
-    )
-    if req.debug:
-        _log_requests(ops)
+        listener = stack.enter_context(control.bind(control_path))
+        stack.callback(control_path.unlink, missing_ok=True)
+        ops = SandboxOperations(
+            store,
+            guard,
+            entry_timeout=req.config.cache.entry_timeout,
+            attr_timeout=req.config.cache.attr_timeout,
+            context_json=context_document(guard.policy, info, os.getpid(), guard.limits),
+        )
+        if req.debug:
+            _log_requests(ops)
+        comm = guard.process_names.get(pid)
+
+        def lifecycle(op: str) -> None:
+            guard.record(
+                op, "/", None, pid=pid, uid=os.getuid(), comm=comm, detail=str(req.mountpoint)
+            )
+
+        try:
+            pyfuse3.init(ops, str(req.mountpoint), _mount_options(req))
+        except RuntimeError as exc:
+            raise Failure(f"cannot mount {req.mountpoint}: {exc}") from None
+        mounted = True
+        stack.callback(lifecycle, "unmount")
+        stack.callback(ops.release_all)
+        stack.callback(_close_session, ops)
+        ops.kernel_store = pyfuse3.notify_store
+        lifecycle("mount")
+        log.info("mounted %s (trust %s, session %s)", req.mountpoint, req.trust.value, req.session)
+        try:
+            trio.run(_main, req, audit, ready, lifeline, Control(ops, info, listener))
+        except BaseException:
+            log.exception("the daemon stopped on an unexpected error")
+            raise
+
+
+def _mount_options(req: MountRequest) -> set[str]:
     options = set(pyfuse3.default_options)
     options |= {"fsname=sandboxfs", "subtype=sandboxfs", "nosuid", "nodev", "default_permissions"}
     if req.allow_other:
@@ -155,42 +189,14 @@ def serve(
         options.add("ro")
     if req.debug:
         options.add("debug")
-    comm = guard.process_names.get(pid)
+    return options
 
-    def lifecycle(op: str) -> None:
-        guard.record(op, "/", None, pid=pid, uid=os.getuid(), comm=comm, detail=str(req.mountpoint))
 
-    try:
-        pyfuse3.init(ops, str(req.mountpoint), options)
-    except RuntimeError as exc:
-        listener.close()
-        control_path.unlink(missing_ok=True)
-        audit.close()
-        store.close()
-        os.close(in_use)
-        raise UserError(f"cannot mount {req.mountpoint}: {exc}", exit_code=1) from None
-    ops.kernel_store = pyfuse3.notify_store
-    lifecycle("mount")
-    log.info("mounted %s (trust %s, session %s)", req.mountpoint, req.trust.value, req.session)
-    try:
-        trio.run(_main, req, audit, ready, lifeline, Control(ops, info, listener))
-    except BaseException:
-        log.exception("the daemon stopped on an unexpected error")
-        raise
-    finally:
-        ops.kernel_store = None  # the session goes away with close()
-        with contextlib.suppress(Exception):
-            pyfuse3.close(unmount=True)
-        listener.close()
-        control_path.unlink(missing_ok=True)
-        ops.release_all()
-        lifecycle("unmount")
-        audit.close()
-        store.close()
-        os.close(in_use)
-        log.info("unmounted %s", req.mountpoint)
-        if after is not None:
-            after()
+def _close_session(ops: SandboxOperations) -> None:
+    """Unmount and end the FUSE session (nothing may be stored into it after this)."""
+    ops.kernel_store = None
+    with contextlib.suppress(Exception):
+        pyfuse3.close(unmount=True)
 
 
 async def _main(
@@ -428,12 +434,10 @@ def spawn_daemon(
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         lazy_unmount(req.mountpoint)
-        raise UserError(
-            f"the daemon did not report a working mount within {MOUNT_TIMEOUT:.0f} s", exit_code=1
-        )
+        raise Failure(f"the daemon did not report a working mount within {MOUNT_TIMEOUT:.0f} s")
     os.waitpid(pid, 0)
-    status, _, text = message.partition(" ")[2].partition(" ")
-    raise UserError(text.strip(), exit_code=int(status) if status.isdigit() else 1)
+    kind, _, text = message.partition(" ")[2].partition(" ")
+    raise KINDS.get(kind, Failure)(text.strip())
 
 
 def _read_status(fd: int, timeout: float) -> str:
@@ -459,9 +463,9 @@ def _run_daemon(
 
     try:
         serve(req, ready, lifeline, after)
-    except UserError as exc:
-        os.write(ready_fd, f"ERROR {exc.exit_code} {exc.message}\n".encode())
-        return exc.exit_code
+    except SandboxfsError as exc:
+        os.write(ready_fd, f"ERROR {type(exc).__name__} {exc.message}\n".encode())
+        return 1
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.write(ready_fd, f"ERROR 1 daemon failed: {type(exc).__name__}: {exc}\n".encode())

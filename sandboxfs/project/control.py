@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sandboxfs.core.policy import Trust
-from sandboxfs.errors import UserError
+from sandboxfs.errors import Failure
 from sandboxfs.layout import control_dir
 
 VERSION = 1
@@ -196,16 +196,15 @@ def request(path: Path, message: dict[str, Any], timeout: float = 30.0) -> dict[
                     break
                 data += chunk
         except OSError as exc:
-            raise UserError(
-                f"cannot reach the mount's control socket {path}: {exc.strerror or exc}",
-                exit_code=1,
+            raise Failure(
+                f"cannot reach the mount's control socket {path}: {exc.strerror or exc}"
             ) from None
     try:
         answer = json.loads(data)
     except ValueError:
-        raise UserError(f"the daemon gave no valid answer on {path}", exit_code=1) from None
+        raise Failure(f"the daemon gave no valid answer on {path}") from None
     if not isinstance(answer, dict):
-        raise UserError(f"the daemon gave no valid answer on {path}", exit_code=1)
+        raise Failure(f"the daemon gave no valid answer on {path}")
     return answer
 
 

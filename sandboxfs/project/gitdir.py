@@ -32,11 +32,10 @@ from sandboxfs.config.model import Config, ZoneConfig
 from sandboxfs.core import gitconfig
 from sandboxfs.core.context import CONFINED_MOUNTPOINT
 from sandboxfs.core.policy import Op, Trust, Zone
-from sandboxfs.errors import UserError
+from sandboxfs.errors import SetupError
 from sandboxfs.gitquery import rev_parse
 
 GIT_DIR_ZONE = "gitdir"
-EXIT_SETUP = 125  # as sandboxfs.run.supervisor.EXIT_SETUP: the sandbox could not be set up
 _GITFILE_MAX = 4096
 # Top-level directories of the sandbox's own layout (sandboxfs.run.confine): nothing can be bound
 # below them. /tmp and /var are the sandbox's own tmpfs, where a bind can go.
@@ -63,11 +62,8 @@ class OutsideGitDir:
     common_dir: str
 
 
-def _refuse(project: Path, problem: str, workaround: str) -> UserError:
-    return UserError(
-        f"{project}/.git {problem}; git could not work inside run: {workaround}",
-        exit_code=EXIT_SETUP,
-    )
+def _refuse(project: Path, problem: str, workaround: str) -> SetupError:
+    return SetupError(f"{project}/.git {problem}; git could not work inside run: {workaround}")
 
 
 def _read_small(path: Path) -> str | None:
@@ -209,10 +205,9 @@ def with_git_dir(config: Config, project: Path) -> Config:
     if found is None:
         return config
     if GIT_DIR_ZONE in config.zones:
-        raise UserError(
+        raise SetupError(
             f"the project's config declares a zone named {GIT_DIR_ZONE!r}, where sandboxfs run "
-            f"shows the git directory {found.common_dir} of this worktree; rename that zone",
-            exit_code=EXIT_SETUP,
+            f"shows the git directory {found.common_dir} of this worktree; rename that zone"
         )
     zone = GitDirZoneConfig(
         path=found.common_dir,

@@ -38,7 +38,7 @@ from typing import Any
 
 from sandboxfs.audit.log import record_now
 from sandboxfs.core.syscalls import fstat
-from sandboxfs.errors import UserError
+from sandboxfs.errors import Failure, SandboxfsError
 from sandboxfs.layout import (
     audit_path,
     log_path,
@@ -175,8 +175,8 @@ def hold(path: Path, expected: tuple[int, int] | None = None) -> int:
     return fd
 
 
-def _pruned(path: Path) -> UserError:
-    return UserError(f"session directory {path} was pruned while it was being opened; try again", 1)
+def _pruned(path: Path) -> Failure:
+    return Failure(f"session directory {path} was pruned while it was being opened; try again")
 
 
 @contextlib.contextmanager
@@ -249,7 +249,7 @@ def workspaces(project: Path) -> list[str]:
 def _valid_id(name: str) -> bool:
     try:
         check_id("session", name)
-    except UserError:
+    except SandboxfsError:
         return False
     return True
 
@@ -389,7 +389,7 @@ def move_to_trash(project: Path, path: Path) -> Path:
     with contextlib.suppress(FileExistsError):
         os.mkdir(trash, 0o700)
     if trash.is_symlink() or not trash.is_dir():
-        raise UserError(f"{trash} is not a directory; move it away", exit_code=1)
+        raise Failure(f"{trash} is not a directory; move it away")
     target = trash / f"{path.name}-{secrets.token_hex(4)}"
     os.rename(path, target)
     return target

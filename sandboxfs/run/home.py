@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandboxfs.core.policy import Trust
-from sandboxfs.errors import UserError
+from sandboxfs.errors import SandboxfsError, UserError
 from sandboxfs.project.zones import (
     ensure_home,
 )
@@ -40,7 +40,7 @@ def hold(project: Path, workspace: str, trust: Trust) -> int | None:
     flock: `reset` leaves it alone meanwhile). None where it cannot be marked."""
     try:
         fd = os.open(ensure_home(project, workspace, trust), _DIR_FLAGS)
-    except (OSError, UserError):
+    except (OSError, SandboxfsError):
         return None
     with contextlib.suppress(OSError):
         fcntl.flock(fd, fcntl.LOCK_SH)

@@ -38,7 +38,7 @@ from sandboxfs.audit.log import AuditLog
 from sandboxfs.config.model import Config
 from sandboxfs.core.policy import Op, Policy, Trust, Zone
 from sandboxfs.core.syscalls import make_undumpable, set_dumpable, write_all
-from sandboxfs.errors import UserError
+from sandboxfs.errors import SandboxfsError, SetupError
 from sandboxfs.layout import audit_path
 from sandboxfs.project import gitdir
 from sandboxfs.project.identity import project_identity
@@ -68,13 +68,6 @@ _PR_SET_PDEATHSIG = 1
 _CHANNEL_FD = 7  # (--net none, allow) where the child hands the sockets it bound inside over
 DNS_ADDRESS = ("127.0.0.1", 53)  # (--net none, allow) the DNS stub, inside: resolv.conf's
 _libc = ctypes.CDLL(None, use_errno=True)
-
-
-class SetupError(UserError):
-    """The sandbox could not be set up; CMD was not started."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, exit_code=EXIT_SETUP)
 
 
 @dataclass(frozen=True)
@@ -785,7 +778,7 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         from sandboxfs.fuse.daemon import spawn_daemon
 
         daemon = spawn_daemon(mount, lifeline_r, after=lambda: remove_run_dir(run_dir))
-    except UserError as exc:
+    except SandboxfsError as exc:
         os.close(lifeline_w)
         raise SetupError(exc.message) from None
     finally:

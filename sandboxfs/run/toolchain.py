@@ -40,11 +40,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sandboxfs.errors import UserError
+from sandboxfs.errors import CannotExecute, NotRunnable, UserError
 from sandboxfs.run import confine
-
-EXIT_CANNOT_EXECUTE = 126  # as `docker run`
-EXIT_NOT_FOUND = 127
 
 # Top-level directories of the host that are shown as they are (read-only, links as links).
 SYSTEM_TOP = frozenset({*confine.SYSTEM, "etc"})
@@ -128,13 +125,6 @@ HIDDEN_IN_TREES = (
 _MAX_LINKS = 40
 _MAX_DEPTH = 8  # interpreters of interpreters
 _SHEBANG_MAX = 256  # what the kernel reads of a `#!` line
-
-
-class NotRunnable(UserError):
-    """CMD cannot run inside: one line with where it is and why; exit 127 (or 126)."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_NOT_FOUND) -> None:
-        super().__init__(message, exit_code=exit_code)
 
 
 @dataclass
@@ -392,9 +382,7 @@ class _Resolver:
         """Show `program` (a host path) and whatever its `#!` line needs; NotRunnable when
         it cannot be. `shown_as`: the name it is known by, for messages."""
         if depth > _MAX_DEPTH:
-            raise NotRunnable(
-                f"{shown_as}: too many levels of #! interpreters", EXIT_CANNOT_EXECUTE
-            )
+            raise CannotExecute(f"{shown_as}: too many levels of #! interpreters")
         links: dict[str, str] = {}
         try:
             real = follow(program, links)
@@ -520,9 +508,8 @@ def resolve(
             return tools
         for directory in resolver.dirs:
             if os.path.isfile(os.path.join(directory, name)):
-                raise NotRunnable(
-                    f"{name}: {os.path.join(directory, name)} is not executable (chmod +x it)",
-                    EXIT_CANNOT_EXECUTE,
+                raise CannotExecute(
+                    f"{name}: {os.path.join(directory, name)} is not executable (chmod +x it)"
                 )
         raise NotRunnable(
             f"{name}: not found on your PATH nor on the sandbox's ({confine.PATH}); install "

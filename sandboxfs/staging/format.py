@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..core.syscalls import write_all
-from ..errors import UserError
+from ..errors import Failure
 from .text import escape_name
 
 MAX_TOTAL_BYTES = 100 * 1024 * 1024  # a staged commit larger than this is refused
@@ -94,11 +94,8 @@ class StagedTree:
         return "sha256:" + h.hexdigest()
 
 
-class TooLarge(UserError):
+class TooLarge(Failure):
     """A staged commit beyond MAX_TOTAL_BYTES, MAX_ENTRIES or MAX_DEPTH: refused (exit 1)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, exit_code=1)
 
 
 class _Budget:

@@ -14,9 +14,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
+from sandboxfs.errors import Failure
 from sandboxfs.project import identity
 
-from ..errors import UserError
 from .text import decode, escape_text
 
 MODE_LINK = 0o120000  # git's mode of a symlink
@@ -78,7 +78,7 @@ class Git:
     def find(cls, project: Path) -> Git | None:
         """The git work tree the project is in, or None if it is in none."""
         if shutil.which("git") is None:
-            raise UserError("git is not installed: staged commits land in git", exit_code=1)
+            raise Failure("git is not installed: staged commits land in git")
         args = ["--is-inside-work-tree", "--show-toplevel", "--show-prefix", "--git-dir"]
         result = _git(project, ["rev-parse", *args, "--git-common-dir"], check=False)
         lines = decode(result.stdout).split("\n")
@@ -225,10 +225,8 @@ def _git(
             check=False,
         )
     except OSError as exc:
-        raise UserError(f"cannot run git: {exc.strerror}", exit_code=1) from None
+        raise Failure(f"cannot run git: {exc.strerror}") from None
     if check and result.returncode != 0:
         why = decode(result.stderr).strip().splitlines()
-        raise UserError(
-            f"git {args[0]} failed: {escape_text(why[-1] if why else 'no message')}", exit_code=1
-        )
+        raise Failure(f"git {args[0]} failed: {escape_text(why[-1] if why else 'no message')}")
     return result

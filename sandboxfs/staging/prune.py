@@ -20,7 +20,7 @@ from typing import Any
 
 from sandboxfs.project.state import format_size, move_to_trash, remove_tree, usage
 
-from ..errors import UserError
+from ..errors import SandboxfsError
 from .land import record
 from .review import Review, Workspace, iso
 
@@ -50,7 +50,7 @@ def candidates(ws: Workspace) -> list[Prunable]:
     for commit_id in ids:
         try:
             state = ws.read_state(commit_id)
-        except (OSError, UserError):
+        except (OSError, SandboxfsError):
             continue  # unreadable: `staged list` says why; never pruned blindly
         review = Review(commit_id, None, state or {}, False)
         files, kept = usage(ws.staged / commit_id), usage(ws.review / commit_id)

@@ -31,7 +31,7 @@ from sandboxfs.project.zones import check_id
 
 from ..core.errors import SandboxError
 from ..core.store import ensure_dirs
-from ..errors import UserError
+from ..errors import Failure, SandboxfsError, UserError
 from .format import (
     CREATE_FLAGS,
     DIR_FLAGS,
@@ -144,7 +144,7 @@ class Workspace:
         def has_state(name: str) -> bool:
             try:
                 return self.read_state(name) is not None
-            except (OSError, UserError):
+            except (OSError, SandboxfsError):
                 if skip_unreadable:
                     return False
                 raise
@@ -188,7 +188,7 @@ class Workspace:
             return None
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise UserError(f"{path} is not a directory", exit_code=1) from None
+                raise Failure(f"{path} is not a directory") from None
             raise
 
     def open_staged(self, commit_id: str) -> int | None:
@@ -266,7 +266,7 @@ class Workspace:
         try:
             return ensure_dirs(self.project, *review_parts(self.name), commit_id)
         except SandboxError as exc:
-            raise UserError(f"cannot create the review directory: {exc.reason}", 1) from None
+            raise Failure(f"cannot create the review directory: {exc.reason}") from None
 
     def read_state(self, commit_id: str) -> dict[str, Any] | None:
         path = self.review / commit_id / "state.json"
@@ -283,7 +283,7 @@ class Workspace:
             with stream:
                 data = json.loads(stream.read())
         except (ValueError, UnicodeDecodeError):
-            raise UserError(f"{path} is not valid JSON; move it away", exit_code=1) from None
+            raise Failure(f"{path} is not valid JSON; move it away") from None
         return data if isinstance(data, dict) else None
 
     def write_state(self, commit_id: str, state: Mapping[str, Any]) -> None:
@@ -368,7 +368,7 @@ class Workspace:
                 return self._snapshot(commit_id, state)
             fd = self.open_staged(commit_id)
             if fd is None:
-                raise UserError(f"staged commit {commit_id} has no files to review", 1)
+                raise Failure(f"staged commit {commit_id} has no files to review")
             try:
                 if state is None:
                     state = self._fresh_state(commit_id, fd, git)
@@ -424,7 +424,7 @@ def pending(project: Path, workspace: str) -> list[str]:
     for commit_id in ids:
         try:
             state = space.read_state(commit_id)
-        except (OSError, UserError):
+        except (OSError, SandboxfsError):
             continue
         if Review(commit_id, None, state or {}, False).status == "pending":
             waiting.append(commit_id)

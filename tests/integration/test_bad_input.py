@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from sandboxfs.cli import main as cli
+from sandboxfs.errors import Failure
 from sandboxfs.layout import session_dir
 from tests.conftest import SANDBOXFS, force_unmount, make_project
 
@@ -273,7 +274,6 @@ def test_failed_mount_leaves_no_new_session(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The daemon lays out the session, then fusermount3 refuses: the session goes again."""
-    from sandboxfs.errors import UserError
     from sandboxfs.fuse import daemon
     from sandboxfs.project import zones as project_mod
     from sandboxfs.project.mounts import MountRequest
@@ -287,7 +287,7 @@ def test_failed_mount_leaves_no_new_session(
         project_mod.prepare_zones(req.project, req.workspace, req.session, req.config, "")
         made.append(session_dir(req.project, req.workspace, req.session))
         assert made[0].is_dir()
-        raise UserError(f"cannot mount {req.mountpoint}: fuse_session_mount failed", exit_code=1)
+        raise Failure(f"cannot mount {req.mountpoint}: fuse_session_mount failed")
 
     monkeypatch.setattr(daemon, "spawn_daemon", failing)
     code = cli.main(["mount", str(mnt), "--project", str(project), "--new-session", "gone"])

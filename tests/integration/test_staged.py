@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 
 from sandboxfs.cli import staged as staged_cli
+from sandboxfs.cli.main import exit_code
 from sandboxfs.cli.main import main as cli_main
-from sandboxfs.errors import UserError
+from sandboxfs.errors import SandboxfsError
 from tests.conftest import mounted, sh
 
 NOW = int(time.time())
@@ -122,9 +123,9 @@ def staged(repo: Path, *args: str) -> Result:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = staged_cli.main(parser.parse_args(["staged", *args, "--project", str(repo)]))
-        except UserError as exc:
+        except SandboxfsError as exc:
             print(f"sandboxfs: {exc.message}", file=sys.stderr)
-            code = exc.exit_code
+            code = exit_code(exc, run=False)
     return Result(code, out.getvalue(), err.getvalue())
 
 

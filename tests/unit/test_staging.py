@@ -13,7 +13,7 @@ import pytest
 from sandboxfs import staging
 from sandboxfs.config.model import DEFAULT_DENY, DEFAULT_PROTECT
 from sandboxfs.core.policy import Patterns
-from sandboxfs.errors import UserError
+from sandboxfs.errors import Failure
 from sandboxfs.staging import (
     MODE_EXEC,
     MODE_FILE,
@@ -132,7 +132,7 @@ def test_absurd_sizes_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(staged_format, "MAX_TOTAL_BYTES", 100)
     with pytest.raises(TooLarge, match="too large to review") as caught:
         read(root)
-    assert caught.value.exit_code == 1
+    assert isinstance(caught.value, Failure)  # exit 1, not a user error's 2
 
 
 # ----- the digest ------------------------------------------------------------------------------
@@ -345,7 +345,7 @@ def test_pending_lists_what_waits_skips_the_unreadable_and_freezes_nothing(tmp_p
     ws.write_state("f6", {"id": "f6", "status": "pending", "digest": "sha256:0"})  # staged/ gone
     (ws.review / "e5" / "state.json").parent.mkdir()
     (ws.review / "e5" / "state.json").write_text("{not json")
-    with pytest.raises(UserError, match="not valid JSON"):
+    with pytest.raises(Failure, match="not valid JSON"):
         ws.listing()  # a review still says so
     (ws.review / "g7" / "state.json").mkdir(parents=True)  # not a file
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}

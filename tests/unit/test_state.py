@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sandboxfs.api import Sandbox, SandboxSetupError
-from sandboxfs.errors import UserError
+from sandboxfs.errors import Failure
 from sandboxfs.layout import session_dir
 from sandboxfs.project import state
 
@@ -135,9 +135,9 @@ def test_hold_refuses_a_directory_pruned_meanwhile(tmp_path: Path) -> None:
     st = os.stat(path)
     fd = state.hold(path, (st.st_dev, st.st_ino))
     os.close(fd)
-    with pytest.raises(UserError, match="was pruned while it was being opened"):
+    with pytest.raises(Failure, match="was pruned while it was being opened"):
         state.hold(path, (st.st_dev, st.st_ino + 1))
-    with pytest.raises(UserError, match="was pruned"):
+    with pytest.raises(Failure, match="was pruned"):
         state.hold(tmp_path / "gone")
 
 
@@ -148,7 +148,7 @@ def test_a_sandbox_on_a_session_being_pruned_fails_to_open(
     project.mkdir()
 
     def pruned(path: Path, expected: tuple[int, int] | None = None) -> int:
-        raise UserError(f"session directory {path} was pruned while it was being opened", 1)
+        raise Failure(f"session directory {path} was pruned while it was being opened")
 
     monkeypatch.setattr("sandboxfs.api.disk.hold", pruned)
     with pytest.raises(SandboxSetupError, match="was pruned"):

