@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from sandboxfs.errors import UserError
+from sandboxfs.errors import ConfigError
 
 # What an environment variable may be named (`--env`, agent profiles).
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -35,7 +35,7 @@ def read_file(path: Path, what: str, limit: int = MAX_FILE_BYTES) -> str:
     """The UTF-8 text of the regular file at `path` (symlinks followed), at most `limit` bytes.
 
     FileNotFoundError passes through (callers decide what a missing file means); anything else
-    is UserError "cannot read {what} {path}: why". Opened non-blocking, so that a FIFO never
+    is ConfigError "cannot read {what} {path}: why". Opened non-blocking, so that a FIFO never
     hangs the open, and checked with fstat before a byte is read.
     """
     try:
@@ -43,27 +43,29 @@ def read_file(path: Path, what: str, limit: int = MAX_FILE_BYTES) -> str:
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise UserError(f"cannot read {what} {path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UserError(f"cannot read {what} {path}: {_kind(st.st_mode)}, not a regular file")
+            raise ConfigError(f"cannot read {what} {path}: {_kind(st.st_mode)}, not a regular file")
         if st.st_size > limit:
-            raise UserError(
+            raise ConfigError(
                 f"cannot read {what} {path}: {_size(st.st_size)}, more than the "
                 f"{_size(limit)} a config may be"
             )
         data = _read_at_most(fd, limit + 1)
     except OSError as exc:
-        raise UserError(f"cannot read {what} {path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
     finally:
         os.close(fd)
     if len(data) > limit:  # it grew while read
-        raise UserError(f"cannot read {what} {path}: more than the {_size(limit)} a config may be")
+        raise ConfigError(
+            f"cannot read {what} {path}: more than the {_size(limit)} a config may be"
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        raise UserError(f"cannot read {what} {path}: not UTF-8 text") from None
+        raise ConfigError(f"cannot read {what} {path}: not UTF-8 text") from None
 
 
 def _read_at_most(fd: int, size: int) -> bytes:
@@ -175,16 +177,16 @@ def _expanded(problem: str, node: Any) -> yaml.YAMLError:
 
 
 def load_yaml(text: str, source: str) -> Any:
-    """The YAML document in `text`; UserError "{source}: not valid YAML (line N): problem"."""
+    """The YAML document in `text`; ConfigError "{source}: not valid YAML (line N): problem"."""
     try:
         return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
         problem = getattr(exc, "problem", None) or (str(exc).splitlines() or ["?"])[0]
-        raise UserError(f"{source}: not valid YAML{where}: {cut(problem)}") from None
+        raise ConfigError(f"{source}: not valid YAML{where}: {cut(problem)}") from None
     except RecursionError:  # bounded above; a safety net all the same
-        raise UserError(f"{source}: not valid YAML: nested too deeply") from None
+        raise ConfigError(f"{source}: not valid YAML: nested too deeply") from None
 
 
 _repr = reprlib.Repr()

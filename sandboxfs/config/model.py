@@ -33,7 +33,7 @@ from sandboxfs.config import inputs
 from sandboxfs.config.inputs import cut, shown
 from sandboxfs.core.limits import Quota, ZoneLimits
 from sandboxfs.core.policy import BUILTIN_ZONES, Matrix, Trust, Zone, ZoneAccess, in_git_dir
-from sandboxfs.errors import UserError
+from sandboxfs.errors import ConfigError
 from sandboxfs.gitquery import rev_parse
 
 PROJECT_CONFIG_NAME = "sandboxfs.yaml"
@@ -349,12 +349,12 @@ def load(project: Path, config_file: Path | None = None) -> Config:
     except FileNotFoundError:
         if config_file is None:
             return base
-        raise UserError(f"cannot read config file {path}: No such file or directory") from None
+        raise ConfigError(f"cannot read config file {path}: No such file or directory") from None
     raw = inputs.load_yaml(text, str(path))
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise UserError(f"{path}: expected a mapping of settings at the top level")
+        raise ConfigError(f"{path}: expected a mapping of settings at the top level")
     project_config = _validate(ProjectConfig, raw, str(path))
     return _validate(Config, _merge(base, project_config), str(path))
 
@@ -390,7 +390,7 @@ def _validate(model: type[M], raw: Any, source: str) -> M:
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        raise UserError(_describe(exc, model, source)) from None
+        raise ConfigError(_describe(exc, model, source)) from None
 
 
 def _describe(exc: ValidationError, model: type[BaseModel], source: str) -> str:

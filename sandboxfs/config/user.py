@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sandboxfs.config import inputs
 from sandboxfs.config.inputs import shown
 from sandboxfs.config.model import _validate
-from sandboxfs.errors import UserError
+from sandboxfs.errors import ConfigError, UserError
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 
@@ -204,7 +204,7 @@ def path() -> Path:
 
 
 def load(source: Path | None = None) -> UserConfig:
-    """The user config; empty when there is none. UserError (one line) when it is invalid."""
+    """The user config; empty when there is none. ConfigError (one line) when it is invalid."""
     where = source if source is not None else path()
     try:
         text = inputs.read_file(where, "your config")
@@ -214,7 +214,7 @@ def load(source: Path | None = None) -> UserConfig:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise UserError(f"{where}: expected a mapping of settings at the top level")
+        raise ConfigError(f"{where}: expected a mapping of settings at the top level")
     return _validate(UserConfig, raw, str(where))
 
 
