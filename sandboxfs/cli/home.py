@@ -1,13 +1,7 @@
 """`sandboxfs home [show]|seed|reset`: the home that `sandboxfs run` gives the program
 (the model is sandboxfs.run.home).
 
-Under `run`, `$HOME` is `/sandbox/home`, a zone of the mount (so every access to it is
-audited, like any other) backed by `<project>/.sandbox/workspaces/<ws>/homes/<level>/`: one
-directory per workspace and trust level, kept across sessions. An agent's settings, caches
-and login made in one session are there in the next one of the same workspace and level;
-another workspace never sees them, and neither does another level (what a program writes
-there at `session`, a shell rc or an agent's hook, is never run by a program at `full`). It
-is never the user's real home.
+What that home is, and why one per workspace and level: sandboxfs.run.home.
 
 `seed` copies (never binds) the user's own agent config into it once: `--agent NAME` copies
 what the profile names (`~/.claude/.credentials.json`, `~/.claude.json`, ...: those that
