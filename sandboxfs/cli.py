@@ -35,6 +35,8 @@ from . import (
     subcommands,
     toolchain,
     userconfig,
+    workers,
+    workers_cli,
 )
 from . import config as config_mod
 from . import doctor as doctor_mod
@@ -233,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     staged_cli.add_parser(sub)
     sessions_cli.add_parser(sub)
     home_mod.add_parser(sub)
+    workers_cli.add_parser(sub)
     shell = sub.add_parser(
         "completion",
         help="print the bash or zsh completion script",
@@ -290,6 +293,21 @@ def _project_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", type=Path, help="config file (default: <project>/sandboxfs.yaml)"
     )
+    parser.add_argument(
+        "--worker",
+        metavar="NAME",
+        help="narrow to what NAME.worker declares (in .workers or SANDBOXFS_WORKERS_PATH): "
+        "its zones, at most their modes, nothing else; wider than --trust allows: refused",
+    )
+
+
+def _for_worker(
+    args: argparse.Namespace, project: Path, cfg: config_mod.Config, trust: Trust
+) -> config_mod.Config:
+    """`cfg` narrowed to the --worker's declaration (sandboxfs.workers), or as it is."""
+    if args.worker is None:
+        return cfg
+    return workers.narrow(cfg, trust, workers.find(project, args.worker, cfg))
 
 
 _trust = subcommands.trust_level
@@ -331,11 +349,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"cache": cfg.cache.model_copy(update=cache)})
     mountpoint = validate_mountpoint(args.mountpoint, project)
     workspace = check_id("workspace", args.workspace)
+    trust = args.trust or cfg.default_trust
+    cfg = _for_worker(args, project, cfg, trust)
     session, resumed = choose_session(project, workspace, args.session, args.new_session)
     req = MountRequest(
         mountpoint=mountpoint,
         project=project,
-        trust=args.trust or cfg.default_trust,
+        trust=trust,
         workspace=workspace,
         session=session,
         config=cfg,
@@ -438,7 +458,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     project = validate_project(args.project)
     cfg = config_mod.load(project, args.config)
     workspace = check_id("workspace", args.workspace)
-    session, _ = choose_session(project, workspace, args.session, args.new_session)
     user = userconfig.load()
     profile = userconfig.agent(args.agent, user) if args.agent else None
     net = args.net or ("allow" if profile and profile.allow_hosts else cfg.run.network)
@@ -460,13 +479,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             "the config); use --net none for no network"
         )
     trust = args.trust or cfg.default_trust
+    full = gitdir.with_git_dir(project_mod.with_home(cfg, project, workspace, trust), project)
+    narrowed = _for_worker(args, project, full, trust)
     tools = _run_toolchain(args, project, command, env, user, profile)
+    session, _ = choose_session(project, workspace, args.session, args.new_session)
     req = run_mod.RunRequest(
         project=project,
         trust=trust,
         workspace=workspace,
         session=session,
-        config=gitdir.with_git_dir(project_mod.with_home(cfg, project, workspace, trust), project),
+        config=narrowed,
         command=tuple(command),
         config_file=args.config,
         net=net,
@@ -775,6 +797,7 @@ COMMANDS = {
     "staged": staged_cli.main,
     "sessions": sessions_cli.main,
     "home": home_mod.main,
+    "workers": workers_cli.main,
 }
 
 

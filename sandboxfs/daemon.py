@@ -122,6 +122,7 @@ def serve(
         str(req.mountpoint),
         req.command,
         control=str(control_path),
+        worker=req.config.worker.name if req.config.worker is not None else None,
     )
     try:
         guard = make_guard(req.project, req.config, req.config_file, req.trust, info, store, audit)

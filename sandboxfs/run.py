@@ -205,6 +205,7 @@ class RunAudit:
             "workspace": req.workspace,
             "trust": req.trust.value,
             "uid": os.getuid(),
+            **({"worker": req.config.worker.name} if req.config.worker is not None else {}),
         }
 
     def record(self, op: str, *, allowed: bool | None = True, **fields: Any) -> None:
@@ -743,10 +744,12 @@ def run(req: RunRequest) -> int:
     policy = Policy(req.config.matrix(), req.config.deny, req.trust, req.config.protect)
     if req.cwd is not None:
         cwd = req.cwd
-    elif Op.LIST in policy.access(Zone.REPO).ops:
+    elif Zone.REPO in policy.zones and Op.LIST in policy.access(Zone.REPO).ops:
         cwd = f"{confine.SANDBOX}/repo"
-    else:
+    elif Zone.SESSION in policy.zones:
         cwd = f"{confine.SANDBOX}/session/working"
+    else:  # a worker that declared neither (sandboxfs.workers)
+        cwd = confine.SANDBOX
     if req.net == "host" and not req.quiet:
         print(
             "sandboxfs: warning: --net host: the program shares this machine's network, "
@@ -803,6 +806,8 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         home_inside = CONFINED_HOME  # the workspace's home at this level (project.with_home)
         if HOME_ZONE not in req.config.zones:
             home_inside = f"{confine.SANDBOX}/session/home"
+            if req.config.worker is not None and "session" not in req.config.worker.zones:
+                home_inside = "/tmp"  # a worker without either zone: the private /tmp
         env = confine.sandbox_env(
             os.environ,
             home=home_inside,

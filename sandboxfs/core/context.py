@@ -47,6 +47,7 @@ def context(
         **({"command": list(info.command)} if info.command is not None else {}),
         **({"via": info.via} if info.via is not None else {}),
         **({"control": info.control} if info.control is not None else {}),
+        **({"worker": info.worker} if info.worker is not None else {}),
         "zones": zones,
         "deny": list(policy.deny_patterns),
         "deny_private_keys": list(policy.private_key_patterns),
