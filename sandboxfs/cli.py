@@ -433,7 +433,8 @@ def _apply_mount_options(args: argparse.Namespace) -> tuple[bool, dict[str, floa
 def _mounted_line(req: MountRequest, resumed: bool) -> str:
     return (
         f"mounted {req.mountpoint} (trust {req.trust.value}, workspace {req.workspace}, "
-        f"{'resumed' if resumed else 'new'} session{', read-only' if req.read_only else ''})\n"
+        f"{'resumed' if resumed else 'new'} session{', read-only' if req.read_only else ''}"
+        f"{', worker ' + req.config.worker.name if req.config.worker is not None else ''})\n"
         f"session: {req.session}"
     )
 

@@ -1129,6 +1129,7 @@ def start_line(req: RunRequest, policy: Policy, cwd: str) -> str:
         else:
             hidden.append(zone.value)
     repo = policy.access(Zone.REPO) if Zone.REPO in policy.zones else None
+    worker = f", worker {req.config.worker.name}" if req.config.worker is not None else ""
     if repo is None or not (Op.READ in repo.ops or Op.LIST in repo.ops):
         shown = "not visible"
     else:
@@ -1136,6 +1137,8 @@ def start_line(req: RunRequest, policy: Policy, cwd: str) -> str:
     parts = [f"{name}: {', '.join(zones)}" for name, zones in groups.items() if zones]
     if hidden:
         parts.append(f"not visible: {', '.join(hidden)}")
+    if not policy.zones:
+        parts.append("no zones (the worker declared none)")
     if req.net == "allow":
         hosts = ", ".join(_rule_text(rule) for rule in req.allow) or "no host yet"
         network = f"allow ({hosts}; through sandboxfs's proxy)"
@@ -1144,7 +1147,7 @@ def start_line(req: RunRequest, policy: Policy, cwd: str) -> str:
     else:
         network = "none"
     return (
-        f"session {req.session}, trust {req.trust.value}: project {req.project} "
+        f"session {req.session}, trust {req.trust.value}{worker}: project {req.project} "
         f"at {confine.SANDBOX}/repo ({shown}); {'; '.join(parts)}; network: {network}; "
         f"starts in {cwd}"
     )
