@@ -299,6 +299,14 @@ def _project_options(parser: argparse.ArgumentParser) -> None:
         help="narrow to what NAME.worker declares (in .workers or SANDBOXFS_WORKERS_PATH): "
         "its zones, at most their modes, nothing else; wider than --trust allows: refused",
     )
+    parser.add_argument(
+        "--attach",
+        action="append",
+        default=[],
+        metavar="VIRTUAL_PATH",
+        help="with --worker: give it this file, which --trust may read (e.g. /repo/a.csv), "
+        "read-only at /attachments/<name>; repeatable",
+    )
 
 
 def _for_worker(
@@ -308,6 +316,36 @@ def _for_worker(
     if args.worker is None:
         return cfg
     return workers.narrow(cfg, trust, workers.find(project, args.worker, cfg))
+
+
+def _attach(
+    args: argparse.Namespace,
+    project: Path,
+    cfg: config_mod.Config,
+    trust: Trust,
+    workspace: str,
+    session: str,
+) -> config_mod.Config:
+    """The --attach files, read as the parent (--trust, without the worker) reads them: an
+    API sandbox on the same session, so each is checked and audited; given read-only."""
+    if not args.attach:
+        return cfg
+    named = workers.attachment_names(args.attach)
+    if cfg.worker is None:
+        raise UserError("attachments are given to a worker: --attach needs --worker NAME")
+    from .api import Sandbox as ApiSandbox
+    from .api import SandboxAPIError
+
+    files: dict[str, bytes] = {}
+    try:
+        with ApiSandbox.open(
+            project, trust=trust, workspace=workspace, session=session, config=args.config
+        ) as parent:
+            for name, path in named.items():
+                files[name] = parent.read_bytes(path)
+    except SandboxAPIError as exc:
+        raise UserError(f"--attach: {exc}") from None
+    return workers.attach(cfg, project, workspace, files)
 
 
 _trust = subcommands.trust_level
@@ -352,6 +390,12 @@ def cmd_mount(args: argparse.Namespace) -> int:
     trust = args.trust or cfg.default_trust
     cfg = _for_worker(args, project, cfg, trust)
     session, resumed = choose_session(project, workspace, args.session, args.new_session)
+    try:
+        cfg = _attach(args, project, cfg, trust, workspace, session)
+    except UserError:
+        if not resumed:
+            discard_new_session(project, workspace, session)
+        raise
     req = MountRequest(
         mountpoint=mountpoint,
         project=project,
@@ -483,7 +527,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     full = gitdir.with_git_dir(project_mod.with_home(cfg, project, workspace, trust), project)
     narrowed = _for_worker(args, project, full, trust)
     tools = _run_toolchain(args, project, command, env, user, profile)
-    session, _ = choose_session(project, workspace, args.session, args.new_session)
+    session, resumed = choose_session(project, workspace, args.session, args.new_session)
+    try:
+        narrowed = _attach(args, project, narrowed, trust, workspace, session)
+    except UserError:
+        if not resumed:
+            discard_new_session(project, workspace, session)
+        raise
     req = run_mod.RunRequest(
         project=project,
         trust=trust,
@@ -500,7 +550,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         tools=tools,
     )
-    return run_mod.run(req)
+    try:
+        return run_mod.run(req)
+    finally:
+        workers.discard_attachments(narrowed)  # copies: what was given is in the audit log
 
 
 def _run_toolchain(

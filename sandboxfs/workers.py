@@ -26,6 +26,8 @@ from __future__ import annotations
 import errno
 import os
 import re
+import secrets
+import shutil
 import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,11 +39,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from . import inputs
 from .config import WORKER_MODE_OPS, Config, WorkerMode, WorkerScope
+from .core.errors import SandboxError
 from .core.policy import Op, Trust, ZoneAccess
+from .core.store import STATE_DIR_NAME, ensure_dirs
 from .errors import UserError
 from .gitdir import GIT_DIR_ZONE
 from .inputs import shown
-from .project import HOME_ZONE, worker_layers
+from .project import ATTACHMENTS_ZONE, HOME_ZONE, AttachmentsZoneConfig, worker_layers
 
 SUFFIX = ".worker"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -369,6 +373,71 @@ def narrow(config: Config, trust: Trust, worker: Worker) -> Config:
     zones = {name: zone for name, zone in config.zones.items() if name in declared}
     scope = WorkerScope(name=worker.name, zones=declared)
     return config.model_copy(update={"zones": zones, "worker": scope})
+
+
+# ----- attachments -----------------------------------------------------------------------------
+
+
+def attachment_names(paths: Sequence[str]) -> dict[str, str]:
+    """Each attached virtual path by the name it gets in /attachments (its last component);
+    UserError for a path without one, or two with the same."""
+    named: dict[str, str] = {}
+    for path in paths:
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if name in ("", ".", ".."):
+            raise UserError(f"--attach {shown(path)}: name a file, e.g. /workspace/data/a.csv")
+        if name in named:
+            raise UserError(
+                f"--attach {shown(path)} and {shown(named[name])}: both would be "
+                f"/{ATTACHMENTS_ZONE}/{name}; attach one of them"
+            )
+        named[name] = path
+    return named
+
+
+def attach(config: Config, project: Path, workspace: str, files: Mapping[str, bytes]) -> Config:
+    """A worker's `config` with the zone /attachments holding `files` (name: contents, read
+    by the parent, which the caller checked and audited), read-only at every trust level.
+    They are copies in the state dir: the child sees what was checked, and nothing the parent
+    changes later."""
+    if config.worker is None:
+        raise UserError("attachments are given to a worker: --attach needs --worker NAME")
+    if ATTACHMENTS_ZONE in config.zones:
+        raise UserError(
+            f"the zone {ATTACHMENTS_ZONE!r} exists already (attachments are given once, or the "
+            f"project's config declares a zone of that name: rename it)"
+        )
+    ws = ("workspaces", workspace, ATTACHMENTS_ZONE, secrets.token_hex(8))
+    try:
+        directory = ensure_dirs(project, STATE_DIR_NAME, *ws)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (SandboxError, OSError) as exc:
+        raise UserError(f"cannot create the attachments' directory: {exc}") from None
+    try:
+        for name, data in files.items():
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            # 0644: the policy, not the mode bits, refuses a change, so it is audited.
+            fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(dir_fd)
+    zone = AttachmentsZoneConfig(path=str(directory), permissions={t: "rl" for t in Trust})
+    scope = config.worker.model_copy(
+        update={"zones": {**config.worker.zones, ATTACHMENTS_ZONE: "ro"}}
+    )
+    return config.model_copy(
+        update={"zones": {**config.zones, ATTACHMENTS_ZONE: zone}, "worker": scope}
+    )
+
+
+def discard_attachments(config: Config) -> None:
+    """Remove the copies `attach` made for `config`, once no mount shows them (after `run`)."""
+    zone = config.zones.get(ATTACHMENTS_ZONE)
+    if isinstance(zone, AttachmentsZoneConfig):
+        shutil.rmtree(zone.path, ignore_errors=True)
 
 
 def access_text(access: ZoneAccess) -> str:

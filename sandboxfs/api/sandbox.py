@@ -23,7 +23,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,15 @@ from ..core.policy import ZONE_ROOT_REASON, Decision, Op, Trust, Zone
 from ..core.store import FIRST_DYNAMIC_INO, HiddenEntry, Node, StatLike
 from ..errors import UserError
 from ..project import new_session_id, validate_project
-from ..workers import WiderThanParent, Worker, find, narrow
+from ..workers import (
+    WiderThanParent,
+    Worker,
+    attach,
+    attachment_names,
+    discard_attachments,
+    find,
+    narrow,
+)
 from . import tools as tool_defs
 from .arguments import (
     Call,
@@ -118,6 +126,7 @@ class Sandbox:
         self._config_file = config_file
         self._audit_sync = audit_sync
         self._owns_backend = owns_backend
+        self._owns_attachments = False  # made by restrict for this one: removed at close
         self._guard = guard
         self._audit = audit
         self._entries = entries
@@ -195,14 +204,22 @@ class Sandbox:
         )
 
     def restrict(
-        self, declaration: Worker | Mapping[str, str] | str | None, *, name: str = "child"
+        self,
+        declaration: Worker | Mapping[str, str] | str | None,
+        *,
+        name: str = "child",
+        attachments: Sequence[str] = (),
     ) -> Sandbox:
         """A worker's sandbox beside this one (seed 001's RestrictedSandbox): the same
         project or memory, session and trust level, with exactly the zones `declaration` asks
         and at most their modes. `declaration`: a Worker, a mapping of zone to "ro"/"rw" (the
         worker called `name`), the name of a worker of the project's workers layers, or None
         (no zones at all). WorkerRefused when it asks more than this sandbox has. Closing it
-        leaves this one open."""
+        leaves this one open.
+
+        `attachments`: virtual paths of files this sandbox may read (each read here, checked
+        and audited as any read: PermissionDenied, NotFound... otherwise), given to the child
+        read-only as /attachments/<name> (copies; a sandbox on disk only)."""
         try:
             if isinstance(declaration, Worker):
                 worker = declaration
@@ -213,8 +230,32 @@ class Sandbox:
             else:
                 worker = Worker.declare(name, declaration)
             config = narrow(self._config, self.trust, worker)
+            named = attachment_names(list(attachments))
+            if named and self.project is None:
+                raise UserError("attachments need a sandbox on disk (Sandbox.open)")
         except UserError as exc:
             raise _worker_error(exc) from None
+        if named and self.project is not None:
+            files = {name: self.read_bytes(path) for name, path in named.items()}
+            try:
+                config = attach(config, self.project, self.workspace, files)
+            except UserError as exc:
+                raise _worker_error(exc) from None
+            try:
+                child = self._on_disk(
+                    self.project,
+                    config,
+                    self._config_file,
+                    self.trust,
+                    self.workspace,
+                    self.session,
+                    self._audit_sync,
+                )
+            except BaseException:
+                discard_attachments(config)
+                raise
+            child._owns_attachments = True
+            return child
         if self.project is None:
             assert isinstance(self._backend, MemoryBackend)
             assert isinstance(self._audit, MemorySink)
@@ -326,6 +367,8 @@ class Sandbox:
                 self._probe.close()
                 if self._owns_backend:
                     self._backend.close()
+                if self._owns_attachments:
+                    discard_attachments(self._config)
 
     def __enter__(self) -> Sandbox:
         return self

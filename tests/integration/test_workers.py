@@ -180,3 +180,27 @@ def test_bad_worker_files_one_line(
     assert _not_mounted(mnt)
     listed = sandboxfs("workers", "--project", project)
     assert listed.returncode == 1 and "invalid:" in listed.stdout
+
+
+def test_run_with_attachments(project: Path) -> None:
+    script = (
+        "ls /sandbox/attachments; cat /sandbox/attachments/README.md; "
+        "echo x >> /sandbox/attachments/README.md || echo refused"
+    )
+    result = sbx(
+        "run", "--project", project, "--trust", "workspace", "--worker", "pure",
+        "--attach", "/repo/README.md", "--", "sh", "-c", script,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["README.md", "# demo project", "refused"]
+    refused = audit(project, "--worker", "pure", "--denied")
+    assert refused and refused[0]["path"] == "/attachments/README.md"
+    copies = project / ".sandbox" / "workspaces" / "default" / "attachments"
+    assert list(copies.iterdir()) == []  # removed once the run ended
+    # Only what the parent may read: /repo is not readable at session.
+    result = sbx(
+        "run", "--project", project, "--worker", "pure", "--attach", "/repo/README.md",
+        "--", "true",
+    )  # fmt: skip
+    assert result.returncode == 125
+    assert "--attach: Cannot read '/repo/README.md': repo is not readable" in result.stderr

@@ -10,7 +10,14 @@ import pytest
 
 from sandboxfs import config as config_mod
 from sandboxfs import workers
-from sandboxfs.api import OutsideSandbox, ReadOnlyZone, Sandbox, WorkerRefused
+from sandboxfs.api import (
+    DenyListed,
+    OutsideSandbox,
+    PermissionDenied,
+    ReadOnlyZone,
+    Sandbox,
+    WorkerRefused,
+)
 from sandboxfs.core.policy import Op, Trust, Zone
 from sandboxfs.errors import UserError
 
@@ -221,3 +228,43 @@ def test_a_worker_file_that_is_a_link_is_not_read(tmp_path: Path) -> None:
     (project / ".workers" / "linked.worker").symlink_to(tmp_path / "elsewhere.worker")
     with pytest.raises(UserError, match=r"linked\.worker"):
         workers.find(project, "linked", config_mod.load(project))
+
+
+# ----- attachments ------------------------------------------------------------------------------
+
+
+def test_attachments_are_readable_in_the_parent_and_read_only_in_the_child(
+    tmp_path: Path,
+) -> None:
+    project = _project(tmp_path)
+    (project / "notes.md").write_text("notes\n")
+    with Sandbox.open(project, trust="workspace") as parent:
+        child = parent.restrict({"session": "rw"}, name="reader", attachments=["/repo/notes.md"])
+        assert child.zones == ["session", "attachments"]
+        assert child.list("/attachments") == ["/attachments/notes.md"]
+        assert child.read_text("/attachments/notes.md") == "notes\n"
+        with pytest.raises(ReadOnlyZone):
+            child.write("/attachments/notes.md", "changed")
+        with pytest.raises(OutsideSandbox):
+            child.read_text("/repo/notes.md")  # the rest of /repo stays the parent's
+        copies = project / ".sandbox" / "workspaces" / "default" / "attachments"
+        assert len(list(copies.iterdir())) == 1
+        child.close()
+        assert list(copies.iterdir()) == []  # the copies go with the child
+        reads = [e for e in parent.audit_entries() if e["path"] == "/repo/notes.md"]
+        assert reads and reads[0]["allowed"] is True and "worker" not in reads[0]
+
+
+def test_attachments_only_from_what_the_parent_may_read(tmp_path: Path) -> None:
+    project = _project(tmp_path)
+    (project / "notes.md").write_text("notes\n")
+    (project / ".env").write_text("SECRET=1\n")
+    with Sandbox.open(project, trust="session") as parent, pytest.raises(PermissionDenied):
+        parent.restrict({"data": "ro"}, attachments=["/repo/notes.md"])
+    with Sandbox.open(project, trust="full") as parent:
+        with pytest.raises(DenyListed):
+            parent.restrict({"data": "ro"}, attachments=["/repo/.env"])
+        with pytest.raises(WorkerRefused, match=r"both would be /attachments/input\.csv"):
+            parent.restrict({}, attachments=["/data/input.csv", "/data/../data/input.csv"])
+    copies = project / ".sandbox" / "workspaces" / "default" / "attachments"
+    assert not copies.exists() or list(copies.iterdir()) == []
