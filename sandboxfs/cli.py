@@ -27,6 +27,7 @@ from . import (
     control,
     gitdir,
     manpage,
+    nest,
     netproxy,
     sessions_cli,
     staged_cli,
@@ -180,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="show this host file or directory read-only at the same path inside (never a "
         "home, a secret, the project or sandboxfs's state); repeatable",
     )
+    # The ceiling of a child worker started from inside a run (sandboxfs.nest): that run's
+    # supervisor passes its own zones here. Not for people; a program inside never reaches it.
+    run.add_argument("--within", help=argparse.SUPPRESS)
     run.add_argument(
         "argv",
         nargs=argparse.REMAINDER,
@@ -321,13 +325,15 @@ def _for_worker(
 def _attach(
     args: argparse.Namespace,
     project: Path,
+    parent: config_mod.Config,
     cfg: config_mod.Config,
     trust: Trust,
     workspace: str,
     session: str,
 ) -> config_mod.Config:
-    """The --attach files, read as the parent (--trust, without the worker) reads them: an
-    API sandbox on the same session, so each is checked and audited; given read-only."""
+    """The --attach files, read as the parent (`parent`: --trust, without the worker) reads
+    them: an API sandbox on the same session, so each is checked and audited; given read-only
+    to the worker of `cfg`."""
     if not args.attach:
         return cfg
     named = workers.attachment_names(args.attach)
@@ -338,11 +344,10 @@ def _attach(
 
     files: dict[str, bytes] = {}
     try:
-        with ApiSandbox.open(
-            project, trust=trust, workspace=workspace, session=session, config=args.config
-        ) as parent:
+        config_file = args.config.absolute() if args.config is not None else None
+        with ApiSandbox.on_disk(project, parent, config_file, trust, workspace, session) as reader:
             for name, path in named.items():
-                files[name] = parent.read_bytes(path)
+                files[name] = reader.read_bytes(path)
     except SandboxAPIError as exc:
         raise UserError(f"--attach: {exc}") from None
     return workers.attach(cfg, project, workspace, files)
@@ -388,10 +393,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
     mountpoint = validate_mountpoint(args.mountpoint, project)
     workspace = check_id("workspace", args.workspace)
     trust = args.trust or cfg.default_trust
+    parent = cfg
     cfg = _for_worker(args, project, cfg, trust)
     session, resumed = choose_session(project, workspace, args.session, args.new_session)
     try:
-        cfg = _attach(args, project, cfg, trust, workspace, session)
+        cfg = _attach(args, project, parent, cfg, trust, workspace, session)
     except UserError:
         if not resumed:
             discard_new_session(project, workspace, session)
@@ -525,11 +531,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     trust = args.trust or cfg.default_trust
     full = gitdir.with_git_dir(project_mod.with_home(cfg, project, workspace, trust), project)
+    if args.within is not None:
+        try:
+            full = nest.within(full, config_mod.WorkerScope.model_validate_json(args.within))
+        except ValueError:
+            raise UserError("--within: not a worker scope") from None
     narrowed = _for_worker(args, project, full, trust)
     tools = _run_toolchain(args, project, command, env, user, profile)
     session, resumed = choose_session(project, workspace, args.session, args.new_session)
     try:
-        narrowed = _attach(args, project, narrowed, trust, workspace, session)
+        narrowed = _attach(args, project, full, narrowed, trust, workspace, session)
     except UserError:
         if not resumed:
             discard_new_session(project, workspace, session)

@@ -42,6 +42,7 @@ from .core.syscalls import make_undumpable, set_dumpable, write_all
 from .errors import UserError
 from .identity import project_identity
 from .mounts import MountRequest, lazy_unmount, sandboxfs_mounts
+from .nest import NEST_DIR, NestServer, child_argv
 from .netproxy import (
     Allowlist,
     DnsStub,
@@ -798,6 +799,7 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
     lost: str | None = None  # how the daemon ended while the program ran (the mount was lost)
     network: _Network | None = None
     terminal: _Terminal | None = None
+    nest: NestServer | None = None
     try:
         if not (mnt / cwd.removeprefix(confine.SANDBOX).lstrip("/")).is_dir():
             raise SetupError(
@@ -822,8 +824,14 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         interactive = terminal is not None and terminal.controlling
         # The git directory of a worktree project, at the path its .git file names (gitdir).
         binds = gitdir.bwrap_binds(req.config, req.trust, mnt)
+        # Child workers started from inside, never with more than this sandbox (sandboxfs.nest).
+        nest = _nest_server(req, audit, run_dir, mnt)
+        env["PATH"] = f"{NEST_DIR}/bin:{env['PATH']}"
         options = confine.bwrap_args(
-            mountpoint=mnt, cwd=cwd, net=req.net, tools=[*binds, *req.tools.bwrap_args()]
+            mountpoint=mnt,
+            cwd=cwd,
+            net=req.net,
+            tools=[*binds, *nest.bwrap_args(), *req.tools.bwrap_args()],
         )
         argv = [bwrap, "--args", str(confine.ARGS_FD), "--"]
         argv += confine.launcher_argv(interactive, req.command)
@@ -853,6 +861,8 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         lost = _daemon_ended(daemon)
         return _exit_status(status, lost)
     finally:
+        if nest is not None:
+            nest.close()
         if terminal is not None:
             terminal.close()
         if network is not None:
@@ -879,6 +889,21 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
             print(f"sandboxfs: {problem}", file=sys.stderr)
         if ran and status is not None and not req.quiet:
             print(_summary(req, started, status, lost), file=sys.stderr)
+
+
+def _nest_server(req: RunRequest, audit: RunAudit, run_dir: Path, mnt: Path) -> NestServer:
+    """The socket a program inside starts child workers through (sandboxfs.nest), with this
+    run's config as their ceiling and its mount's current trust level as their highest."""
+
+    def live_trust() -> Trust | None:
+        try:
+            text = (mnt / ".sandboxfs" / "context.json").read_text()
+            return Trust(json.loads(text)["trust"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    build = child_argv(req.project, req.workspace, req.config_file, req.config.worker)
+    return NestServer(run_dir, req.project, req.config, req.trust, build, live_trust, audit.record)
 
 
 def _daemon_ended(daemon: int) -> str | None:

@@ -173,10 +173,10 @@ class Sandbox:
                 loaded = narrow(loaded, level, find(root, worker, loaded))
             except UserError as exc:
                 raise _worker_error(exc) from None
-        return cls._on_disk(root, loaded, config_file, level, workspace, session_id, audit_sync)
+        return cls.on_disk(root, loaded, config_file, level, workspace, session_id, audit_sync)
 
     @classmethod
-    def _on_disk(
+    def on_disk(
         cls,
         root: Path,
         config: Config,
@@ -184,8 +184,10 @@ class Sandbox:
         level: Trust,
         workspace: str,
         session_id: str,
-        audit_sync: bool,
+        audit_sync: bool = False,
     ) -> Sandbox:
+        """A sandbox on `root` (validated) with `config` as given (the CLI's, with a run's
+        zones): what `open` and `restrict` build."""
         try:
             backend, guard, audit = open_disk(
                 root, config, config_file, level, workspace, session_id, audit_sync
@@ -242,7 +244,7 @@ class Sandbox:
             except UserError as exc:
                 raise _worker_error(exc) from None
             try:
-                child = self._on_disk(
+                child = self.on_disk(
                     self.project,
                     config,
                     self._config_file,
@@ -272,7 +274,7 @@ class Sandbox:
                 config,
                 owns_backend=False,
             )
-        return self._on_disk(
+        return self.on_disk(
             self.project,
             config,
             self._config_file,
