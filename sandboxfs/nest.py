@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import struct
@@ -40,6 +41,7 @@ from .errors import UserError
 
 NEST_DIR = "/sandboxfs"  # inside: nest.sock and bin/sandboxfs, the client
 SOCKET_NAME = "nest.sock"
+NEST_HOST_DIR = "nest"  # in the run directory: what NEST_DIR shows
 MAX_REQUEST = 64 * 1024
 _TRUST_ORDER = list(Trust)
 
@@ -146,8 +148,9 @@ class NestServer:
         self._child_argv = child_argv
         self._live_trust = live_trust
         self._record = record
-        self.host_dir = run_dir / "nest"
-        (self.host_dir / "bin").mkdir(parents=True, mode=0o700)
+        self.host_dir = run_dir / NEST_HOST_DIR
+        self.host_dir.mkdir(mode=0o700)
+        (self.host_dir / "bin").mkdir(mode=0o700)
         client = self.host_dir / "bin" / "sandboxfs"
         client.write_text(CLIENT)
         client.chmod(0o755)
@@ -176,6 +179,7 @@ class NestServer:
         for child in children:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.wait(15)
+        shutil.rmtree(self.host_dir, ignore_errors=True)
 
     def _serve(self) -> None:
         while True:

@@ -42,7 +42,7 @@ from .core.syscalls import make_undumpable, set_dumpable, write_all
 from .errors import UserError
 from .identity import project_identity
 from .mounts import MountRequest, lazy_unmount, sandboxfs_mounts
-from .nest import NEST_DIR, NestServer, child_argv
+from .nest import NEST_DIR, NEST_HOST_DIR, NestServer, child_argv
 from .netproxy import (
     Allowlist,
     DnsStub,
@@ -188,6 +188,7 @@ def remove_run_dir(run_dir: Path) -> None:
     for name in ("daemon", "owner"):
         with contextlib.suppress(OSError):
             (run_dir / name).unlink()
+    shutil.rmtree(run_dir / NEST_HOST_DIR, ignore_errors=True)  # a run that died: its socket
     with contextlib.suppress(OSError):
         run_dir.rmdir()
 

@@ -204,3 +204,65 @@ def test_run_with_attachments(project: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 125
     assert "--attach: Cannot read '/repo/README.md': repo is not readable" in result.stderr
+
+
+# ----- nesting: a child worker started from inside `sandboxfs run` ------------------------------
+
+RAW_REQUEST = """
+import array, json, socket
+s = socket.socket(socket.AF_UNIX)
+s.connect("/sandboxfs/nest.sock")
+fds = array.array("i", [0, 1, 2])
+request = {"worker": "reader", "argv": ["true"], "trust": "full"}
+s.sendmsg([json.dumps(request).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+s.shutdown(socket.SHUT_WR)
+print(s.recv(65536).decode())
+"""
+
+FORGED = "---\\nname: forged\\nsandbox:\\n  zones:\\n    - {name: data, mode: rw}\\n---\\n"
+
+
+def test_nested_worker_from_inside_run(project: Path) -> None:
+    (project / ".workers" / "keeper.worker").write_text(
+        "---\nname: keeper\nsandbox:\n  zones:\n"
+        "    - {name: data, mode: ro}\n    - {name: workers, mode: rw}\n---\n"
+    )
+    (project / ".workers" / "reader.worker").write_text(
+        "---\nname: reader\nsandbox:\n  zones:\n    - {name: data, mode: ro}\n---\n"
+    )
+    script = f"""
+        sandboxfs run --worker reader -- sh -c 'ls /sandbox; cat /sandbox/data/input.csv;
+            echo x > /sandbox/data/child.csv || echo child-refused'
+        echo child=$?
+        printf -- '{FORGED}' > /sandbox/workers/forged.worker
+        sandboxfs run --worker forged -- sh -c 'echo forged-ran'
+        echo forged=$?
+        /usr/bin/python3 -c '{RAW_REQUEST}'
+        echo x > /sandbox/data/parent.csv || echo parent-refused
+    """
+    result = sbx(
+        "run", "--project", project, "--trust", "full", "--worker", "keeper",
+        "--", "sh", "-c", script,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    # The child sees only its zone, read-only; it runs and ends inside the parent's run.
+    assert out[:4] == ["data", "1,2", "child-refused", "child=0"]
+    # A declaration wider than the parent (written inside, in /workers) is refused.
+    assert "forged-ran" not in result.stdout and "forged=125" in out
+    assert "worker forged: Child requests 'rw' on 'data' but parent only has 'ro'" in (
+        result.stderr
+    )
+    # A request naming a trust level is refused whole; the parent's own access is unchanged.
+    assert "unknown fields ['trust']" in result.stdout
+    assert out[-1] == "parent-refused"
+    assert not (project.parent / "data" / "child.csv").exists()
+    child = audit(project, "--worker", "reader")
+    assert {"run", "mount", "read", "write"} <= {e["op"] for e in child}
+    assert all(e["worker"] == "reader" for e in child)
+    assert [e["path"] for e in child if e["allowed"] is False] == ["/data/child.csv"]
+    assert child[0]["trust"] == "full" and "forged" not in {e.get("worker") for e in child}
+    refused = [e for e in audit(project, "--worker", "keeper", "--denied") if e["op"] == "run"]
+    assert len(refused) == 1
+    assert "Child requests 'rw' on 'data'" in refused[0]["reason"]
+    assert not audit(project, "--worker", "forged")  # nothing was mounted for it
