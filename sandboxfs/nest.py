@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import array
 import contextlib
+import fcntl
 import json
 import os
 import shlex
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -42,6 +44,7 @@ from .errors import UserError
 NEST_DIR = "/sandboxfs"  # inside: nest.sock and bin/sandboxfs, the client
 SOCKET_NAME = "nest.sock"
 NEST_HOST_DIR = "nest"  # in the run directory: what NEST_DIR shows
+MAX_CHILDREN = 8  # child workers running at once, per run
 MAX_REQUEST = 64 * 1024
 _TRUST_ORDER = list(Trust)
 
@@ -223,6 +226,7 @@ class NestServer:
             and len(fds) == 3
         ):
             raise ValueError("expected a worker's name, a command and the caller's stdio")
+        _check_stdio(fds)
         live = self._live_trust()
         trust = self._trust if live is None else lower(self._trust, live)
         try:
@@ -243,6 +247,8 @@ class NestServer:
         with self._lock:
             if self._closed:
                 return {"status": 125, "error": "the parent sandbox is ending"}
+            if len(self._children) >= MAX_CHILDREN:
+                return {"status": 125, "error": f"{MAX_CHILDREN} child workers run already"}
             self._record(
                 "run",
                 pid=pid,
@@ -296,6 +302,19 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
             os.close(fd)
         raise ValueError("expected a JSON object")
     return request, fds
+
+
+def _check_stdio(fds: list[int]) -> None:
+    """The caller's stdin, stdout and stderr are what a shell redirects to: pipes, sockets,
+    terminals and other character devices, regular files. Not a directory, nor an O_PATH
+    handle: through one the child would reach, by `openat`, names of the parent's mount that
+    its declaration leaves out."""
+    for fd in fds:
+        mode = os.fstat(fd).st_mode
+        if os.O_PATH & fcntl.fcntl(fd, fcntl.F_GETFL) or not (
+            stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISCHR(mode) or stat.S_ISREG(mode)
+        ):
+            raise ValueError("stdin, stdout and stderr must be pipes, terminals or files")
 
 
 def _peer_pid(conn: socket.socket) -> int:

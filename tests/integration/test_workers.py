@@ -209,14 +209,18 @@ def test_run_with_attachments(project: Path) -> None:
 # ----- nesting: a child worker started from inside `sandboxfs run` ------------------------------
 
 RAW_REQUEST = """
-import array, json, socket
-s = socket.socket(socket.AF_UNIX)
-s.connect("/sandboxfs/nest.sock")
-fds = array.array("i", [0, 1, 2])
-request = {"worker": "reader", "argv": ["true"], "trust": "full"}
-s.sendmsg([json.dumps(request).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-s.shutdown(socket.SHUT_WR)
-print(s.recv(65536).decode())
+import array, json, os, socket
+data = os.open("/sandbox/data", os.O_RDONLY | os.O_DIRECTORY)
+for request, stdin in (
+    ({"worker": "reader", "argv": ["true"], "trust": "full"}, 0),
+    ({"worker": "reader", "argv": ["sh", "-c", "echo x >&0"]}, data),
+):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect("/sandboxfs/nest.sock")
+    fds = array.array("i", [stdin, 1, 2])
+    s.sendmsg([json.dumps(request).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+    s.shutdown(socket.SHUT_WR)
+    print(s.recv(65536).decode())
 """
 
 FORGED = "---\\nname: forged\\nsandbox:\\n  zones:\\n    - {name: data, mode: rw}\\n---\\n"
@@ -255,6 +259,7 @@ def test_nested_worker_from_inside_run(project: Path) -> None:
     )
     # A request naming a trust level is refused whole; the parent's own access is unchanged.
     assert "unknown fields ['trust']" in result.stdout
+    assert "stdin, stdout and stderr must be pipes, terminals or files" in result.stdout
     assert out[-1] == "parent-refused"
     assert not (project.parent / "data" / "child.csv").exists()
     child = audit(project, "--worker", "reader")
