@@ -221,6 +221,9 @@ class WorkerScope(_Strict):
 
     name: str
     zones: dict[str, WorkerMode] = Field(default_factory=dict)
+    # The worker's consent rules per zone and operation (`write`/`delete`: `preApproved`, `ask`
+    # or `blocked`), for approvals to apply on top of the project's; validated in its file.
+    approval: dict[str, dict[str, str]] = Field(default_factory=dict)
 
 
 def narrowed(access: ZoneAccess, mode: str) -> ZoneAccess:

@@ -128,7 +128,14 @@ def within(config: Config, scope: WorkerScope) -> Config:
     zones = {name: mode for name, mode in scope.zones.items() if name in known}
     kept = {name: zone for name, zone in config.zones.items() if name in zones}
     return config.model_copy(
-        update={"zones": kept, "worker": WorkerScope(name=scope.name, zones=zones)}
+        update={
+            "zones": kept,
+            "worker": WorkerScope(
+                name=scope.name,
+                zones=zones,
+                approval={z: rules for z, rules in scope.approval.items() if z in zones},
+            ),
+        }
     )
 
 

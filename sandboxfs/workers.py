@@ -371,7 +371,12 @@ def narrow(config: Config, trust: Trust, worker: Worker) -> Config:
     if "repo" in declared and GIT_DIR_ZONE in config.zones:
         declared[GIT_DIR_ZONE] = declared["repo"]  # a worktree's git directory goes with /repo
     zones = {name: zone for name, zone in config.zones.items() if name in declared}
-    scope = WorkerScope(name=worker.name, zones=declared)
+    approval = {
+        zone: rules.model_dump(exclude_none=True)
+        for zone, rules in worker.approval.items()
+        if zone in declared
+    }
+    scope = WorkerScope(name=worker.name, zones=declared, approval=approval)
     return config.model_copy(update={"zones": zones, "worker": scope})
 
 

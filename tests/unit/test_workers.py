@@ -48,6 +48,10 @@ def test_a_worker_file_is_front_matter_and_instructions() -> None:
     # Parsed and kept for approvals to apply.
     assert worker.approval["data"].write == "preApproved"
     assert worker.approval["data"].delete == "blocked"
+    # ... and carried into the narrowed config, where a mount's guard is built.
+    narrowed = workers.narrow(_data_config(), Trust.SESSION, worker)
+    assert narrowed.worker is not None
+    assert narrowed.worker.approval == {"data": {"write": "preApproved", "delete": "blocked"}}
 
 
 def test_no_sandbox_key_declares_no_zones() -> None:
