@@ -304,6 +304,10 @@ class Config(_Strict):
         """The mount's zones in the order `/` lists them: the built-in ones, then the project's."""
         return [*BUILTIN_ZONES, *(Zone(name) for name in self.zones)]
 
+    def worker_label(self) -> tuple[str, dict[str, str]] | None:
+        """The worker this config is narrowed to, as the policy names it in refusals."""
+        return (self.worker.name, dict(self.worker.zones)) if self.worker is not None else None
+
     def zone_limits(self) -> dict[Zone, ZoneLimits]:
         return {Zone(name): limits.limits() for name, limits in self.limits.items()}
 

@@ -424,6 +424,7 @@ def make_guard(
         protected_patterns(project, config, config_file),
         config.deny_private_keys,
         git_dir_zones(config),
+        config.worker_label(),
     )
     limits = config.zone_limits()
     tallies: dict[Zone, Tally] = {}

@@ -350,7 +350,14 @@ def memory_guard(
         for zone, found in limits.items()
         if found.has_quota and found.quota is not None
     }
-    policy = Policy(config.matrix(), config.deny, trust, config.protect, config.deny_private_keys)
+    policy = Policy(
+        config.matrix(),
+        config.deny,
+        trust,
+        config.protect,
+        config.deny_private_keys,
+        worker=config.worker_label(),
+    )
     worker = config.worker.name if config.worker is not None else None
     info = MountInfo(session, workspace, "", "", via="api", worker=worker)
     guard = Guard(policy, sink, info, moves=lambda: backend.moves, limits=limits, tallies=tallies)

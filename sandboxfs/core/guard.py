@@ -139,6 +139,7 @@ class Guard:
             old.protect_patterns,
             old.private_key_patterns,
             old.git_dirs,
+            old.worker,
         )
         self._base_entry["trust"] = trust.value
         self.generation += 1

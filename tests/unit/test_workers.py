@@ -159,8 +159,9 @@ def test_child_with_ro_cannot_write_where_the_parent_can() -> None:
     with _memory() as parent:
         child = parent.restrict({"workspace": "ro"}, name="reader")
         assert child.read_text("/workspace/data/a.txt") == "A"
-        with pytest.raises(ReadOnlyZone):
+        with pytest.raises(ReadOnlyZone) as refused:
             child.write("/workspace/data/a.txt", "changed")
+        assert "for worker reader, which declared it ro" in refused.value.reason
         with pytest.raises(ReadOnlyZone):
             child.delete("/workspace/data/a.txt")
         parent.write("/workspace/data/a.txt", "parent")  # the parent still may
