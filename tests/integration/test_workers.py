@@ -242,6 +242,8 @@ def test_nested_worker_from_inside_run(project: Path) -> None:
         sandboxfs run --worker forged -- sh -c 'echo forged-ran'
         echo forged=$?
         /usr/bin/python3 -c '{RAW_REQUEST}'
+        sandboxfs run --worker reader --attach /repo/README.md -- true
+        echo attach=$?
         echo x > /sandbox/data/parent.csv || echo parent-refused
     """
     result = sbx(
@@ -260,6 +262,9 @@ def test_nested_worker_from_inside_run(project: Path) -> None:
     # A request naming a trust level is refused whole; the parent's own access is unchanged.
     assert "unknown fields ['trust']" in result.stdout
     assert "stdin, stdout and stderr must be pipes, terminals or files" in result.stdout
+    # Attachments come from the parent worker's view: /repo is readable at full, not by keeper.
+    assert "attach=125" in out
+    assert "--attach: Cannot read '/repo/README.md': /repo is not a zone" in result.stderr
     assert out[-1] == "parent-refused"
     assert not (project.parent / "data" / "child.csv").exists()
     child = audit(project, "--worker", "reader")
