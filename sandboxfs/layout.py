@@ -128,6 +128,11 @@ def staged_dir(project: Path, workspace: str) -> Path:
     return project.joinpath(*staged_parts(workspace))
 
 
+def attachments_parts(workspace: str) -> tuple[str, ...]:
+    """Copies of the files given to child workers, one directory per child."""
+    return (*workspace_parts(workspace), "attachments")
+
+
 def review_parts(workspace: str) -> tuple[str, ...]:
     """Review state of staged commits (frozen copies, verdicts), outside every zone."""
     return (*workspace_parts(workspace), "review")

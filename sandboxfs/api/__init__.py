@@ -29,6 +29,7 @@ from .errors import (
     SandboxIOError,
     SandboxSetupError,
     SuffixNotAllowed,
+    WorkerRefused,
 )
 from .sandbox import Sandbox
 from .types import FileInfo, Permission, StagedCommit
@@ -56,4 +57,5 @@ __all__ = [
     "SandboxSetupError",
     "StagedCommit",
     "SuffixNotAllowed",
+    "WorkerRefused",
 ]

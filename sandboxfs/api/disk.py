@@ -232,7 +232,8 @@ def open_disk(
         store.close()
         os.close(in_use)
         raise
-    info = MountInfo(session, workspace, str(project), "", via="api")
+    worker = config.worker.name if config.worker is not None else None
+    info = MountInfo(session, workspace, str(project), "", via="api", worker=worker)
     try:
         guard = make_guard(project, config, config_file, trust, info, store, audit)
     except BaseException:

@@ -135,6 +135,11 @@ class SandboxSetupError(SandboxAPIError):
     """The sandbox could not be opened: no such project, a bad config file, no state dir."""
 
 
+class WorkerRefused(SandboxSetupError):
+    """A worker's declaration asks more than its parent has, names an unknown zone, or its
+    `.worker` file is invalid (EACCES for wider than the parent, EINVAL otherwise)."""
+
+
 _BY_RULE: dict[str, type[SandboxAPIError]] = {
     "deny": DenyListed,
     "protect": Protected,

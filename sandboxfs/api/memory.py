@@ -331,18 +331,39 @@ def open_memory(
     backend = MemoryBackend(config.zone_list())
     for zone, parts, data in seeds:
         backend.seed(zone, parts, data)
+    sink = MemorySink()
+    return backend, memory_guard(config, trust, session, workspace, backend, sink), sink
+
+
+def memory_guard(
+    config: Config,
+    trust: Trust,
+    session: str,
+    workspace: str,
+    backend: MemoryBackend,
+    sink: MemorySink,
+) -> Guard:
+    """The guard of a memory sandbox on `backend` (also a worker's, which shares its
+    parent's backend and sink: sandboxfs.api.Sandbox.restrict)."""
     limits = config.zone_limits()
     tallies = {
         zone: Tally(zone.value, found.quota, None, backend.usage(zone))
         for zone, found in limits.items()
         if found.has_quota and found.quota is not None
     }
-    sink = MemorySink()
-    policy = Policy(config.matrix(), config.deny, trust, config.protect, config.deny_private_keys)
-    info = MountInfo(session, workspace, "", "", via="api")
+    policy = Policy(
+        config.matrix(),
+        config.deny,
+        trust,
+        config.protect,
+        config.deny_private_keys,
+        worker=config.worker_label(),
+    )
+    worker = config.worker.name if config.worker is not None else None
+    info = MountInfo(session, workspace, "", "", via="api", worker=worker)
     guard = Guard(policy, sink, info, moves=lambda: backend.moves, limits=limits, tallies=tallies)
     guard.inspect_contents(KeyScanner(MemoryContents(backend)))
-    return backend, guard, sink
+    return guard
 
 
 class MemoryContents:

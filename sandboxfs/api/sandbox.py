@@ -23,7 +23,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,16 @@ from ..core.errors import SandboxError
 from ..core.guard import Guard
 from ..core.policy import ZONE_ROOT_REASON, Decision, Op, Trust, Zone
 from ..core.store import FIRST_DYNAMIC_INO, HiddenEntry, Node, StatLike
-from ..errors import SandboxfsError
+from ..errors import SandboxfsError, UserError
+from ..project.workers import (
+    WiderThanParent,
+    Worker,
+    attach,
+    attachment_names,
+    discard_attachments,
+    find,
+    narrow,
+)
 from . import tools as tool_defs
 from .arguments import (
     Call,
@@ -55,10 +64,11 @@ from .errors import (
     SandboxAPIError,
     SandboxIOError,
     SandboxSetupError,
+    WorkerRefused,
     api_error,
     make_error,
 )
-from .memory import open_memory
+from .memory import MemoryBackend, MemorySink, memory_guard, open_memory
 from .types import Backend, Caller, ClosableSink, FileInfo, NullSink, Permission, StagedCommit
 
 _LOCK = threading.RLock()
@@ -74,6 +84,12 @@ STAGE_HINT = (
 
 def _in_repo(path: str | None) -> bool:
     return path is not None and (path == "/repo" or path.startswith("/repo/"))
+
+
+def _worker_error(exc: UserError) -> WorkerRefused:
+    err = errno.EACCES if isinstance(exc, WiderThanParent) else errno.EINVAL
+    message = f"Cannot restrict the sandbox: {exc.message}"
+    return WorkerRefused(message, errno=err, reason=exc.message)
 
 
 def _setup_error(exc: SandboxfsError | SandboxError | OSError) -> SandboxSetupError:
@@ -100,8 +116,18 @@ class Sandbox:
         audit: ClosableSink,
         entries: Callable[[], list[dict[str, Any]]],
         project: Path | None = None,
+        config: Config | None = None,
+        config_file: Path | None = None,
+        audit_sync: bool = False,
+        owns_backend: bool = True,
     ) -> None:
         self._backend = backend
+        # How it was built, for a worker's narrower sandbox beside it (restrict).
+        self._config = config if config is not None else defaults()
+        self._config_file = config_file
+        self._audit_sync = audit_sync
+        self._owns_backend = owns_backend
+        self._owns_attachments = False  # made by restrict for this one: removed at close
         self._guard = guard
         self._audit = audit
         self._entries = entries
@@ -128,9 +154,12 @@ class Sandbox:
         session: str | None = None,
         config: str | os.PathLike[str] | None = None,
         audit_sync: bool = False,
+        worker: str | None = None,
     ) -> Sandbox:
         """A sandbox on the project's files (disk backend); its entries go to the project's
-        audit log. `session`: None starts a new one; a given id is created if missing."""
+        audit log. `session`: None starts a new one; a given id is created if missing.
+        `worker`: narrowed to what `<worker>.worker` declares (sandboxfs.project.workers), under a
+        parent at `trust`; WorkerRefused when it asks more."""
         check_id("workspace", workspace)
         session_id = check_id("session", session) if session is not None else new_session_id()
         try:
@@ -140,13 +169,121 @@ class Sandbox:
         except SandboxfsError as exc:
             raise _setup_error(exc) from None
         level = as_trust(trust, loaded.default_trust)
+        if worker is not None:
+            try:
+                loaded = narrow(loaded, level, find(root, worker, loaded))
+            except UserError as exc:
+                raise _worker_error(exc) from None
+        return cls.on_disk(root, loaded, config_file, level, workspace, session_id, audit_sync)
+
+    @classmethod
+    def on_disk(
+        cls,
+        root: Path,
+        config: Config,
+        config_file: Path | None,
+        level: Trust,
+        workspace: str,
+        session_id: str,
+        audit_sync: bool = False,
+    ) -> Sandbox:
+        """A sandbox on `root` (validated) with `config` as given (the CLI's, with a run's
+        zones): what `open` and `restrict` build."""
         try:
             backend, guard, audit = open_disk(
-                root, loaded, config_file, level, workspace, session_id, audit_sync
+                root, config, config_file, level, workspace, session_id, audit_sync
             )
         except (SandboxfsError, SandboxError, OSError) as exc:
             raise _setup_error(exc) from None
-        return cls(backend, guard, audit, lambda: read_entries(root, session_id, workspace), root)
+        return cls(
+            backend,
+            guard,
+            audit,
+            lambda: read_entries(root, session_id, workspace),
+            root,
+            config,
+            config_file,
+            audit_sync,
+        )
+
+    def restrict(
+        self,
+        declaration: Worker | Mapping[str, str] | str | None,
+        *,
+        name: str = "child",
+        attachments: Sequence[str] = (),
+    ) -> Sandbox:
+        """A worker's sandbox beside this one (seed 001's RestrictedSandbox): the same
+        project or memory, session and trust level, with exactly the zones `declaration` asks
+        and at most their modes. `declaration`: a Worker, a mapping of zone to "ro"/"rw" (the
+        worker called `name`), the name of a worker of the project's workers layers, or None
+        (no zones at all). WorkerRefused when it asks more than this sandbox has. Closing it
+        leaves this one open.
+
+        `attachments`: virtual paths of files this sandbox may read (each read here, checked
+        and audited as any read: PermissionDenied, NotFound... otherwise), given to the child
+        read-only as /attachments/<name> (copies; a sandbox on disk only)."""
+        try:
+            if isinstance(declaration, Worker):
+                worker = declaration
+            elif isinstance(declaration, str):
+                if self.project is None:
+                    raise UserError("a memory sandbox has no workers layers; pass a mapping")
+                worker = find(self.project, declaration, self._config)
+            else:
+                worker = Worker.declare(name, declaration)
+            config = narrow(self._config, self.trust, worker)
+            named = attachment_names(list(attachments))
+            if named and self.project is None:
+                raise UserError("attachments need a sandbox on disk (Sandbox.open)")
+        except UserError as exc:
+            raise _worker_error(exc) from None
+        if named and self.project is not None:
+            files = {name: self.read_bytes(path) for name, path in named.items()}
+            try:
+                config = attach(config, self.project, self.workspace, files)
+            except UserError as exc:
+                raise _worker_error(exc) from None
+            try:
+                child = self.on_disk(
+                    self.project,
+                    config,
+                    self._config_file,
+                    self.trust,
+                    self.workspace,
+                    self.session,
+                    self._audit_sync,
+                )
+            except BaseException:
+                discard_attachments(config)
+                raise
+            child._owns_attachments = True
+            return child
+        if self.project is None:
+            assert isinstance(self._backend, MemoryBackend)
+            assert isinstance(self._audit, MemorySink)
+            sink = self._audit
+            guard = memory_guard(
+                config, self.trust, self.session, self.workspace, self._backend, sink
+            )
+            return type(self)(
+                self._backend,
+                guard,
+                sink,
+                lambda: [dict(e) for e in sink.entries],
+                None,
+                config,
+                owns_backend=False,
+            )
+        return self.on_disk(
+            self.project,
+            config,
+            self._config_file,
+            self.trust,
+            self.workspace,
+            self.session,
+            self._audit_sync,
+        )
 
     @classmethod
     def memory(
@@ -176,7 +313,7 @@ class Sandbox:
                 raise make_error(InvalidPath, "create", path.text, reason, errno.EINVAL)
             seeds.append((path.zone, path.parts, as_bytes(content)))
         backend, guard, sink = open_memory(config, level, session, workspace, seeds)
-        return cls(backend, guard, sink, lambda: [dict(e) for e in sink.entries])
+        return cls(backend, guard, sink, lambda: [dict(e) for e in sink.entries], None, config)
 
     # ----- description ------------------------------------------------------------------------
 
@@ -195,6 +332,11 @@ class Sandbox:
     @property
     def zones(self) -> list[str]:
         return list(self._zone_names)
+
+    @property
+    def worker(self) -> str | None:
+        """The worker whose declaration narrowed this sandbox, if any."""
+        return self._guard.info.worker
 
     def __repr__(self) -> str:
         where = str(self.project) if self.project is not None else "memory"
@@ -221,11 +363,15 @@ class Sandbox:
                 return
             self._closed = True
             try:
-                self._audit.close()
+                if self._owns_backend:  # a memory worker's sink and backend are its parent's
+                    self._audit.close()
             finally:
                 self._guard.close()
                 self._probe.close()
-                self._backend.close()
+                if self._owns_backend:
+                    self._backend.close()
+                if self._owns_attachments:
+                    discard_attachments(self._config)
 
     def __enter__(self) -> Sandbox:
         return self

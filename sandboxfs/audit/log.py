@@ -61,7 +61,7 @@ RESERVE_BYTES = 4 << 20  # room kept for the log on its file system; ~7k distinc
 _RELEASE_STEP = 1 << 16  # the reserve is given back in slices of at least this
 _REFILL_EVERY = 1.0  # seconds between attempts to fill a short reserve again
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-_EXACT_FIELDS = ("pid", "session", "workspace", "zone", "op", "trust", "allowed")
+_EXACT_FIELDS = ("pid", "session", "workspace", "zone", "op", "trust", "allowed", "worker")
 _DENIED = b'"allowed":false'
 # Identical refusals within a window become one entry with a count (see AuditLog.record).
 REPEAT_WINDOW = 1.0  # seconds
@@ -836,6 +836,7 @@ class AuditQuery:
     since: datetime | None = None
     until: datetime | None = None
     pid: int | None = None
+    worker: str | None = None  # entries a worker's sandbox caused (sandboxfs.project.workers)
     limit: int | None = None  # keep only the last `limit` matching entries
 
 

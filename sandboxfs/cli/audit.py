@@ -168,6 +168,7 @@ def _show_options(
         ),
         add("--until", type=when_type, metavar="T", help="only entries before T (as --since)"),
         add("--pid", type=int, help="only entries of this process id"),
+        add("--worker", metavar="NAME", help="only entries of sandboxes narrowed to this worker"),
         add(
             "-n",
             "--lines",
@@ -218,6 +219,7 @@ def _show(args: argparse.Namespace, path: Path) -> int:
         since=args.since,
         until=args.until,
         pid=args.pid,
+        worker=args.worker,
         limit=None if args.follow else args.lines,
     )
     clock = audit_mod.Clock(local=args.local)

@@ -26,6 +26,7 @@ from sandboxfs.cli import completion, manpage, subcommands
 from sandboxfs.cli import home as home_mod
 from sandboxfs.cli import sessions as sessions_cli
 from sandboxfs.cli import staged as staged_cli
+from sandboxfs.cli import workers as workers_cli
 from sandboxfs.config import model as config_mod
 from sandboxfs.config import user as userconfig
 from sandboxfs.config.inputs import cut
@@ -39,7 +40,7 @@ from sandboxfs.errors import (
     UserError,
 )
 from sandboxfs.layout import state_dir, state_root
-from sandboxfs.project import control, gitdir, state
+from sandboxfs.project import control, gitdir, state, workers
 from sandboxfs.project import zones as project_mod
 from sandboxfs.project.mounts import (
     NOT_YOURS,
@@ -53,7 +54,7 @@ from sandboxfs.project.mounts import (
     validate_mountpoint,
 )
 from sandboxfs.project.zones import check_id, find_project, validate_project
-from sandboxfs.run import confine, netproxy, toolchain
+from sandboxfs.run import confine, nest, netproxy, toolchain
 from sandboxfs.run import doctor as doctor_mod
 from sandboxfs.run import supervisor as run_mod
 
@@ -179,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="show this host file or directory read-only at the same path inside (never a "
         "home, a secret, the project or sandboxfs's state); repeatable",
     )
+    # The ceiling of a child worker started from inside a run (sandboxfs.run.nest): that run's
+    # supervisor passes its own zones here. Not for people; a program inside never reaches it.
+    run.add_argument("--within", help=argparse.SUPPRESS)
     run.add_argument(
         "argv",
         nargs=argparse.REMAINDER,
@@ -234,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     staged_cli.add_parser(sub)
     sessions_cli.add_parser(sub)
     home_mod.add_parser(sub)
+    workers_cli.add_parser(sub)
     shell = sub.add_parser(
         "completion",
         help="print the bash or zsh completion script",
@@ -291,6 +296,60 @@ def _project_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", type=Path, help="config file (default: <project>/sandboxfs.yaml)"
     )
+    parser.add_argument(
+        "--worker",
+        metavar="NAME",
+        help="narrow to what NAME.worker declares (in .workers or SANDBOXFS_WORKERS_PATH): "
+        "its zones, at most their modes, nothing else; wider than --trust allows: refused",
+    )
+    parser.add_argument(
+        "--attach",
+        action="append",
+        default=[],
+        metavar="VIRTUAL_PATH",
+        help="with --worker: give it this file, which --trust may read (e.g. /repo/a.csv), "
+        "read-only at /attachments/<name>; repeatable",
+    )
+
+
+def _for_worker(
+    args: argparse.Namespace, project: Path, cfg: config_mod.Config, trust: Trust
+) -> config_mod.Config:
+    """`cfg` narrowed to the --worker's declaration (sandboxfs.project.workers), or as it is."""
+    if args.worker is None:
+        return cfg
+    return workers.narrow(cfg, trust, workers.find(project, args.worker, cfg))
+
+
+def _attach(
+    args: argparse.Namespace,
+    project: Path,
+    parent: config_mod.Config,
+    cfg: config_mod.Config,
+    trust: Trust,
+    workspace: str,
+    session: str,
+) -> config_mod.Config:
+    """The --attach files, read as the parent (`parent`: --trust, without the worker) reads
+    them: an API sandbox on the same session, so each is checked and audited; given read-only
+    to the worker of `cfg`."""
+    if not args.attach:
+        return cfg
+    named = workers.attachment_names(args.attach)
+    if cfg.worker is None:
+        raise UserError("attachments are given to a worker: --attach needs --worker NAME")
+    from sandboxfs.api import Sandbox as ApiSandbox
+    from sandboxfs.api import SandboxAPIError
+
+    files: dict[str, bytes] = {}
+    try:
+        config_file = args.config.absolute() if args.config is not None else None
+        with ApiSandbox.on_disk(project, parent, config_file, trust, workspace, session) as reader:
+            for name, path in named.items():
+                files[name] = reader.read_bytes(path)
+    except SandboxAPIError as exc:
+        raise UserError(f"--attach: {exc}") from None
+    return workers.attach(cfg, project, workspace, files)
 
 
 _trust = subcommands.trust_level
@@ -332,11 +391,20 @@ def cmd_mount(args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"cache": cfg.cache.model_copy(update=cache)})
     mountpoint = validate_mountpoint(args.mountpoint, project)
     workspace = check_id("workspace", args.workspace)
+    trust = args.trust or cfg.default_trust
+    parent = cfg
+    cfg = _for_worker(args, project, cfg, trust)
     session, resumed = choose_session(project, workspace, args.session, args.new_session)
+    try:
+        cfg = _attach(args, project, parent, cfg, trust, workspace, session)
+    except UserError:
+        if not resumed:
+            discard_new_session(project, workspace, session)
+        raise
     req = MountRequest(
         mountpoint=mountpoint,
         project=project,
-        trust=args.trust or cfg.default_trust,
+        trust=trust,
         workspace=workspace,
         session=session,
         config=cfg,
@@ -414,7 +482,8 @@ def _apply_mount_options(args: argparse.Namespace) -> tuple[bool, dict[str, floa
 def _mounted_line(req: MountRequest, resumed: bool) -> str:
     return (
         f"mounted {req.mountpoint} (trust {req.trust.value}, workspace {req.workspace}, "
-        f"{'resumed' if resumed else 'new'} session{', read-only' if req.read_only else ''})\n"
+        f"{'resumed' if resumed else 'new'} session{', read-only' if req.read_only else ''}"
+        f"{', worker ' + req.config.worker.name if req.config.worker is not None else ''})\n"
         f"session: {req.session}"
     )
 
@@ -439,7 +508,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     project = validate_project(args.project)
     cfg = config_mod.load(project, args.config)
     workspace = check_id("workspace", args.workspace)
-    session, _ = choose_session(project, workspace, args.session, args.new_session)
     user = userconfig.load()
     profile = userconfig.agent(args.agent, user) if args.agent else None
     net = args.net or ("allow" if profile and profile.allow_hosts else cfg.run.network)
@@ -461,13 +529,27 @@ def cmd_run(args: argparse.Namespace) -> int:
             "the config); use --net none for no network"
         )
     trust = args.trust or cfg.default_trust
+    full = gitdir.with_git_dir(project_mod.with_home(cfg, project, workspace, trust), project)
+    if args.within is not None:
+        try:
+            full = nest.within(full, config_mod.WorkerScope.model_validate_json(args.within))
+        except ValueError:
+            raise UserError("--within: not a worker scope") from None
+    narrowed = _for_worker(args, project, full, trust)
     tools = _run_toolchain(args, project, command, env, user, profile)
+    session, resumed = choose_session(project, workspace, args.session, args.new_session)
+    try:
+        narrowed = _attach(args, project, full, narrowed, trust, workspace, session)
+    except UserError:
+        if not resumed:
+            discard_new_session(project, workspace, session)
+        raise
     req = run_mod.RunRequest(
         project=project,
         trust=trust,
         workspace=workspace,
         session=session,
-        config=gitdir.with_git_dir(project_mod.with_home(cfg, project, workspace, trust), project),
+        config=narrowed,
         command=tuple(command),
         config_file=args.config,
         net=net,
@@ -478,7 +560,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         tools=tools,
     )
-    return run_mod.run(req)
+    try:
+        return run_mod.run(req)
+    finally:
+        workers.discard_attachments(narrowed)  # copies: what was given is in the audit log
 
 
 def _run_toolchain(
@@ -773,6 +858,7 @@ COMMANDS = {
     "staged": staged_cli.main,
     "sessions": sessions_cli.main,
     "home": home_mod.main,
+    "workers": workers_cli.main,
 }
 
 

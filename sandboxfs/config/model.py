@@ -32,7 +32,7 @@ from pydantic import (
 from sandboxfs.config import inputs
 from sandboxfs.config.inputs import cut, shown
 from sandboxfs.core.limits import Quota, ZoneLimits
-from sandboxfs.core.policy import BUILTIN_ZONES, Matrix, Trust, Zone, ZoneAccess, in_git_dir
+from sandboxfs.core.policy import BUILTIN_ZONES, Matrix, Op, Trust, Zone, ZoneAccess, in_git_dir
 from sandboxfs.errors import ConfigError
 from sandboxfs.gitquery import rev_parse
 
@@ -206,6 +206,31 @@ class ZoneConfig(_Strict):
         return value
 
 
+# What a worker's `mode: ro|rw` grants, at most, wherever the trust level grants it.
+WORKER_MODE_OPS: dict[str, frozenset[Op]] = {
+    "ro": frozenset({Op.READ, Op.LIST}),
+    "rw": frozenset(Op),
+}
+WorkerMode = Literal["ro", "rw"]
+
+
+class WorkerScope(_Strict):
+    """The zones a worker's declaration leaves a mount (sandboxfs.project.workers.narrow), each with
+    its mode: every trust level's row is cut down to these, so no promotion widens them.
+    Never read from a project file (ProjectConfig has no such key)."""
+
+    name: str
+    zones: dict[str, WorkerMode] = Field(default_factory=dict)
+    # The worker's consent rules per zone and operation (`write`/`delete`: `preApproved`, `ask`
+    # or `blocked`), for approvals to apply on top of the project's; validated in its file.
+    approval: dict[str, dict[str, str]] = Field(default_factory=dict)
+
+
+def narrowed(access: ZoneAccess, mode: str) -> ZoneAccess:
+    """What is left of `access` under a worker's `mode`: create-only survives only `rw`."""
+    return ZoneAccess(access.ops & WORKER_MODE_OPS[mode], access.create_only and mode == "rw")
+
+
 class Config(_Strict):
     """The complete, validated configuration of one mount."""
 
@@ -224,6 +249,7 @@ class Config(_Strict):
     audit: AuditConfig = AuditConfig()
     daemon: DaemonConfig = DaemonConfig()
     run: RunConfig = RunConfig()
+    worker: WorkerScope | None = None
 
     @field_validator("permissions")
     @classmethod
@@ -278,6 +304,10 @@ class Config(_Strict):
         """The mount's zones in the order `/` lists them: the built-in ones, then the project's."""
         return [*BUILTIN_ZONES, *(Zone(name) for name in self.zones)]
 
+    def worker_label(self) -> tuple[str, dict[str, str]] | None:
+        """The worker this config is narrowed to, as the policy names it in refusals."""
+        return (self.worker.name, dict(self.worker.zones)) if self.worker is not None else None
+
     def zone_limits(self) -> dict[Zone, ZoneLimits]:
         return {Zone(name): limits.limits() for name, limits in self.limits.items()}
 
@@ -313,6 +343,14 @@ class Config(_Strict):
             for name, zone in self.zones.items():
                 spec = zone.permissions.get(trust, PROJECT_ZONE_DEFAULTS[trust])
                 matrix[trust][Zone(name)] = ZoneAccess.parse(spec)
+        if self.worker is not None:  # a worker's mount: only its zones, never beyond its modes
+            scope = self.worker.zones
+            for trust, levels in matrix.items():
+                matrix[trust] = {
+                    zone: narrowed(access, scope[zone.value])
+                    for zone, access in levels.items()
+                    if zone.value in scope
+                }
         return matrix
 
 

@@ -47,6 +47,7 @@ def context(
         **({"command": list(info.command)} if info.command is not None else {}),
         **({"via": info.via} if info.via is not None else {}),
         **({"control": info.control} if info.control is not None else {}),
+        **({"worker": info.worker} if info.worker is not None else {}),
         "zones": zones,
         "deny": list(policy.deny_patterns),
         "deny_private_keys": list(policy.private_key_patterns),
@@ -116,12 +117,21 @@ def guide(policy: Policy, info: MountInfo, mountpoint: str = CONFINED_MOUNTPOINT
         "",
         "What you may do, by directory:",
     ]
-    width = max(len(f"{root}/{zone.value}") for zone in policy.zones)
+    if info.worker is not None:
+        lines[1:1] = [
+            f"You run as worker {info.worker}: only the directories its declaration names "
+            "are here, at most as it declared them."
+        ]
+    if not policy.zones:
+        lines.append("  nothing: this worker declared no directories (no file access at all)")
+    width = max((len(f"{root}/{zone.value}") for zone in policy.zones), default=0)
     for zone in policy.zones:
         purpose = _ZONE_PURPOSE.get(zone.value, "a zone the project declares")
         lines.append(f"  {f'{root}/{zone.value}':<{width}}  {_can(policy, zone)}: {purpose}")
     writable = [z for z in policy.zones if Op.WRITE in policy.access(z).ops]
-    where = ", ".join(f"{root}/{z.value}" for z in writable) or "nowhere but new files"
+    where = ", ".join(f"{root}/{z.value}" for z in writable) or (
+        "nowhere but new files" if policy.zones else "nowhere but /tmp"
+    )
     lines += [
         "",
         f"Write your work in: {where}. /tmp is private and gone when you exit; everything "

@@ -80,6 +80,9 @@ class MountInfo:
     command: tuple[str, ...] | None = None  # what `sandboxfs run` started on this mount
     via: str | None = None  # "api" for the Python API; absent for the mount
     control: str | None = None  # the mount's control socket (see sandboxfs.project.control)
+    worker: str | None = (
+        None  # the worker whose declaration narrowed it (sandboxfs.project.workers)
+    )
 
 
 class Guard:
@@ -109,6 +112,7 @@ class Guard:
             "session": info.session,
             "workspace": info.workspace,
             "trust": policy.trust.value,
+            **({"worker": info.worker} if info.worker else {}),
         }
         self._via = {"via": info.via} if info.via else {}
         # Counts trust changes: what was allowed under an older level is checked again.
@@ -137,6 +141,7 @@ class Guard:
             old.protect_patterns,
             old.private_key_patterns,
             old.git_dirs,
+            old.worker,
         )
         self._base_entry["trust"] = trust.value
         self.generation += 1

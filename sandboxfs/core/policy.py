@@ -447,8 +447,12 @@ class Policy:
         protect_patterns: Sequence[str] = (),
         private_key_patterns: Sequence[str] = (),
         git_dirs: Iterable[Zone] = (),
+        worker: tuple[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.matrix = matrix
+        # The worker the matrix was narrowed to (name, declared mode per zone), named in
+        # refusals: its declaration, not the trust level, is what a refusal often comes from.
+        self.worker = worker
         # Zones whose root is a git directory: git's rules hold there as below a `.git`.
         self.git_dirs = frozenset(git_dirs)
         self.trust = trust
@@ -622,9 +626,16 @@ class Policy:
         err = errno.EROFS if op in (Op.WRITE, Op.DELETE) and readable else errno.EACCES
         return deny(
             err,
-            f"{zone.value} is not {_OP_ADJECTIVE[op]} at trust level {self.trust.value}; "
-            f"{self._alternatives(op)}",
+            f"{zone.value} is not {_OP_ADJECTIVE[op]} at trust level {self.trust.value}"
+            f"{self._for_worker(zone)}; {self._alternatives(op)}",
         )
+
+    def _for_worker(self, zone: Zone) -> str:
+        if self.worker is None:
+            return ""
+        name, modes = self.worker
+        mode = modes.get(zone.value)
+        return f" for worker {name}" + (f", which declared it {mode}" if mode else "")
 
     def _alternatives(self, op: Op) -> str:
         adjective = _OP_ADJECTIVE[op]

@@ -141,6 +141,7 @@ def serve(
             str(req.mountpoint),
             req.command,
             control=str(control_path),
+            worker=req.config.worker.name if req.config.worker is not None else None,
         )
         guard = make_guard(req.project, req.config, req.config_file, req.trust, info, store, audit)
         control.sweep()  # what daemons killed before they could unmount left behind

@@ -73,6 +73,15 @@ class HomeZoneConfig(ZoneConfig):
     zones are ZoneConfig). Its directory is made in the state dir by prepare_zones."""
 
 
+class AttachmentsZoneConfig(ZoneConfig):
+    """A worker's attachments (sandboxfs.project.workers.attach): copies of files its parent could
+    read, in the state dir (`workspaces/<ws>/attachments/<id>/`), shown read-only at
+    /attachments. Never read from a file."""
+
+
+ATTACHMENTS_ZONE = "attachments"
+
+
 def with_home(config: Config, project: Path, workspace: str, trust: Trust) -> Config:
     """`config` with the zone of the persistent home, which every trust level may use whole."""
     if HOME_ZONE in config.zones:
@@ -268,7 +277,7 @@ def project_zone_dirs(project: Path, config: Config, source: str) -> dict[Zone, 
     workers = project / ".workers"
     user_state = state_root().resolve()
     for name, zone in config.zones.items():
-        if isinstance(zone, HomeZoneConfig):
+        if isinstance(zone, HomeZoneConfig | AttachmentsZoneConfig):
             continue  # in the state dir, made by prepare_zones
         where = f"{source}: zones.{name}.path: {zone.path!r}"
         path, chain = walk_zone_path(project, Path(zone.path).expanduser(), where)
@@ -322,6 +331,13 @@ def prepare_zones(
             if made != Path(home.path):
                 raise UserError(f"the home {home.path} is not one of workspace {workspace}")
             zone_dirs[Zone(HOME_ZONE)] = made
+        for name, zone in config.zones.items():
+            if isinstance(zone, AttachmentsZoneConfig):
+                where = Path(zone.path).name
+                made = ensure_dirs(project, *layout.attachments_parts(workspace), where)
+                if made != Path(zone.path):
+                    raise UserError(f"the attachments {zone.path} are not of workspace {workspace}")
+                zone_dirs[Zone(name)] = made
     except SandboxError as exc:
         raise UserError(f"cannot create the state dir: {exc.reason}") from None
     except OSError as exc:
@@ -389,6 +405,7 @@ def make_guard(
         protected_patterns(project, config, config_file),
         config.deny_private_keys,
         git_dir_zones(config),
+        config.worker_label(),
     )
     limits = config.zone_limits()
     tallies: dict[Zone, Tally] = {}

@@ -45,6 +45,7 @@ from sandboxfs.project.identity import project_identity
 from sandboxfs.project.mounts import MountRequest, lazy_unmount, sandboxfs_mounts
 from sandboxfs.project.zones import CONFINED_HOME, HOME_ZONE
 from sandboxfs.run import confine, doctor, home, seccomp
+from sandboxfs.run.nest import NEST_DIR, NEST_HOST_DIR, NestServer, child_argv
 from sandboxfs.run.netproxy import (
     Allowlist,
     DnsStub,
@@ -182,6 +183,7 @@ def remove_run_dir(run_dir: Path) -> None:
     for name in ("daemon", "owner"):
         with contextlib.suppress(OSError):
             (run_dir / name).unlink()
+    shutil.rmtree(run_dir / NEST_HOST_DIR, ignore_errors=True)  # a run that died: its socket
     with contextlib.suppress(OSError):
         run_dir.rmdir()
 
@@ -200,6 +202,7 @@ class RunAudit:
             "workspace": req.workspace,
             "trust": req.trust.value,
             "uid": os.getuid(),
+            **({"worker": req.config.worker.name} if req.config.worker is not None else {}),
         }
 
     def record(self, op: str, *, allowed: bool | None = True, **fields: Any) -> None:
@@ -738,10 +741,12 @@ def run(req: RunRequest) -> int:
     policy = Policy(req.config.matrix(), req.config.deny, req.trust, req.config.protect)
     if req.cwd is not None:
         cwd = req.cwd
-    elif Op.LIST in policy.access(Zone.REPO).ops:
+    elif Zone.REPO in policy.zones and Op.LIST in policy.access(Zone.REPO).ops:
         cwd = f"{confine.SANDBOX}/repo"
-    else:
+    elif Zone.SESSION in policy.zones:
         cwd = f"{confine.SANDBOX}/session/working"
+    else:  # a worker that declared neither (sandboxfs.project.workers)
+        cwd = confine.SANDBOX
     if req.net == "host" and not req.quiet:
         print(
             "sandboxfs: warning: --net host: the program shares this machine's network, "
@@ -790,6 +795,7 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
     lost: str | None = None  # how the daemon ended while the program ran (the mount was lost)
     network: _Network | None = None
     terminal: _Terminal | None = None
+    nest: NestServer | None = None
     try:
         if not (mnt / cwd.removeprefix(confine.SANDBOX).lstrip("/")).is_dir():
             raise SetupError(
@@ -798,6 +804,8 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         home_inside = CONFINED_HOME  # the workspace's home at this level (project.with_home)
         if HOME_ZONE not in req.config.zones:
             home_inside = f"{confine.SANDBOX}/session/home"
+            if req.config.worker is not None and "session" not in req.config.worker.zones:
+                home_inside = "/tmp"  # a worker without either zone: the private /tmp
         env = confine.sandbox_env(
             os.environ,
             home=home_inside,
@@ -812,8 +820,14 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         interactive = terminal is not None and terminal.controlling
         # The git directory of a worktree project, at the path its .git file names (gitdir).
         binds = gitdir.bwrap_binds(req.config, req.trust, mnt)
+        # Child workers started from inside, never with more than this sandbox (sandboxfs.run.nest).
+        nest = _nest_server(req, audit, run_dir, mnt)
+        env["PATH"] = f"{NEST_DIR}/bin:{env['PATH']}"
         options = confine.bwrap_args(
-            mountpoint=mnt, cwd=cwd, net=req.net, tools=[*binds, *req.tools.bwrap_args()]
+            mountpoint=mnt,
+            cwd=cwd,
+            net=req.net,
+            tools=[*binds, *nest.bwrap_args(), *req.tools.bwrap_args()],
         )
         argv = [bwrap, "--args", str(confine.ARGS_FD), "--"]
         argv += confine.launcher_argv(interactive, req.command)
@@ -843,6 +857,8 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         lost = _daemon_ended(daemon)
         return _exit_status(status, lost)
     finally:
+        if nest is not None:
+            nest.close()
         if terminal is not None:
             terminal.close()
         if network is not None:
@@ -869,6 +885,21 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
             print(f"sandboxfs: {problem}", file=sys.stderr)
         if ran and status is not None and not req.quiet:
             print(_summary(req, started, status, lost), file=sys.stderr)
+
+
+def _nest_server(req: RunRequest, audit: RunAudit, run_dir: Path, mnt: Path) -> NestServer:
+    """The socket a program inside starts child workers through (sandboxfs.run.nest), with this
+    run's config as their ceiling and its mount's current trust level as their highest."""
+
+    def live_trust() -> Trust | None:
+        try:
+            text = (mnt / ".sandboxfs" / "context.json").read_text()
+            return Trust(json.loads(text)["trust"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    build = child_argv(req.project, req.workspace, req.config_file, req.config.worker)
+    return NestServer(run_dir, req.project, req.config, req.trust, build, live_trust, audit.record)
 
 
 def _daemon_ended(daemon: int) -> str | None:
@@ -1119,6 +1150,7 @@ def start_line(req: RunRequest, policy: Policy, cwd: str) -> str:
         else:
             hidden.append(zone.value)
     repo = policy.access(Zone.REPO) if Zone.REPO in policy.zones else None
+    worker = f", worker {req.config.worker.name}" if req.config.worker is not None else ""
     if repo is None or not (Op.READ in repo.ops or Op.LIST in repo.ops):
         shown = "not visible"
     else:
@@ -1126,6 +1158,8 @@ def start_line(req: RunRequest, policy: Policy, cwd: str) -> str:
     parts = [f"{name}: {', '.join(zones)}" for name, zones in groups.items() if zones]
     if hidden:
         parts.append(f"not visible: {', '.join(hidden)}")
+    if not policy.zones:
+        parts.append("no zones (the worker declared none)")
     if req.net == "allow":
         hosts = ", ".join(_rule_text(rule) for rule in req.allow) or "no host yet"
         network = f"allow ({hosts}; through sandboxfs's proxy)"
@@ -1134,7 +1168,7 @@ def start_line(req: RunRequest, policy: Policy, cwd: str) -> str:
     else:
         network = "none"
     return (
-        f"session {req.session}, trust {req.trust.value}: project {req.project} "
+        f"session {req.session}, trust {req.trust.value}{worker}: project {req.project} "
         f"at {confine.SANDBOX}/repo ({shown}); {'; '.join(parts)}; network: {network}; "
         f"starts in {cwd}"
     )

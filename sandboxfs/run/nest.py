@@ -1,0 +1,353 @@
+"""Nesting: a program inside `sandboxfs run` starting a child worker with fewer rights.
+
+The `run` supervisor (outside the sandbox) listens on a Unix socket that it shows inside, with
+a small client, at NEST_DIR: `sandboxfs run --worker NAME [--attach PATH]... -- CMD` typed
+inside is that client. A request carries only a worker's name, CMD and attachment paths, with
+the caller's stdin, stdout and stderr (SCM_RIGHTS); never a declaration, a trust level, a
+project or a config. The supervisor reads the worker's `.worker` file itself and narrows *its
+own* config (the parent's: the trust level's row, or the parent worker's zones) to it
+(sandboxfs.project.workers.narrow): a declaration asking more — a forged `.worker` file
+included — is refused with the usual line, audited (op `run`, denied) before the answer goes
+back. An accepted one starts an ordinary `sandboxfs run` outside, as the user, with the
+parent's zones as its ceiling (`--within`), its worker, `--net none`, at the lower of the run's
+trust level and the mount's current one, in a new session; its exit status goes back to the
+client.
+
+Nothing here changes the parent's mount or policy: the child is another mount, another
+sandbox. The socket is reachable only inside this sandbox and in the user's own 0700 run
+directory.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import fcntl
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sandboxfs.config.model import Config, WorkerScope
+from sandboxfs.core.policy import Trust
+from sandboxfs.errors import UserError
+
+NEST_DIR = "/sandboxfs"  # inside: nest.sock and bin/sandboxfs, the client
+SOCKET_NAME = "nest.sock"
+NEST_HOST_DIR = "nest"  # in the run directory: what NEST_DIR shows
+MAX_CHILDREN = 8  # child workers running at once, per run
+MAX_REQUEST = 64 * 1024
+_TRUST_ORDER = list(Trust)
+
+# The client, run by the system's Python inside (its /usr is the host's, read-only).
+CLIENT = r'''#!/usr/bin/python3 -I
+"""sandboxfs inside a sandbox: only `run --worker NAME [--attach PATH]... -- CMD` (nesting)."""
+import array, json, os, socket, sys
+
+USAGE = "usage: sandboxfs run --worker NAME [--attach VIRTUAL_PATH]... -- CMD [ARG...]"
+
+
+def main(argv):
+    if argv[:1] != ["run"]:
+        print("sandboxfs: inside a sandbox only 'run --worker NAME -- CMD' is offered (it "
+              "starts a child worker with at most this sandbox's access); " + USAGE,
+              file=sys.stderr)
+        return 2
+    worker, attach, rest = None, [], argv[1:]
+    while rest and rest[0] != "--":
+        opt = rest.pop(0)
+        if opt in ("--worker", "--attach") and rest:
+            value = rest.pop(0)
+            if opt == "--worker":
+                worker = value
+            else:
+                attach.append(value)
+        elif opt.startswith(("--worker=", "--attach=")):
+            name, _, value = opt.partition("=")
+            if name == "--worker":
+                worker = value
+            else:
+                attach.append(value)
+        else:
+            print(f"sandboxfs: unknown option {opt!r} inside a sandbox; " + USAGE,
+                  file=sys.stderr)
+            return 2
+    command = rest[1:]
+    if worker is None or not command:
+        print("sandboxfs: " + USAGE, file=sys.stderr)
+        return 2
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(os.path.join(os.path.dirname(os.path.dirname(__file__)), "nest.sock"))
+    except OSError as exc:
+        print(f"sandboxfs: cannot reach the sandbox's supervisor: {exc.strerror}",
+              file=sys.stderr)
+        return 125
+    request = json.dumps({"worker": worker, "argv": command, "attach": attach}).encode()
+    fds = array.array("i", [0, 1, 2])
+    sock.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+    sock.shutdown(socket.SHUT_WR)
+    answer = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        answer += chunk
+    try:
+        reply = json.loads(answer)
+    except ValueError:
+        print("sandboxfs: the supervisor ended before the child worker did", file=sys.stderr)
+        return 125
+    if reply.get("error"):
+        print(f"sandboxfs: {reply['error']}", file=sys.stderr)
+    return int(reply.get("status", 125))
+
+
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def lower(a: Trust, b: Trust) -> Trust:
+    return a if _TRUST_ORDER.index(a) <= _TRUST_ORDER.index(b) else b
+
+
+def within(config: Config, scope: WorkerScope) -> Config:
+    """`config` cut to a parent worker's `scope` (its zones and modes, as checked when the
+    parent started): the ceiling a nested child is narrowed under. Zones of the scope that
+    `config` lacks (the parent's attachments) are left out."""
+    known = {z.value for z in config.zone_list()}
+    zones = {name: mode for name, mode in scope.zones.items() if name in known}
+    kept = {name: zone for name, zone in config.zones.items() if name in zones}
+    return config.model_copy(
+        update={
+            "zones": kept,
+            "worker": WorkerScope(
+                name=scope.name,
+                zones=zones,
+                approval={z: rules for z, rules in scope.approval.items() if z in zones},
+            ),
+        }
+    )
+
+
+class NestServer:
+    """The supervisor's side: the socket, the client, and the children it started."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        project: Path,
+        config: Config,
+        trust: Trust,
+        child_argv: Callable[[str, Trust, list[str], list[str]], list[str]],
+        live_trust: Callable[[], Trust | None],
+        record: Callable[..., None],
+    ) -> None:
+        self._project = project
+        self._config = config
+        self._trust = trust
+        self._child_argv = child_argv
+        self._live_trust = live_trust
+        self._record = record
+        self.host_dir = run_dir / NEST_HOST_DIR
+        self.host_dir.mkdir(mode=0o700)
+        (self.host_dir / "bin").mkdir(mode=0o700)
+        client = self.host_dir / "bin" / "sandboxfs"
+        client.write_text(CLIENT)
+        client.chmod(0o755)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._listener.bind(str(self.host_dir / SOCKET_NAME))
+        self._listener.listen(8)
+        self._children: set[subprocess.Popen[bytes]] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._serve, name="nest", daemon=True).start()
+
+    def bwrap_args(self) -> list[str]:
+        return ["--ro-bind", str(self.host_dir), NEST_DIR]
+
+    def close(self) -> None:
+        """Stop listening; children still running are asked to end (SIGTERM: each unmounts)."""
+        with self._lock:
+            self._closed = True
+            children = list(self._children)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signal.SIGTERM)
+        for child in children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(15)
+        shutil.rmtree(self.host_dir, ignore_errors=True)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        fds: list[int] = []
+        try:
+            request, fds = _receive(conn)
+            reply = self._start(request, fds, _peer_pid(conn))
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps(reply).encode())
+        except (OSError, ValueError) as exc:
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps({"status": 125, "error": f"bad request: {exc}"}).encode())
+        finally:
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+
+    def _start(self, request: dict[str, Any], fds: list[int], pid: int) -> dict[str, Any]:
+        from sandboxfs.project import workers
+
+        unknown = sorted(set(request) - {"worker", "argv", "attach"})
+        if unknown:  # a trust level, a declaration, a project: never taken from inside
+            raise ValueError(f"unknown fields {unknown}; a request names a worker, argv, attach")
+        name = request.get("worker")
+        argv = request.get("argv")
+        attach = request.get("attach", [])
+        if not (
+            isinstance(name, str)
+            and isinstance(argv, list)
+            and argv
+            and all(isinstance(a, str) for a in argv)
+            and isinstance(attach, list)
+            and all(isinstance(a, str) for a in attach)
+            and len(fds) == 3
+        ):
+            raise ValueError("expected a worker's name, a command and the caller's stdio")
+        _check_stdio(fds)
+        live = self._live_trust()
+        trust = self._trust if live is None else lower(self._trust, live)
+        try:
+            # The authoritative check: the parent's own config, as this supervisor holds it.
+            worker = workers.find(self._project, name, self._config)
+            workers.narrow(self._config, trust, worker)
+        except UserError as exc:
+            self._record(
+                "run",
+                allowed=False,
+                pid=pid,
+                comm="sandboxfs",
+                reason=exc.message,
+                errno="EACCES",
+                detail=f"nested worker {name} refused: {shlex.join(argv)}",
+            )
+            return {"status": 125, "error": exc.message}
+        with self._lock:
+            if self._closed:
+                return {"status": 125, "error": "the parent sandbox is ending"}
+            if len(self._children) >= MAX_CHILDREN:
+                return {"status": 125, "error": f"{MAX_CHILDREN} child workers run already"}
+            self._record(
+                "run",
+                pid=pid,
+                comm="sandboxfs",
+                detail=f"nested worker {name} started: {shlex.join(argv)}",
+            )
+            child = subprocess.Popen(
+                self._child_argv(name, trust, argv, attach),
+                stdin=fds[0],
+                stdout=fds[1],
+                stderr=fds[2],
+                start_new_session=True,
+            )
+            self._children.add(child)
+        try:
+            status = child.wait()
+        finally:
+            with self._lock:
+                self._children.discard(child)
+        return {"status": status if status >= 0 else 128 - status}
+
+
+def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """The request (JSON, at most MAX_REQUEST bytes) and the descriptors that came with it."""
+    data = b""
+    fds: list[int] = []
+    while True:
+        chunk, ancdata, _flags, _addr = conn.recvmsg(
+            MAX_REQUEST + 1, socket.CMSG_SPACE(3 * array.array("i").itemsize)
+        )
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+                fds.extend(got)
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > MAX_REQUEST:
+            for fd in fds:
+                os.close(fd)
+            raise ValueError("request too large")
+    try:
+        request = json.loads(data)
+    except ValueError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    if not isinstance(request, dict):
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("expected a JSON object")
+    return request, fds
+
+
+def _check_stdio(fds: list[int]) -> None:
+    """The caller's stdin, stdout and stderr are what a shell redirects to: pipes, sockets,
+    terminals and other character devices, regular files. Not a directory, nor an O_PATH
+    handle: through one the child would reach, by `openat`, names of the parent's mount that
+    its declaration leaves out."""
+    for fd in fds:
+        mode = os.fstat(fd).st_mode
+        if os.O_PATH & fcntl.fcntl(fd, fcntl.F_GETFL) or not (
+            stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISCHR(mode) or stat.S_ISREG(mode)
+        ):
+            raise ValueError("stdin, stdout and stderr must be pipes, terminals or files")
+
+
+def _peer_pid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[0])
+
+
+def child_argv(
+    project: Path,
+    workspace: str,
+    config_file: Path | None,
+    scope: WorkerScope | None,
+) -> Callable[[str, Trust, list[str], list[str]], list[str]]:
+    """How the supervisor starts a nested child: `sandboxfs run` outside, as the user."""
+
+    def build(name: str, trust: Trust, argv: list[str], attach: list[str]) -> list[str]:
+        args = [sys.executable, "-m", "sandboxfs", "run", "--project", str(project)]
+        args += ["--workspace", workspace, "--trust", trust.value, "--net", "none"]
+        if config_file is not None:
+            args += ["--config", str(config_file)]
+        if scope is not None:
+            args += ["--within", scope.model_dump_json()]
+        args += ["--worker", name]
+        for path in attach:
+            args += ["--attach", path]
+        return [*args, "--", *argv]
+
+    return build
