@@ -92,13 +92,20 @@ def fuse_mounts() -> list[str]:
 
 
 @pytest.fixture(autouse=True)
-def nothing_left_behind() -> Iterator[None]:
-    before = set(fuse_mounts())
+def nothing_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """No mount of this test session's (below its base temporary directory, where its state
+    dir and projects are) outlives a test: another session's mounts are not ours to judge."""
+    ours = f"{tmp_path_factory.getbasetemp()}/"
+
+    def mounts() -> set[str]:
+        return {mnt for mnt in fuse_mounts() if mnt.startswith(ours)}
+
+    before = mounts()
     yield
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (set(fuse_mounts()) - before or run_dirs()):
+    while time.monotonic() < deadline and (mounts() - before or run_dirs()):
         time.sleep(0.05)
-    left = set(fuse_mounts()) - before
+    left = mounts() - before
     for mnt in left:
         subprocess.run(["fusermount3", "-u", "-z", mnt], check=False)
     assert not left, f"mounts left behind: {left}"
