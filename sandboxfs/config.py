@@ -30,6 +30,7 @@ from pydantic import (
 )
 
 from . import inputs
+from .core import approvals
 from .core.limits import Quota, ZoneLimits
 from .core.policy import BUILTIN_ZONES, Matrix, Trust, Zone, ZoneAccess, in_git_dir
 from .errors import UserError
@@ -206,6 +207,77 @@ class ZoneConfig(_Strict):
         return value
 
 
+_RULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
+
+
+class ApprovalRuleConfig(_Strict):
+    """One approval rule (README, "Approvals"): zones and trust left out mean all of them."""
+
+    id: str | None = None
+    ops: list[approvals.Kind] = Field(min_length=1)
+    zones: list[str] = Field(default_factory=list)
+    trust: list[Trust] = Field(default_factory=list)
+    decision: approvals.Verdict
+
+    @field_validator("id")
+    @classmethod
+    def _valid_id(cls, value: str | None) -> str | None:
+        if value is not None and not _RULE_ID_RE.match(value):
+            raise ValueError(
+                f"rule id {shown(value)} is not a plain name: use 1-64 letters, digits, "
+                f"'_', '.', ':' or '-'"
+            )
+        return value
+
+
+class ApprovalsConfig(_Strict):
+    """`approvals:` of sandboxfs.yaml and of the user's own config."""
+
+    profile: str | None = None  # one of approvals.PROFILES
+    rules: list[ApprovalRuleConfig] = Field(default_factory=list)
+    timeout: float = Field(default=60.0, gt=0, le=3600)  # seconds a request stays pending
+    rate_limit: int = Field(default=30, ge=1, le=10_000)  # new requests a minute
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, value: str | None) -> str | None:
+        if value is not None and value not in approvals.PROFILES:
+            raise ValueError(
+                f"unknown approvals profile {shown(value)}; profiles: "
+                f"{', '.join(approvals.PROFILES)}"
+            )
+        return value
+
+    def rule_list(self, source: str) -> list[approvals.Rule]:
+        """The rules this config says, the profile's first; ids default to source#N."""
+        found = list(approvals.PROFILES[self.profile]) if self.profile else []
+        for number, rule in enumerate(self.rules, 1):
+            found.append(
+                approvals.Rule(
+                    rule.id or f"{source}#{number}",
+                    rule.decision,
+                    frozenset(rule.ops),
+                    frozenset(rule.zones),
+                    frozenset(t.value for t in rule.trust),
+                )
+            )
+        return found
+
+
+def make_broker(
+    project: ApprovalsConfig, user: ApprovalsConfig, mode: approvals.Mode
+) -> approvals.Broker:
+    """The approvals of one mount: the user's rules and the project's together, where the
+    strictest matching rule decides, so a project can add consent and never remove it; the
+    shorter timeout and the lower rate limit."""
+    return approvals.Broker(
+        [*user.rule_list("user"), *project.rule_list(PROJECT_CONFIG_NAME)],
+        mode=mode,
+        timeout=min(project.timeout, user.timeout),
+        per_minute=min(project.rate_limit, user.rate_limit),
+    )
+
+
 class Config(_Strict):
     """The complete, validated configuration of one mount."""
 
@@ -224,6 +296,7 @@ class Config(_Strict):
     audit: AuditConfig = AuditConfig()
     daemon: DaemonConfig = DaemonConfig()
     run: RunConfig = RunConfig()
+    approvals: ApprovalsConfig = ApprovalsConfig()
 
     @field_validator("permissions")
     @classmethod
@@ -272,6 +345,12 @@ class Config(_Strict):
                 raise ValueError(
                     "limits: workers is a union of directories; a quota is not supported there"
                 )
+        for rule in self.approvals.rules:
+            for name in rule.zones:
+                if name not in known:
+                    raise ValueError(
+                        f"approvals: unknown zone {shown(name)}; zones: {', '.join(known)}"
+                    )
         return self
 
     def zone_list(self) -> list[Zone]:
@@ -332,6 +411,7 @@ class ProjectConfig(_Strict):
     audit: dict[str, Any] = Field(default_factory=dict)
     daemon: dict[str, Any] = Field(default_factory=dict)
     run: dict[str, Any] = Field(default_factory=dict)
+    approvals: dict[str, Any] = Field(default_factory=dict)
 
 
 def defaults() -> Config:
@@ -383,6 +463,7 @@ def _merge(base: Config, override: ProjectConfig) -> dict[str, Any]:
     merged["audit"].update(override.audit)
     merged["daemon"].update(override.daemon)
     merged["run"].update(override.run)
+    merged["approvals"].update(override.approvals)
     return merged
 
 

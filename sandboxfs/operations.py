@@ -533,10 +533,18 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             if wants_write:
                 self.guard.may_write_context(ctx, node)
             document = self.guides[0] if self._host_side(ctx.pid) else self.guides[1]
+            if self.guard.approvals is not None:  # what waits for the user's approval
+                document += self.guard.approvals.pending_text().encode()
             return self._new_handle(BlobHandle(document), keep_cache=False, direct_io=True)
         if node.zone is None or node.is_dir:
             raise SandboxError(errno.EISDIR)
-        self.guard.may_open(ctx, node, read=accmode != os.O_WRONLY, write=wants_write)
+        self.guard.may_open(
+            ctx,
+            node,
+            read=accmode != os.O_WRONLY,
+            write=wants_write,
+            truncate=bool(flags & os.O_TRUNC),
+        )
         limits = self.guard.zone_limits(node.zone)
         old_size = -1
         if flags & os.O_TRUNC:
@@ -922,8 +930,11 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         moving = [(old_parent, name_old, src_st, new_parent, name_new)]
         if exchange and dst_st is not None:
             moving.append((new_parent, name_new, dst_st, old_parent, name_old))
+        replaces = dst_st is not None and not exchange
         for parent, name, st, to_parent, to_name in moving:
-            self.guard.may_move(ctx, parent, name, st, to_parent, to_name, src, dst, self._judged)
+            self.guard.may_move(
+                ctx, parent, name, st, to_parent, to_name, src, dst, self._judged, replaces=replaces
+            )
         src_fd = self.store.child_dir_fd(old_parent, src_layer, checked=True)
         dst_fd = self.store.child_dir_fd(new_parent, 0, create=True, checked=True)
         src_node = self.store.by_key.get((zone, src_st.st_dev, src_st.st_ino))

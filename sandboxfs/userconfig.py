@@ -29,7 +29,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from . import confine, inputs
-from .config import _validate
+from .config import ApprovalsConfig, _validate
 from .errors import UserError
 from .inputs import shown
 
@@ -110,6 +110,8 @@ class AgentProfile(_Strict):
 class UserConfig(_Strict):
     expose: list[str] = Field(default_factory=list)
     agents: dict[str, AgentProfile] = Field(default_factory=dict)
+    # Approval rules for every project; a project's own can only add to them.
+    approvals: ApprovalsConfig = ApprovalsConfig()
 
     @field_validator("agents")
     @classmethod

@@ -409,7 +409,9 @@ class Sandbox:
         self._regular(g, Op.READ, node)
         return node
 
-    def _target(self, g: Guard, p: VirtualPath) -> tuple[Node, bytes, Node | None, bool]:
+    def _target(
+        self, g: Guard, p: VirtualPath, truncate: bool = False
+    ) -> tuple[Node, bytes, Node | None, bool]:
         """A write's parent, name, existing node (None: to be created) and whether the lookup
         refused the name (the creation then decides, as after a refused lookup in the mount)."""
         if p.zone is None or not p.parts:
@@ -426,7 +428,7 @@ class Sandbox:
         if node is not None and node.is_dir:
             raise SandboxError(errno.EISDIR, f"{p.text} is a directory")
         if node is not None:
-            g.may_open(self._caller, node, read=False, write=True)
+            g.may_open(self._caller, node, read=False, write=True, truncate=truncate)
             self._regular(g, Op.WRITE, node)
         return parent, name, node, False
 
@@ -623,7 +625,9 @@ class Sandbox:
 
     def _put(self, action: str, path: str, payload: bytes, append: bool) -> int:
         with self._call(action, path) as call:
-            parent, name, node, _ = self._target(self._guard, self._path(call, path))
+            parent, name, node, _ = self._target(
+                self._guard, self._path(call, path), truncate=not append
+            )
             if node is None:
                 self._create_file(parent, name, payload)
             else:
@@ -778,7 +782,17 @@ class Sandbox:
                 raise g.hidden_target(
                     caller, "rename", ps.text, zone, pd.text, exc.reason
                 ) from None
-            g.may_move(caller, old_parent, old_name, src_st, new_parent, new_name, ps.text, pd.text)
+            g.may_move(
+                caller,
+                old_parent,
+                old_name,
+                src_st,
+                new_parent,
+                new_name,
+                ps.text,
+                pd.text,
+                replaces=dst_st is not None,
+            )
             self._backend.rename(old_parent, old_name, layer, new_parent, new_name, src_st, dst_st)
             if dst_st is not None and dst_st.st_ino != src_st.st_ino:
                 g.removed(zone, dst_st)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
 from . import gitconfig
+from .approvals import Answer, Broker, Kind, Outcome, Request
 from .errors import SandboxError
 from .limits import Tally, ZoneLimits
 from .policy import (
@@ -43,6 +44,10 @@ from .store import FIRST_DYNAMIC_INO, ROOT_INO, Node, StatLike
 _WRITABLE_XATTR_PREFIX = b"user."
 _ACL_XATTRS = (b"system.posix_acl_access", b"system.posix_acl_default")
 _NO_LIMITS = ZoneLimits()
+
+# The Python API's own prompt (Sandbox.open(approver=...)): a pending request's description in,
+# an approvals.Answer value out (None: no answer, refused).
+Approver = Callable[[dict[str, Any]], str | None]
 
 # What a front end gives Guard.may_move to judge a rename onto git's config by content: the bytes
 # of parent/name, or None (see Guard._judge_config).
@@ -102,6 +107,9 @@ class Guard:
         self.limits = dict(limits or {})
         self.tallies = dict(tallies or {})
         self.process_names = ProcessNames()
+        # Consent (sandboxfs.core.approvals): set by make_guard; approver by the API.
+        self.approvals: Broker | None = None
+        self.approver: Approver | None = None
         self._moves = moves
         # Whether the staged commit of that name is under review (frozen: see sandboxfs.staging).
         self._frozen = frozen
@@ -164,8 +172,9 @@ class Guard:
         dest: str | None = None,
         nbytes: int | None = None,
         detail: str | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
-        """The one place an audit entry is built."""
+        """The one place an audit entry is built (`extra`: fields of its own op)."""
         entry: dict[str, Any] = {
             "op": op,
             "path": path,
@@ -183,6 +192,8 @@ class Guard:
         }
         if detail is not None:
             entry["detail"] = detail
+        if extra:
+            entry.update(extra)
         self.audit.record(entry)
 
     def did(
@@ -717,9 +728,19 @@ class Guard:
 
     # ----- reading and changing existing entries --------------------------------------------------
 
-    def may_open(self, caller: Caller, node: Node, read: bool, write: bool) -> None:
+    def may_open(
+        self,
+        caller: Caller,
+        node: Node,
+        read: bool,
+        write: bool,
+        *,
+        truncate: bool = False,
+        consent: bool = True,
+    ) -> None:
         """Opening an existing file to read and/or to write (or truncate): never a deny-listed
-        one, nor one that holds a private key (checked last: it reads the file)."""
+        one, nor one that holds a private key (checked last: it reads the file); then the
+        approval rules (not for a handle kept open: `consent` False)."""
         assert node.zone is not None
         self._reject_denied_node(caller, Op.WRITE if write else Op.READ, node)
         if read and not self._own_readable(node):
@@ -735,13 +756,18 @@ class Guard:
             decision = limits.suffix_decision(node.vpath(), node.zone.value, "opening")
             raise self.refuse(caller, op, node.vpath(), node.zone, decision)
         self._reject_private_key_node(caller, Op.WRITE if write else Op.READ, node)
+        if consent:  # approvals: reading, writing, overwriting an existing file
+            kinds = [Kind.OVERWRITE] if truncate else []
+            kinds += [Kind.WRITE] if write else []
+            kinds += [Kind.READ] if read else []
+            self.consent(caller, kinds, node.zone, node.vpath(), Op.WRITE if write else Op.READ)
 
     def may_keep(self, caller: Caller, node: Node, read: bool, write: bool, created: bool) -> None:
         """A handle opened under an earlier trust level, used again to read or to write: that
         must be allowed now (a handle that created its file keeps it while creating is)."""
         assert node.zone is not None
         if not created:
-            self.may_open(caller, node, read, write)
+            self.may_open(caller, node, read, write, consent=False)
             return
         decision = self.policy.decide_create(node.zone)
         if not decision.allowed:
@@ -897,14 +923,14 @@ class Guard:
             raise self.refuse(caller, Op.WRITE, parent.vpath(name), zone, decision)
         self._check_layer(caller, parent, Op.WRITE, name)
         limits = self.limits.get(zone)
-        if limits is not None:
-            if kind != "mkdir":
-                self._check_suffix(caller, limits, parent, name, Op.WRITE, "creating")
-            tally = self.tallies.get(zone)
-            if tally is not None:
-                refused = tally.charge(0, 1, parent.vpath(name))
-                if refused is not None:
-                    raise self.refuse(caller, Op.WRITE, parent.vpath(name), zone, refused)
+        if limits is not None and kind != "mkdir":
+            self._check_suffix(caller, limits, parent, name, Op.WRITE, "creating")
+        self.consent(caller, [Kind.CREATE], zone, parent.vpath(name), Op.WRITE)  # approvals
+        tally = self.tallies.get(zone)
+        if tally is not None:
+            refused = tally.charge(0, 1, parent.vpath(name))
+            if refused is not None:
+                raise self.refuse(caller, Op.WRITE, parent.vpath(name), zone, refused)
         return zone
 
     def _check_suffix(
@@ -987,6 +1013,7 @@ class Guard:
             self._check_suffix(caller, limits, parent, new_name, "link", "linking", dest, src)
         self._check_layer(caller, parent, "link", new_name)
         self._check_layer(caller, node, "link")
+        self.consent(caller, [Kind.CREATE], parent.zone, dest, "link")  # approvals
 
     def hidden_target(
         self, caller: Caller, op: str, src: str, zone: Zone | None, dest: str, why: str
@@ -1022,6 +1049,7 @@ class Guard:
             raise self.refuse(caller, op, vpath, zone, Decision(False, errno.EROFS, reason))
         if not is_dir:
             self._reject_private_key(caller, Op.DELETE, parent, name, layer)
+        self.consent(caller, [Kind.DELETE], zone, parent.vpath(name), op)  # approvals
 
     def removed(self, zone: Zone, st: StatLike) -> None:
         """A name was unlinked or replaced: its inode's bytes and entry leave the quota when it
@@ -1095,6 +1123,28 @@ class Guard:
         src: str,
         dst: str,
         read: ReadFile | None = None,
+        *,
+        replaces: bool = False,
+    ) -> None:
+        """The checks of _may_move, then the approval rules (`replaces`: the rename replaces
+        an existing entry, an overwrite too)."""
+        self._may_move(caller, parent, name, st, to_parent, to_name, src, dst, read)
+        assert parent.zone is not None
+        kinds = [Kind.RENAME, Kind.OVERWRITE] if replaces else [Kind.RENAME]
+        dest = to_parent.vpath(to_name)
+        self.consent(caller, kinds, parent.zone, parent.vpath(name), "rename", dest)  # approvals
+
+    def _may_move(
+        self,
+        caller: Caller,
+        parent: Node,
+        name: bytes,
+        st: StatLike,
+        to_parent: Node,
+        to_name: bytes,
+        src: str,
+        dst: str,
+        read: ReadFile | None = None,
     ) -> None:
         """Patterns survive renames: nothing protected is moved away or onto, and no directory
         is moved while a deny or protect path pattern, or a git rule that depends on where the
@@ -1135,6 +1185,165 @@ class Guard:
             )
             if found is not None:
                 raise self.refuse(caller, "rename", src, parent.zone, found, dest=dst)
+
+    # ----- consent (sandboxfs.core.approvals): the last step of a check that allowed ----------
+
+    def consent(
+        self,
+        caller: Caller,
+        kinds: list[Kind],
+        zone: Zone,
+        path: str,
+        op: Op | str,
+        dest: str | None = None,
+    ) -> None:
+        """The approval rules for an operation every other check allowed: returns (allowed)
+        or audits the refusal, or the new pending request and the refusal naming it."""
+        broker = self.approvals
+        if broker is None or not broker.rules or not kinds:
+            return
+        for request in broker.expire():
+            self._approval_entry(request, "timed out: nobody answered", False)
+        outcome = self._consult(broker, caller, kinds, zone, path, dest)
+        if outcome.request is not None and outcome.new and self.approver is not None:
+            answer = self.approver(outcome.request.describe(0))
+            try:
+                choice = Answer(answer) if answer is not None else Answer.DENY
+            except ValueError:
+                choice = Answer.DENY
+            self.answer(outcome.request.id, choice, "the API's approver", caller.pid, caller.uid)
+            outcome = self._consult(broker, caller, kinds, zone, path, dest)
+        elif outcome.request is not None and outcome.new:
+            self._approval_entry(outcome.request, "asks the user", None)
+        if outcome.allowed:
+            if outcome.grant is not None or outcome.unasked:
+                self._approval_use(caller, outcome, zone, path, dest)
+            return
+        if outcome.limited:
+            self._approval_use(caller, outcome, zone, path, dest)
+        decision = Decision(False, errno.EACCES, outcome.reason, "approval")
+        raise self.refuse(caller, op, path, zone, decision, dest=dest)
+
+    def _consult(
+        self,
+        broker: Broker,
+        caller: Caller,
+        kinds: list[Kind],
+        zone: Zone,
+        path: str,
+        dest: str | None,
+    ) -> Outcome:
+        pid = caller.pid
+        return broker.consult(
+            self.policy.trust.value,
+            zone.value,
+            kinds,
+            path,
+            pid=pid,
+            comm=self.process_names.get(pid) or "",
+            cmdline=lambda: read_cmdline(pid),
+            dest=dest,
+        )
+
+    def answer(self, request_id: int, answer: Answer, who: str, pid: int, uid: int) -> None:
+        """The user's answer to a pending request (ApprovalError: none such), audited."""
+        assert self.approvals is not None
+        request, grant = self.approvals.answer(request_id, answer, who)
+        self.record(
+            "approval",
+            request.path,
+            Zone(request.zone),
+            pid=pid,
+            uid=uid,
+            allowed=grant.allow,
+            reason=f"request {request.id} answered {answer.value}: {grant.describe()['text']}",
+            dest=request.dest,
+            extra={
+                "approval": {
+                    "request": request.id,
+                    "answer": answer.value,
+                    "rule": request.rule.id,
+                    "scope": answer.value,
+                    "grant": grant.id,
+                    "by": who,
+                    "count": request.count,
+                    "op": request.kind.value,
+                }
+            },
+        )
+
+    def revoke(self, grant_id: int, who: str, pid: int, uid: int) -> None:
+        """Revoke a grant (ApprovalError: none such), audited."""
+        assert self.approvals is not None
+        grant = self.approvals.revoke(grant_id)
+        self.record(
+            "approval",
+            grant.directory,
+            None,
+            pid=pid,
+            uid=uid,
+            allowed=None,
+            reason=f"grant {grant.id} revoked: {grant.describe()['text']}",
+            extra={"approval": {"grant": grant.id, "answer": "revoke", "by": who}},
+        )
+
+    def _approval_entry(self, request: Request, what: str, allowed: bool | None) -> None:
+        more = f" and {request.count - 1} more" if request.count > 1 else ""
+        self.record(
+            "approval",
+            request.path,
+            Zone(request.zone),
+            pid=request.pid,
+            uid=0,
+            comm=request.comm,
+            allowed=allowed,
+            reason=f"request {request.id}: {request.kind.value} of {request.path}{more} {what} "
+            f"(rule {request.rule.id})",
+            dest=request.dest,
+            extra={
+                "approval": {
+                    "request": request.id,
+                    "rule": request.rule.id,
+                    "op": request.kind.value,
+                    "count": request.count,
+                    "cmdline": request.cmdline,
+                }
+            },
+        )
+
+    def _approval_use(
+        self, caller: Caller, outcome: Outcome, zone: Zone, path: str, dest: str | None
+    ) -> None:
+        """An operation a grant (or --no-approvals, or the rate limit) decided."""
+        fields: dict[str, Any] = {"rule": outcome.rule.id}
+        if outcome.grant is not None:
+            fields["grant"] = outcome.grant.id
+            fields["request"] = outcome.grant.request
+        if outcome.unasked:
+            fields["answer"] = "no-approvals"
+        if outcome.limited:
+            fields["answer"] = "rate-limited"
+        self.record(
+            "approval",
+            path,
+            zone,
+            pid=caller.pid,
+            uid=caller.uid,
+            allowed=outcome.allowed,
+            reason=outcome.reason,
+            dest=dest,
+            extra={"approval": fields},
+        )
+
+
+def read_cmdline(pid: int) -> str:
+    """The command line of pid, for an approval prompt (empty when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read(4096)
+    except OSError:
+        return ""
+    return " ".join(arg.decode("utf-8", "replace") for arg in raw.rstrip(b"\0").split(b"\0"))
 
 
 def _absent(decision: Decision) -> Decision:
