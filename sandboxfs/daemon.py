@@ -27,8 +27,9 @@ import trio
 
 from . import control, request_wait
 from .audit import AuditLog
+from .core.approvals import ApprovalError, Mode
 from .core.context import context_document
-from .core.guard import MountInfo
+from .core.guard import Guard, MountInfo
 from .core.policy import Trust, Zone
 from .core.store import CONTEXT_NAME, CONTROL_NAME, STATE_DIR_NAME, Node, Store, ensure_dirs
 from .core.syscalls import CAP_SYS_RESOURCE, drop_effective_capability, make_undumpable
@@ -36,6 +37,7 @@ from .errors import UserError
 from .mounts import MountRequest, lazy_unmount
 from .operations import SandboxOperations
 from .project import (
+    approval_broker,
     audit_path,
     config_source,
     hidden_identities,
@@ -124,7 +126,10 @@ def serve(
         control=str(control_path),
     )
     try:
-        guard = make_guard(req.project, req.config, req.config_file, req.trust, info, store, audit)
+        approvals = approval_broker(req.config, Mode(req.approvals))
+        guard = make_guard(
+            req.project, req.config, req.config_file, req.trust, info, store, audit, approvals
+        )
         control.sweep()  # what daemons killed before they could unmount left behind
         listener = control.bind(control_path)
     except BaseException:
@@ -165,6 +170,19 @@ def serve(
         raise UserError(f"cannot mount {req.mountpoint}: {exc}", exit_code=1) from None
     ops.kernel_store = pyfuse3.notify_store
     lifecycle("mount")
+    if approvals.mode is Mode.OFF and approvals.asks:  # --no-approvals: loudly, audited
+        guard.record(
+            "approval",
+            "/",
+            None,
+            pid=pid,
+            uid=os.getuid(),
+            comm=comm,
+            allowed=True,
+            reason="--no-approvals: every approval rule that asks passes without asking on "
+            "this mount",
+            extra={"approval": {"answer": "no-approvals"}},
+        )
     log.info("mounted %s (trust %s, session %s)", req.mountpoint, req.trust.value, req.session)
     try:
         trio.run(_main, req, audit, ready, lifeline, Control(ops, info, listener))
@@ -308,6 +326,8 @@ class Control:
         guard = self.ops.guard
         if request["op"] == "status":
             return control.reply(True, trust=guard.policy.trust.value, session=self.info.session)
+        if request["op"] in ("approvals", "answer", "revoke"):
+            return approvals_reply(guard, request, peer.pid, peer.uid)
         trust: Trust = request["trust"]
         async with self.changing:
             old = self.ops.set_trust(trust, peer.pid, peer.uid, self._context)
@@ -330,6 +350,27 @@ class Control:
     def _context(self) -> bytes:
         guard = self.ops.guard
         return context_document(guard.policy, self.info, os.getpid(), guard.limits)
+
+
+def approvals_reply(guard: Guard, request: dict[str, Any], pid: int, uid: int) -> bytes:
+    """The approvals ops of the control channel (sandboxfs.core.approvals): list, answer,
+    revoke; every answer and revocation audited with who gave it."""
+    broker = guard.approvals
+    if broker is None:
+        return control.reply(False, error="this mount has no approvals")
+    guard.tidy_approvals()
+    who = f"{request.get('channel', 'command')} (pid {pid}, uid {uid})"
+    try:
+        if request["op"] == "answer":
+            grant = guard.answer(request["id"], request["answer"], who, pid, uid)
+            return control.reply(True, grant=grant.describe())
+        if request["op"] == "revoke":
+            return control.reply(
+                True, grant=guard.revoke(request["grant"], who, pid, uid).describe()
+            )
+    except ApprovalError as exc:
+        return control.reply(False, error=str(exc))
+    return control.reply(True, **broker.snapshot())
 
 
 def _invalidate(inodes: list[int], names: list[tuple[int, bytes]]) -> None:

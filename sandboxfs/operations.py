@@ -200,7 +200,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             entry_timeout=entry_timeout,
             attr_timeout=attr_timeout,
             owner=(session_root.st_uid, session_root.st_gid),
-            guide_size=lambda: len(self.guides[1]),
+            guide_size=lambda: len(self.guides[1]) + len(self._pending_text()),
         )
         self._handles: dict[int, FileHandle | BlobHandle] = {}
         self._dirs: dict[int, DirHandle] = {}
@@ -492,6 +492,11 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             return self.store.guide
         raise SandboxError(errno.ENOENT)
 
+    def _pending_text(self) -> bytes:
+        """What waits for the user's approval, at the end of the guide (core.approvals)."""
+        broker = self.guard.approvals
+        return broker.pending_text().encode() if broker is not None else b""
+
     def _write_guides(self) -> None:
         """/.sandboxfs/README as the host side and a program inside `run` read it (the same
         text, with the mount's own path or /sandbox), from the policy of the current level."""
@@ -533,8 +538,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             if wants_write:
                 self.guard.may_write_context(ctx, node)
             document = self.guides[0] if self._host_side(ctx.pid) else self.guides[1]
-            if self.guard.approvals is not None:  # what waits for the user's approval
-                document += self.guard.approvals.pending_text().encode()
+            document += self._pending_text()
             return self._new_handle(BlobHandle(document), keep_cache=False, direct_io=True)
         if node.zone is None or node.is_dir:
             raise SandboxError(errno.EISDIR)

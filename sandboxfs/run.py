@@ -92,6 +92,7 @@ class RunRequest:
     quiet: bool = False
     # What CMD needs of the host, read-only (sandboxfs.toolchain): its trees and the PATH.
     tools: Toolchain = field(default_factory=Toolchain)
+    approvals: str = "ask"  # how `ask` rules are answered (MountRequest.approvals)
 
 
 # ----- the run directory: where the private mount lives, and how a dead one is cleaned ------
@@ -778,6 +779,7 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         audit_sync=req.audit_sync,
         config_file=req.config_file,
         command=req.command,
+        approvals=req.approvals,
     )
     try:
         from .daemon import spawn_daemon  # pyfuse3 and trio: only where a mount is made

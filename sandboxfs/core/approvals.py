@@ -284,6 +284,7 @@ class Broker:
         self._clock = clock
         self._pending: dict[int, Request] = {}
         self._by_key: dict[tuple[str, Kind, int, str], Request] = {}
+        self._by_path: dict[tuple[Kind, str], Request] = {}  # a retry, by any process
         self._grants: dict[int, Grant] = {}
         self._recent: deque[float] = deque()  # when the last requests were made (rate limit)
         self._next_request = 1
@@ -350,11 +351,12 @@ class Broker:
         now = self._clock()
         self.expire()
         key = (rule.id, kind, pid, parent_of(path))
-        joined = self._by_key.get(key)
+        joined = self._by_path.get((kind, path)) or self._by_key.get(key)
         if joined is not None:
-            if path not in joined.paths and len(joined.paths) < self.MAX_PATHS:
+            if (kind, path) not in self._by_path and len(joined.paths) < self.MAX_PATHS:
                 joined.paths.append(path)
                 joined.count += 1
+                self._by_path[(kind, path)] = joined
             return Outcome(False, rule, self._waiting(what, joined), request=joined)
         while self._recent and self._recent[0] <= now - 60:
             self._recent.popleft()
@@ -383,6 +385,7 @@ class Broker:
         self._next_request += 1
         self._pending[request.id] = request
         self._by_key[key] = request
+        self._by_path[(kind, path)] = request
         return Outcome(False, rule, self._waiting(what, request), request=request, new=True)
 
     @staticmethod
@@ -407,17 +410,13 @@ class Broker:
             self._drop(request)
         return gone
 
-    def forget_process(self, alive: Callable[[int], bool]) -> list[Request]:
-        """Drop the requests of processes that are gone (nobody will retry them)."""
-        gone = [r for r in self._pending.values() if not alive(r.pid)]
-        for request in gone:
-            self._drop(request)
-        return gone
-
     def _drop(self, request: Request) -> None:
         self._pending.pop(request.id, None)
         if self._by_key.get(request.key) is request:
             del self._by_key[request.key]
+        for path in request.paths:
+            if self._by_path.get((request.kind, path)) is request:
+                del self._by_path[(request.kind, path)]
 
     def pending(self) -> list[Request]:
         return sorted(self._pending.values(), key=lambda r: r.id)

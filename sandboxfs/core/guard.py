@@ -16,10 +16,10 @@ import stat
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, TypedDict
 
 from . import gitconfig
-from .approvals import Answer, Broker, Kind, Outcome, Request
+from .approvals import Answer, Broker, Grant, Kind, Outcome, Request
 from .errors import SandboxError
 from .limits import Tally, ZoneLimits
 from .policy import (
@@ -1202,8 +1202,7 @@ class Guard:
         broker = self.approvals
         if broker is None or not broker.rules or not kinds:
             return
-        for request in broker.expire():
-            self._approval_entry(request, "timed out: nobody answered", False)
+        self.tidy_approvals()
         outcome = self._consult(broker, caller, kinds, zone, path, dest)
         if outcome.request is not None and outcome.new and self.approver is not None:
             answer = self.approver(outcome.request.describe(0))
@@ -1245,8 +1244,9 @@ class Guard:
             dest=dest,
         )
 
-    def answer(self, request_id: int, answer: Answer, who: str, pid: int, uid: int) -> None:
-        """The user's answer to a pending request (ApprovalError: none such), audited."""
+    def answer(self, request_id: int, answer: Answer, who: str, pid: int, uid: int) -> Grant:
+        """The user's answer to a pending request (ApprovalError: none such), audited; the
+        grant it made."""
         assert self.approvals is not None
         request, grant = self.approvals.answer(request_id, answer, who)
         self.record(
@@ -1256,7 +1256,10 @@ class Guard:
             pid=pid,
             uid=uid,
             allowed=grant.allow,
-            reason=f"request {request.id} answered {answer.value}: {grant.describe()['text']}",
+            **_said(
+                grant.allow,
+                f"request {request.id} answered {answer.value}: {grant.describe()['text']}",
+            ),
             dest=request.dest,
             extra={
                 "approval": {
@@ -1271,8 +1274,9 @@ class Guard:
                 }
             },
         )
+        return grant
 
-    def revoke(self, grant_id: int, who: str, pid: int, uid: int) -> None:
+    def revoke(self, grant_id: int, who: str, pid: int, uid: int) -> Grant:
         """Revoke a grant (ApprovalError: none such), audited."""
         assert self.approvals is not None
         grant = self.approvals.revoke(grant_id)
@@ -1283,9 +1287,19 @@ class Guard:
             pid=pid,
             uid=uid,
             allowed=None,
-            reason=f"grant {grant.id} revoked: {grant.describe()['text']}",
+            detail=f"grant {grant.id} revoked: {grant.describe()['text']}",
             extra={"approval": {"grant": grant.id, "answer": "revoke", "by": who}},
         )
+        return grant
+
+    def tidy_approvals(self) -> None:
+        """Drop, audited, the requests nobody answered in time. (Not those of processes that
+        are gone: the process refused at once is gone by the time the user answers, and its
+        retry, often by another process, is what the answer is for.)"""
+        if self.approvals is None:
+            return
+        for request in self.approvals.expire():
+            self._approval_entry(request, "timed out: nobody answered", False)
 
     def _approval_entry(self, request: Request, what: str, allowed: bool | None) -> None:
         more = f" and {request.count - 1} more" if request.count > 1 else ""
@@ -1297,8 +1311,11 @@ class Guard:
             uid=0,
             comm=request.comm,
             allowed=allowed,
-            reason=f"request {request.id}: {request.kind.value} of {request.path}{more} {what} "
-            f"(rule {request.rule.id})",
+            **_said(
+                allowed,
+                f"request {request.id}: {request.kind.value} of {request.path}{more} {what} "
+                f"(rule {request.rule.id})",
+            ),
             dest=request.dest,
             extra={
                 "approval": {
@@ -1330,10 +1347,21 @@ class Guard:
             pid=caller.pid,
             uid=caller.uid,
             allowed=outcome.allowed,
-            reason=outcome.reason,
+            **_said(outcome.allowed, outcome.reason),
             dest=dest,
             extra={"approval": fields},
         )
+
+
+class _Said(TypedDict, total=False):
+    reason: str
+    detail: str
+
+
+def _said(allowed: bool | None, text: str) -> _Said:
+    """An approval entry's text: the reason of a refusal, else its detail (what the audit
+    table shows of an entry that is not a refusal)."""
+    return {"reason": text} if allowed is False else {"detail": text}
 
 
 def read_cmdline(pid: int) -> str:
