@@ -1,0 +1,345 @@
+"""Approvals on real mounts and runs: `ask`, `blocked`, grants, grouping, the prompt, and who
+can answer.
+
+Real programs (rm, cat, mv, sh, python3 inside `sandboxfs run`) work on a mounted project
+whose sandboxfs.yaml has approval rules; the user's side is the real CLI (`approvals`,
+`approve`, `deny`, `grants`), the interactive prompt is driven through a pty. Every mount is
+unmounted in `finally` (the `mounted` helper).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandboxfs import control
+from tests.conftest import SANDBOXFS, Mount, mounted, sandboxfs, sh, wait_until
+from tests.integration.test_run_terminal import UserTerminal
+from tests.integration.test_trust_live import PY, needs_bwrap
+
+ASK_DELETES = """\
+approvals:
+  timeout: {timeout}
+  rules:
+    - {{id: repo-delete, ops: [delete], zones: [repo], decision: ask}}
+    - {{id: no-overwrite, ops: [overwrite], zones: [repo], decision: blocked}}
+"""
+
+
+def configure(project: Path, timeout: float = 60) -> None:
+    (project / "sandboxfs.yaml").write_text(ASK_DELETES.format(timeout=timeout))
+    for directory in ("a", "b"):
+        (project / directory).mkdir()
+        for name in ("one", "two", "three"):
+            (project / directory / name).write_text(f"{directory}/{name}\n")
+
+
+def pending(m: Mount) -> list[dict[str, Any]]:
+    result = sandboxfs("approvals", "--json", "--mount", m.mnt)
+    assert result.returncode == 0, result.stderr
+    requests: list[dict[str, Any]] = json.loads(result.stdout)["pending"]
+    return requests
+
+
+def approvals_entries(m: Mount) -> list[dict[str, Any]]:
+    return [e for e in m.audit("--op", "approval")]
+
+
+@pytest.fixture
+def asking(tmp_path: Path, project: Path) -> Any:
+    configure(project)
+    with mounted(tmp_path / "mnt", project, "full") as m:
+        yield m
+
+
+def test_a_delete_under_ask_is_refused_as_pending_while_other_files_are_served(
+    asking: Mount,
+) -> None:
+    repo = asking.mnt / "repo"
+    rm = subprocess.Popen(
+        ["rm", str(repo / "a" / "one")], stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    cat = sh(f"cat {repo / 'b' / 'one'}; ls {repo / 'a'}")
+    assert cat.returncode == 0 and cat.stdout.startswith("b/one\n"), cat.stderr
+    _, err = rm.communicate(timeout=30)
+    assert rm.returncode == 1 and "Permission denied" in err
+    assert (asking.project / "a" / "one").exists()
+    [request] = pending(asking)
+    assert (request["op"], request["path"], request["rule"]) == (
+        "delete",
+        "/repo/a/one",
+        "repo-delete",
+    )
+    assert request["comm"] == "rm" and request["cmdline"] == f"rm {repo / 'a' / 'one'}"
+    denial = asking.wait_audit(lambda e: e["op"] == "delete" and e["allowed"] is False)
+    assert (
+        denial["reason"].startswith(
+            f"EACCES: delete of /repo/a/one waits for approval {request['id']} (rule repo-delete)"
+        )
+        or f"waits for approval {request['id']}" in denial["reason"]
+    )
+    # the program reads what waits in its guide
+    assert (
+        f"{request['id']}: delete of /repo/a/one (rule repo-delete)"
+        in (asking.mnt / ".sandboxfs" / "README").read_text()
+    )
+
+
+def test_approve_lets_the_retry_pass_and_the_audit_names_rule_and_answer(asking: Mount) -> None:
+    one = asking.mnt / "repo" / "a" / "one"
+    assert sh(f"rm {one}").returncode == 1
+    [request] = pending(asking)
+    approved = sandboxfs("approve", str(request["id"]), "--mount", asking.mnt)
+    assert approved.returncode == 0, approved.stderr
+    assert f"request {request['id']}: allow delete of /repo/a/one, once" in approved.stdout
+    assert sh(f"rm {one}").returncode == 0
+    assert not (asking.project / "a" / "one").exists()
+    assert not pending(asking)
+    entries = approvals_entries(asking)
+    asked = [e for e in entries if e["approval"].get("request") == request["id"]]
+    kinds = [(e["approval"].get("answer"), e["approval"].get("rule")) for e in asked]
+    assert kinds[0] == (None, "repo-delete")  # the request
+    assert ("once", "repo-delete") in kinds  # the answer, with who gave it
+    answer = next(e for e in asked if e["approval"].get("answer") == "once")
+    assert answer["approval"]["by"].startswith("command (pid ")
+    assert any(e["approval"].get("grant") for e in entries if e["allowed"] is True)
+
+
+def test_deny_gives_permission_denied_and_blocked_never_asks(asking: Mount) -> None:
+    two = asking.mnt / "repo" / "a" / "two"
+    assert sh(f"rm {two}").returncode == 1
+    [request] = pending(asking)
+    assert sandboxfs("deny", str(request["id"]), "--mount", asking.mnt).returncode == 0
+    retry = sh(f"rm {two}")
+    assert retry.returncode == 1 and "Permission denied" in retry.stderr
+    assert (asking.project / "a" / "two").exists()
+    # blocked: refused at once, no request
+    write = sh(f"echo x > {asking.mnt / 'repo' / 'b' / 'two'}")
+    assert write.returncode != 0 and "Permission denied" in write.stderr
+    assert not pending(asking)
+    refusal = asking.wait_audit(lambda e: e["op"] == "write" and e["allowed"] is False)
+    assert "blocked by approval rule no-overwrite" in refusal["reason"]
+    assert (asking.project / "b" / "two").read_text() == "b/two\n"
+
+
+def test_allow_directory_covers_its_files_not_a_sibling_directory(asking: Mount) -> None:
+    repo = asking.mnt / "repo"
+    assert sh(f"rm {repo / 'a' / 'one'}").returncode == 1
+    [request] = pending(asking)
+    result = sandboxfs("approve", str(request["id"]), "--scope", "dir", "--mount", asking.mnt)
+    assert "allow delete under /repo/a/, for this session" in result.stdout
+    assert sh(f"rm {repo / 'a' / 'one'} {repo / 'a' / 'two'}").returncode == 0
+    sibling = sh(f"rm {repo / 'b' / 'one'}")
+    assert sibling.returncode == 1 and (asking.project / "b" / "one").exists()
+    grants = json.loads(sandboxfs("grants", "--json", "--mount", asking.mnt).stdout)
+    assert [g["scope"] for g in grants] == ["dir"]
+    revoked = sandboxfs("grants", "--revoke", str(grants[0]["id"]), "--mount", asking.mnt)
+    assert revoked.returncode == 0, revoked.stderr
+    assert sh(f"rm {repo / 'a' / 'three'}").returncode == 1
+
+
+def test_five_hundred_deletes_make_one_grouped_request(asking: Mount) -> None:
+    many = asking.project / "many"
+    many.mkdir()
+    for n in range(500):
+        (many / f"f{n:03}").write_text("x")
+    result = sh(f"rm {asking.mnt / 'repo' / 'many'}/*")
+    assert result.returncode == 1
+    assert result.stderr.count("Permission denied") == 500
+    [request] = pending(asking)
+    assert request["count"] == 500 and request["directory"] == "/repo/many"
+    assert request["paths"] == [f"/repo/many/f{n:03}" for n in range(5)]
+    assert sandboxfs("approve", str(request["id"]), "--mount", asking.mnt).returncode == 0
+    assert sh(f"rm {asking.mnt / 'repo' / 'many'}/*").returncode == 0
+    assert list(many.iterdir()) == []
+
+
+def test_a_request_nobody_answers_times_out(tmp_path: Path, project: Path) -> None:
+    configure(project, timeout=1)
+    with mounted(tmp_path / "mnt", project, "full") as m:
+        assert sh(f"rm {m.mnt / 'repo' / 'a' / 'one'}").returncode == 1
+        assert len(pending(m)) == 1
+        time.sleep(1.2)
+        assert pending(m) == []
+        late = sandboxfs("approve", "1", "--mount", m.mnt)
+        assert late.returncode == 1 and "no pending request 1" in late.stderr
+        entry = m.wait_audit(lambda e: "timed out" in (e.get("reason") or ""))
+        assert entry["op"] == "approval" and entry["allowed"] is False
+        assert (project / "a" / "one").exists()
+
+
+def test_approvals_none_refuses_at_once_and_no_approvals_lets_asks_pass(
+    tmp_path: Path, project: Path
+) -> None:
+    configure(project)
+    with mounted(tmp_path / "m1", project, "full", "--approvals", "none") as m:
+        result = sh(f"rm {m.mnt / 'repo' / 'a' / 'one'}")
+        assert result.returncode == 1 and "Permission denied" in result.stderr
+        assert pending(m) == []
+        refusal = m.wait_audit(lambda e: e["op"] == "delete" and e["allowed"] is False)
+        assert "nobody can answer" in refusal["reason"] and "--approvals none" in refusal["reason"]
+    with mounted(tmp_path / "m2", project, "full", "--no-approvals") as m:
+        assert sh(f"rm {m.mnt / 'repo' / 'a' / 'one'}").returncode == 0
+        blocked = sh(f"echo x > {m.mnt / 'repo' / 'b' / 'one'}")  # blocked stays blocked
+        assert blocked.returncode != 0
+        entry = m.wait_audit(lambda e: e["op"] == "approval" and e["path"] == "/repo/a/one")
+        assert entry["approval"]["answer"] == "no-approvals" and entry["allowed"] is True
+        assert m.wait_audit(lambda e: e["op"] == "approval" and e["path"] == "/")
+
+
+def test_the_prompt_answers_with_one_key_each(asking: Mount) -> None:
+    repo = asking.mnt / "repo"
+    for directory in ("c", "d", "e", "f", "g"):
+        (asking.project / directory).mkdir()
+        (asking.project / directory / "x").write_text("x")
+        (asking.project / directory / "y").write_text("y")
+        assert sh(f"rm {repo / directory / 'x'}").returncode == 1
+    term = UserTerminal()
+    term.start("approvals", "--mount", asking.mnt)
+    try:
+        for n, (key, shown) in enumerate(
+            [
+                (b"y", b"allow delete of /repo/c/x, once"),
+                (b"d", b"allow delete under /repo/d/, for this session"),
+                (b"n", b"refuse delete of /repo/e/x, once"),
+                (b"s", b"refuse delete under /repo/f/ without asking again"),
+                (b"a", b"allow delete wherever an approval rule asks, for this session"),
+            ],
+            1,
+        ):
+            term.read_until(f"sandboxfs: approval {n} asked by rule repo-delete".encode())
+            term.read_until(b"s: deny and stop asking")
+            term.send(key)
+            term.read_until(shown)
+            term.send(b"\r")
+            term.read_until(f"saved: grant {n}".encode())
+        term.read_until(b"no request is pending")
+        term.send(b"q")
+        assert term.wait() == 0
+    finally:
+        if term.proc is not None and term.proc.poll() is None:
+            term.proc.kill()
+    assert b"command line: rm " in term.output
+    grants = json.loads(sandboxfs("grants", "--json", "--mount", asking.mnt).stdout)
+    # the once grants were for paths not tried again; "a" covers every delete now
+    assert [g["scope"] for g in grants] == ["once", "dir", "deny", "never", "everywhere"]
+    assert all(g["answered_by"].startswith("terminal (pid ") for g in grants)
+    assert sh(f"rm {repo / 'f' / 'y'}").returncode == 1  # never: refusal before allowance
+    assert sh(f"rm {repo / 'g' / 'y'}").returncode == 0
+
+
+def test_names_the_program_chose_are_shown_escaped(asking: Mount) -> None:
+    name = "evil\x1b[2J\u202eexe"
+    (asking.project / "a" / name).write_text("x")
+    assert sh(f"rm '{asking.mnt / 'repo' / 'a' / name}'").returncode == 1
+    term = UserTerminal()
+    term.start("approvals", "--mount", asking.mnt)
+    try:
+        term.read_until(b"s: deny and stop asking")
+        term.send(b"q")
+        assert term.wait() == 0
+    finally:
+        if term.proc is not None and term.proc.poll() is None:
+            term.proc.kill()
+    assert b"\x1b[2J" not in term.output and "\u202e".encode() not in term.output
+    assert b"evil\\x1b[2J\\u202eexe" in term.output
+
+
+ANSWER_OWN = r"""
+import json, socket, sys
+facts = json.load(open("/sandbox/.sandboxfs/context.json"))
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    sock.connect(sys.argv[1].format(pid=facts["pid"]))
+    sock.sendall(b'{"v": 1, "op": "answer", "id": 1, "answer": "everywhere"}\n')
+    print("connect:", sock.recv(4096).decode().strip())
+except OSError as exc:
+    print("connect:", exc.errno)
+"""
+
+
+@needs_bwrap
+def test_the_program_cannot_answer_its_own_request(project: Path) -> None:
+    configure(project)
+    script = 'rm /sandbox/repo/a/one; "$0" -c "$1" "$2"; sleep 30'
+    socket_path = f"{control.control_dir()}/{{pid}}.sock"
+    proc = subprocess.Popen(
+        [
+            *SANDBOXFS,
+            "run",
+            "--project",
+            str(project),
+            "--trust",
+            "full",
+            "--approvals",
+            "ask",
+            "--quiet",
+            "--",
+            "sh",
+            "-c",
+            script,
+            PY,
+            ANSWER_OWN,
+            socket_path,
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert wait_until(lambda: bool(_run_pending(project)), timeout=30)
+        [request] = _run_pending(project)
+        assert request["path"] == "/repo/a/one"
+        time.sleep(1)  # its try to answer is over
+        [still] = _run_pending(project)
+        assert still["id"] == request["id"]
+    finally:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate(timeout=30)
+    assert "connect: 2" in out, (out, err)  # ENOENT: no socket in its view
+    assert "Permission denied" in err
+    assert (project / "a" / "one").exists()
+
+
+def _run_pending(project: Path) -> list[dict[str, Any]]:
+    result = sandboxfs("approvals", "--json", "--project", project)
+    if result.returncode != 0:
+        return []
+    requests: list[dict[str, Any]] = json.loads(result.stdout)["pending"]
+    return requests
+
+
+@needs_bwrap
+def test_a_run_without_a_terminal_refuses_asks_at_once(project: Path) -> None:
+    configure(project)
+    result = subprocess.run(
+        [
+            *SANDBOXFS,
+            "run",
+            "--project",
+            str(project),
+            "--trust",
+            "full",
+            "--quiet",
+            "--",
+            "rm",
+            "/sandbox/repo/a/one",
+        ],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1 and "Permission denied" in result.stderr
+    entries = sandboxfs("audit", "--project", project, "--json", "--op", "delete").stdout
+    reasons = [json.loads(line)["reason"] for line in entries.splitlines()]
+    assert any("--approvals none" in r for r in reasons), reasons
