@@ -23,6 +23,7 @@ from typing import Any
 
 from ..audit import AuditLog, AuditQuery, query
 from ..config import Config
+from ..core.approvals import Broker
 from ..core.errors import SandboxError
 from ..core.guard import Guard, MountInfo
 from ..core.policy import Trust, Zone
@@ -214,6 +215,7 @@ def open_disk(
     workspace: str,
     session: str,
     audit_sync: bool,
+    approvals: Broker | None = None,
 ) -> tuple[DiskBackend, Guard, AuditLog]:
     """The store, guard and audit log of an API sandbox on `project` (already validated), laid
     out as daemon.prepare_store does for a mount."""
@@ -233,7 +235,7 @@ def open_disk(
         raise
     info = MountInfo(session, workspace, str(project), "", via="api")
     try:
-        guard = make_guard(project, config, config_file, trust, info, store, audit)
+        guard = make_guard(project, config, config_file, trust, info, store, audit, approvals)
     except BaseException:
         with contextlib.suppress(OSError):
             audit.close()

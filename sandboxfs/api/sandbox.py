@@ -28,13 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config, defaults, load
+from ..core.approvals import Answer, Mode
 from ..core.context import context
 from ..core.errors import SandboxError
 from ..core.guard import Guard
 from ..core.policy import ZONE_ROOT_REASON, Decision, Op, Trust, Zone
 from ..core.store import FIRST_DYNAMIC_INO, HiddenEntry, Node, StatLike
 from ..errors import UserError
-from ..project import new_session_id, validate_project
+from ..project import approval_broker, new_session_id, validate_project
 from . import tools as tool_defs
 from .arguments import (
     Call,
@@ -86,6 +87,42 @@ def _setup_error(exc: UserError | SandboxError | OSError) -> SandboxSetupError:
     return SandboxSetupError(f"Cannot open the sandbox: {message}", errno=err, reason=message)
 
 
+# What a sandbox without an approver says of an operation an approval rule asks about.
+NO_APPROVER = (
+    "this sandbox has no approver: pass approver=callable to Sandbox.open to ask the user, "
+    "or change the approvals: rules of the project's sandboxfs.yaml"
+)
+
+# The API's approver: a request's description in, an answer out (see Sandbox.open).
+Approver = Callable[[dict[str, Any]], "str | bool | None"]
+
+
+def _answering(approver: Approver, timeout: float) -> Callable[[dict[str, Any]], str | None]:
+    """`approver` given `timeout` seconds (in a thread of its own, left behind if it hangs),
+    its answer as an approvals.Answer value; None (refused) when it fails or is late."""
+
+    def ask(request: dict[str, Any]) -> str | None:
+        answers: list[str | bool | None] = []
+
+        def call() -> None:
+            with contextlib.suppress(Exception):
+                answers.append(approver(request))
+
+        thread = threading.Thread(target=call, name="sandboxfs-approver", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if not answers:
+            return None
+        answer = answers[0]
+        if answer is True:
+            return Answer.ONCE.value
+        if isinstance(answer, str) and answer in {a.value for a in Answer}:
+            return answer
+        return None
+
+    return ask
+
+
 class Sandbox:
     """A view of a project's zones at one trust level, enforced and audited like a mount.
 
@@ -127,9 +164,19 @@ class Sandbox:
         session: str | None = None,
         config: str | os.PathLike[str] | None = None,
         audit_sync: bool = False,
+        approver: Approver | None = None,
+        approval_timeout: float | None = None,
     ) -> Sandbox:
         """A sandbox on the project's files (disk backend); its entries go to the project's
-        audit log. `session`: None starts a new one; a given id is created if missing."""
+        audit log. `session`: None starts a new one; a given id is created if missing.
+
+        `approver`: asked when an approval rule (the config's `approvals:`) asks about an
+        operation: called with the request (a dict: id, op, path, zone, rule, rule_text, pid,
+        cmdline, and `grants`, the text of each possible answer) and returns an answer:
+        "once", "dir", "everywhere", "deny" or "never" (True: once; False or None: deny). It
+        is called in the calling thread's stead and given `approval_timeout` seconds (default:
+        the config's approvals.timeout); no answer in time refuses. Without an approver such
+        an operation raises ApprovalRequired."""
         check_id("workspace", workspace)
         session_id = check_id("session", session) if session is not None else new_session_id()
         try:
@@ -140,11 +187,16 @@ class Sandbox:
             raise _setup_error(exc) from None
         level = as_trust(trust, loaded.default_trust)
         try:
+            mode = Mode.ASK if approver is not None else Mode.NONE
+            broker = approval_broker(loaded, mode, NO_APPROVER)
             backend, guard, audit = open_disk(
-                root, loaded, config_file, level, workspace, session_id, audit_sync
+                root, loaded, config_file, level, workspace, session_id, audit_sync, broker
             )
         except (UserError, SandboxError, OSError) as exc:
             raise _setup_error(exc) from None
+        if approver is not None:
+            wait = approval_timeout if approval_timeout is not None else broker.timeout
+            guard.approver = _answering(approver, wait)
         return cls(backend, guard, audit, lambda: read_entries(root, session_id, workspace), root)
 
     @classmethod

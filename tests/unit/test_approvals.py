@@ -3,11 +3,13 @@ their configuration: pure units, no mount."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
 from sandboxfs import config
+from sandboxfs.api import ApprovalRequired, PermissionDenied, Sandbox
 from sandboxfs.core.approvals import (
     PROFILES,
     Answer,
@@ -268,3 +270,71 @@ def test_a_project_cannot_loosen_the_users_rules() -> None:
     out = b.consult("full", "repo", [Kind.DELETE], "/repo/x", pid=1)
     assert not out.allowed and out.rule.id == "u"
     assert b.timeout == 30
+
+
+# ----- the Python API: Sandbox.open(approver=...) -----------------------------------------------
+
+
+def api_project(tmp_path: Path) -> Path:
+    project = tmp_path / "project"
+    for directory in ("a", "b"):
+        (project / directory).mkdir(parents=True)
+        for name in ("one", "two"):
+            (project / directory / name).write_text(name)
+    (project / "sandboxfs.yaml").write_text(
+        "approvals:\n  rules:\n    - {id: repo-delete, ops: [delete], zones: [repo], "
+        "decision: ask}\n"
+    )
+    return project
+
+
+def test_without_an_approver_ask_raises_a_typed_error(tmp_path: Path) -> None:
+    project = api_project(tmp_path)
+    with Sandbox.open(project, trust="full") as sb:
+        with pytest.raises(ApprovalRequired) as info:
+            sb.delete("/repo/a/one")
+        assert isinstance(info.value, PermissionDenied)
+        assert "needs the user's approval (rule repo-delete)" in str(info.value)
+        assert "pass approver=callable to Sandbox.open" in str(info.value)
+        text = sb.call_tool("delete", {"path": "/repo/a/one"})
+        assert text.startswith("Error:") and "needs the user's approval" in text
+        sb.write("/repo/a/new", "x")  # preApproved where no rule asks
+    assert (project / "a" / "one").exists()
+
+
+def test_the_approver_is_asked_once_for_a_directory(tmp_path: Path) -> None:
+    project = api_project(tmp_path)
+    asked: list[dict[str, object]] = []
+
+    def approver(request: dict[str, object]) -> str:
+        asked.append(request)
+        return "dir"
+
+    with Sandbox.open(project, trust="full", approver=approver) as sb:
+        sb.delete("/repo/a/one")
+        sb.delete("/repo/a/two")
+        entries = [e for e in sb.audit_entries() if e["op"] == "approval"]
+    assert [r["path"] for r in asked] == ["/repo/a/one"]
+    assert asked[0]["rule"] == "repo-delete"
+    assert "under /repo/a/" in str(asked[0]["grants"])
+    assert not (project / "a" / "one").exists() and not (project / "a" / "two").exists()
+    answer = next(e for e in entries if e["approval"].get("answer") == "dir")
+    assert answer["approval"]["by"] == "the API's approver"
+
+
+@pytest.mark.parametrize("answer", [False, None, "deny", "nonsense", "slow", "raises"])
+def test_an_approver_that_refuses_fails_or_is_late_refuses(tmp_path: Path, answer: object) -> None:
+    project = api_project(tmp_path)
+
+    def approver(request: dict[str, object]) -> object:
+        if answer == "slow":
+            time.sleep(5)
+            return "once"
+        if answer == "raises":
+            raise RuntimeError("no")
+        return answer
+
+    sb = Sandbox.open(project, trust="full", approver=approver, approval_timeout=0.2)
+    with sb, pytest.raises(ApprovalRequired, match="refused by the user"):
+        sb.delete("/repo/b/one")
+    assert (project / "b" / "one").exists()
