@@ -449,6 +449,18 @@ class Broker:
         self._grants[grant.id] = grant
         return request, grant
 
+    def settled(self, grant: Grant) -> list[Request]:
+        """Drop the other pending requests that `grant` answers whole (a directory grant
+        covers the requests of its subdirectories); those dropped."""
+        if grant.once:
+            return []
+        covered = [
+            r for r in self._pending.values() if all(grant.covers(r.kind, path) for path in r.paths)
+        ]
+        for request in covered:
+            self._drop(request)
+        return covered
+
     def revoke(self, grant_id: int) -> Grant:
         grant = self._grants.pop(grant_id, None)
         if grant is None:

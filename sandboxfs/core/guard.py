@@ -1274,6 +1274,8 @@ class Guard:
                 }
             },
         )
+        for other in self.approvals.settled(grant):
+            self._approval_entry(other, f"answered by grant {grant.id}", grant.allow)
         return grant
 
     def revoke(self, grant_id: int, who: str, pid: int, uid: int) -> Grant:

@@ -128,6 +128,16 @@ def test_allow_directory_covers_the_directory_not_a_sibling() -> None:
         b.revoke(grant.id)
 
 
+def test_a_directory_grant_settles_the_requests_below() -> None:
+    b = broker()
+    delete(b, "/repo/a/one")
+    delete(b, "/repo/a/sub/two")
+    delete(b, "/repo/b/three")
+    _, grant = b.answer(1, Answer.DIR, "test")
+    assert [r.id for r in b.settled(grant)] == [2]
+    assert [r.id for r in b.pending()] == [3]
+
+
 def test_everywhere_is_for_that_kind_only() -> None:
     rules = (Rule("r", Verdict.ASK, frozenset({Kind.DELETE, Kind.RENAME})),)
     b = broker(*rules)
