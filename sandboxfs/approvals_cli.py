@@ -259,3 +259,70 @@ def _prompt_loop(path: Path, fd: int, out: TextIO) -> int:
             else:
                 print(f"  not saved: {safe(reply.get('error'))}", file=out, flush=True)
             break
+
+
+class RelayPrompt:
+    """The prompt inside `sandboxfs run`'s own terminal relay (sandboxfs.run.Supervisor).
+
+    run polls the daemon's control socket from outside the sandbox; while a request is shown,
+    the program's output is held back and every key goes to the prompt, never to the program,
+    which can neither see nor answer it. Once answered, the relay resumes and the program is
+    sent SIGWINCH, so a full-screen program draws its screen again.
+    """
+
+    def __init__(self, path: Path, write: Callable[[bytes], None]) -> None:
+        self.path = path
+        self.write = write
+        self.request: dict[str, Any] | None = None
+        self.choice: Answer | None = None
+        self.next_poll = 0.0
+
+    def _say(self, *lines: str) -> None:
+        self.write(("\r\n" + "\r\n".join(lines) + "\r\n").encode("utf-8", "replace"))
+
+    def poll(self, now: float) -> bool:
+        """Whether a request is shown now (one more look at the daemon every POLL seconds)."""
+        if self.request is not None:
+            return True
+        if now < self.next_poll:
+            return False
+        self.next_poll = now + POLL
+        try:
+            reply = control.request(self.path, {"op": "approvals"}, timeout=2.0)
+        except UserError:
+            return False
+        pending = reply.get("pending") if reply.get("ok") else None
+        if not pending:
+            return False
+        self.request = pending[0]
+        self._say(*describe(pending[0]), "  (the program waits; its output resumes after this)")
+        return True
+
+    def key(self, data: bytes) -> bool:
+        """Keys typed while a request is shown; True once it is answered."""
+        assert self.request is not None
+        for ch in data.decode("latin-1"):
+            if self.choice is None:
+                answer = KEYS.get(ch)
+                if answer is not None:
+                    self.choice = answer
+                    grant = self.request["grants"][answer.value]
+                    self._say(f"  -> {safe(grant)}: Enter saves it, another key chooses again")
+                continue
+            if ch not in "\r\n":
+                self.choice = None
+                keys = "   ".join(f"{k}: {_LABELS[a]}" for k, a in KEYS.items())
+                self._say(f"  choose again: {keys}")
+                continue
+            message = {"op": "answer", "id": self.request["id"], "answer": self.choice.value}
+            try:
+                reply = control.request(self.path, {**message, "channel": "run"}, timeout=5.0)
+            except UserError as exc:
+                reply = {"ok": False, "error": exc.message}
+            if reply.get("ok"):
+                self._say(f"  saved: grant {reply['grant']['id']}")
+            else:
+                self._say(f"  not saved: {safe(reply.get('error'))}")
+            self.request, self.choice = None, None
+            return True
+        return False

@@ -32,8 +32,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from . import approvals_cli, confine, control, doctor, gitdir, home, seccomp
 from . import audit as audit_mod
-from . import confine, doctor, gitdir, home, seccomp
 from .audit import AuditLog
 from .audit_anchor import state_root
 from .config import Config
@@ -529,6 +529,10 @@ class Supervisor:
         self.reap_by: float | None = None  # set once bwrap was killed
         self.status: int | None = None
         self.on_ready: Callable[[], None] | None = None  # once CMD is about to start
+        # The approval prompt in this terminal (approvals_cli.RelayPrompt), and whether it is
+        # shown now (the program's output then waits, and keys are the prompt's).
+        self.prompt: approvals_cli.RelayPrompt | None = None
+        self.prompting = False
 
     def wait(self) -> int:
         wake_r, wake_w = os.pipe()
@@ -552,9 +556,12 @@ class Supervisor:
                 self.terminal.raw()  # only now: from here on a signal is handled, and undone
             while self.status is None:
                 deadlines = [t for t in (self.kill_at, self.reap_by) if t is not None]
+                if self.prompt is not None:
+                    deadlines.append(time.monotonic() + approvals_cli.POLL)
                 timeout = max(0, min(deadlines) - time.monotonic()) if deadlines else None
                 for key, events in self.sel.select(timeout):
                     self._handle(key.data, key.fd, events, wake_r)
+                self._ask_user()
                 self._forward_signals()
                 if self.kill_at is not None and time.monotonic() >= self.kill_at:
                     self._kill_sandbox()
@@ -613,6 +620,10 @@ class Supervisor:
             if not data:
                 self.sel.unregister(0)
                 return
+            if self.prompting and self.prompt is not None:  # the user's keys, for the prompt
+                if self.prompt.key(data):
+                    self._resume_relay()
+                return
             self.terminal.pending += data
             self.sel.modify(
                 self.terminal.master, selectors.EVENT_READ | selectors.EVENT_WRITE, "master"
@@ -630,6 +641,27 @@ class Supervisor:
                 self.sel.unregister(fd)
             else:
                 _write_all(self.terminal.copies[fd], data)
+
+    def _ask_user(self) -> None:
+        """Show a pending approval request in this terminal: the program's output is held
+        back (its pty is not read) until the user answered."""
+        term = self.terminal
+        if self.prompt is None or self.prompting or not self.ready or term is None:
+            return
+        if self.prompt.poll(time.monotonic()):
+            self.prompting = True
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.unregister(term.master)
+
+    def _resume_relay(self) -> None:
+        term = self.terminal
+        assert term is not None
+        self.prompting = False
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if term.pending else 0)
+        self.sel.register(term.master, events, "master")
+        if (group := term.foreground()) is not None:  # a full-screen program draws again
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGWINCH)
 
     def _pump_master(self, events: int) -> None:
         term = self.terminal
@@ -840,6 +872,11 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         if req.net != "host":
             network = _Network(req, audit, child)
         supervisor = Supervisor(child, terminal)
+        screen = terminal.screen if terminal is not None and terminal.keyboard else None
+        if screen is not None and req.approvals == "ask":  # the prompt in this very terminal
+            supervisor.prompt = approvals_cli.RelayPrompt(
+                control.socket_path(daemon), lambda data: _write_all(screen, data)
+            )
         if not req.quiet:  # said once the sandbox is up: a setup error stays one line
             policy = Policy(req.config.matrix(), req.config.deny, req.trust, req.config.protect)
             supervisor.on_ready = lambda: _notify(start_line(req, policy, cwd))

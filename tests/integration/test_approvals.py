@@ -343,3 +343,47 @@ def test_a_run_without_a_terminal_refuses_asks_at_once(project: Path) -> None:
     entries = sandboxfs("audit", "--project", project, "--json", "--op", "delete").stdout
     reasons = [json.loads(line)["reason"] for line in entries.splitlines()]
     assert any("--approvals none" in r for r in reasons), reasons
+
+
+FULL_SCREEN = r"""
+import os, signal, sys, time
+redrawn = []
+signal.signal(signal.SIGWINCH, lambda *_: redrawn.append(1))
+sys.stdout.write("\x1b[?1049hFULL-SCREEN\r\n"); sys.stdout.flush()
+while True:
+    try:
+        os.unlink("/sandbox/repo/a/one")
+        break
+    except PermissionError:
+        time.sleep(0.2)
+time.sleep(0.5)
+sys.stdout.write("RETRY-OK redrawn=%d\x1b[?1049l\r\n" % len(redrawn)); sys.stdout.flush()
+"""
+
+
+@needs_bwrap
+def test_the_prompt_in_runs_own_terminal_with_a_full_screen_program(project: Path) -> None:
+    configure(project)
+    term = UserTerminal()
+    term.start(
+        "run", "--project", project, "--trust", "full", "--quiet", "--", PY, "-c", FULL_SCREEN
+    )
+    try:
+        term.read_until(b"FULL-SCREEN")
+        term.read_until(b"sandboxfs: approval 1 asked by rule repo-delete")
+        term.read_until(b"s: deny and stop asking")
+        shown = len(term.output)
+        term.send(b"d")  # the key goes to the prompt, not to the program
+        term.read_until(b"allow delete under /repo/a/, for this session")
+        term.send(b"\r")
+        term.read_until(b"saved: grant 1")
+        term.read_until(b"RETRY-OK redrawn=1")
+        assert term.wait() == 0
+    finally:
+        if term.proc is not None and term.proc.poll() is None:
+            term.proc.kill()
+    assert not (project / "a" / "one").exists()
+    assert b"FULL-SCREEN" not in term.output[shown:]  # the program drew nothing meanwhile
+    entries = sandboxfs("audit", "--project", project, "--json", "--op", "approval").stdout
+    answers = [json.loads(line)["approval"] for line in entries.splitlines()]
+    assert any(a.get("answer") == "dir" and a["by"].startswith("run (pid ") for a in answers)
