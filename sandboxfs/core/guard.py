@@ -814,6 +814,8 @@ class Guard:
             self.check(caller, Op.WRITE, node)
             self._check_layer(caller, node, Op.WRITE)
         self._reject_private_key_node(caller, Op.WRITE, node)
+        if not node.created_here:  # approvals: a truncate, chmod or xattr changes the file
+            self.consent(caller, [Kind.WRITE], node.zone, node.vpath(), Op.WRITE)
 
     def may_write_context(self, caller: Caller, node: Node) -> NoReturn:
         decision = Decision(False, errno.EACCES, CONTEXT_REASON)

@@ -387,3 +387,64 @@ def test_the_prompt_in_runs_own_terminal_with_a_full_screen_program(project: Pat
     entries = sandboxfs("audit", "--project", project, "--json", "--op", "approval").stdout
     answers = [json.loads(line)["approval"] for line in entries.splitlines()]
     assert any(a.get("answer") == "dir" and a["by"].startswith("run (pid ") for a in answers)
+
+
+def test_truncate_and_chmod_are_writes_too(tmp_path: Path, project: Path) -> None:
+    configure(project)
+    (project / "sandboxfs.yaml").write_text(
+        "approvals:\n  rules:\n    - {id: repo-write, ops: [write], zones: [repo], decision: ask}\n"
+    )
+    with mounted(tmp_path / "mnt", project, "full") as m:
+        one = m.mnt / "repo" / "a" / "one"
+        for command in (f"truncate -s 0 {one}", f"chmod 600 {one}", f"echo more >> {one}"):
+            result = sh(command)
+            assert result.returncode != 0 and "Permission denied" in result.stderr, command
+        assert (project / "a" / "one").read_text() == "a/one\n"
+        [request] = pending(m)
+        assert (request["op"], request["rule"]) == ("write", "repo-write")
+        assert (
+            sh(
+                f"echo new > {m.mnt / 'repo' / 'a' / 'new'} && chmod 600 {m.mnt}/repo/a/new"
+            ).returncode
+            == 0
+        )
+
+
+def test_the_rate_limit_refuses_without_asking(tmp_path: Path, project: Path) -> None:
+    configure(project)
+    text = (project / "sandboxfs.yaml").read_text().replace("timeout: 60", "rate_limit: 2")
+    (project / "sandboxfs.yaml").write_text(text)
+    with mounted(tmp_path / "mnt", project, "full") as m:
+        for name in ("p", "q", "r", "s"):
+            (project / name).mkdir()
+            (project / name / "x").write_text("x")
+            assert sh(f"rm {m.mnt / 'repo' / name / 'x'}").returncode == 1
+        assert [r["path"] for r in pending(m)] == ["/repo/p/x", "/repo/q/x"]
+        entry = m.wait_audit(
+            lambda e: (
+                e["op"] == "approval" and e.get("approval", {}).get("answer") == "rate-limited"
+            )
+        )
+        assert "requests came in a minute: refused without asking" in entry["reason"]
+
+
+def test_follow_prints_each_new_request_once(asking: Mount) -> None:
+    follow = subprocess.Popen(
+        [*SANDBOXFS, "approvals", "--json", "--follow", "--mount", str(asking.mnt)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        a = asking.mnt / "repo" / "a"
+        assert sh(f"rm {a / 'one'} {a / 'two'}").returncode == 1  # one request
+        assert sh(f"rm {a / 'one'}").returncode == 1  # a retry joins it
+        assert sh(f"rm {asking.mnt / 'repo' / 'b' / 'one'}").returncode == 1
+        assert follow.stdout is not None
+        first = json.loads(follow.stdout.readline())
+        second = json.loads(follow.stdout.readline())
+    finally:
+        follow.kill()
+        follow.communicate()
+    assert (first["id"], first["path"]) == (1, "/repo/a/one")
+    assert (second["id"], second["path"]) == (2, "/repo/b/one")
