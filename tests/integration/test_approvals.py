@@ -448,3 +448,22 @@ def test_follow_prints_each_new_request_once(asking: Mount) -> None:
         follow.communicate()
     assert (first["id"], first["path"]) == (1, "/repo/a/one")
     assert (second["id"], second["path"]) == (2, "/repo/b/one")
+
+
+def test_grants_never_widen_the_level_and_secrets_are_never_offered(asking: Mount) -> None:
+    repo = asking.mnt / "repo"
+    secret = sh(f"rm {repo / '.env'}")  # deny-listed: refused as such, never asked about
+    assert secret.returncode == 1 and (asking.project / ".env").exists()
+    assert not pending(asking)
+    assert sh(f"rm {repo / 'a' / 'one'}").returncode == 1
+    [request] = pending(asking)
+    scope = ("--scope", "everywhere", "--mount", str(asking.mnt))
+    assert sandboxfs("approve", str(request["id"]), *scope).returncode == 0
+    demoted = sandboxfs("demote", asking.mnt, "--trust", "workspace")
+    assert demoted.returncode == 0, demoted.stderr
+    refused = sh(f"rm {repo / 'a' / 'two'}")
+    assert refused.returncode == 1 and (asking.project / "a" / "two").exists()
+    entry = asking.wait_audit(
+        lambda e: e["op"] == "delete" and e["path"] == "/repo/a/two" and e["allowed"] is False
+    )
+    assert "not deletable at trust level workspace" in entry["reason"], entry
