@@ -16,6 +16,9 @@ answered by one JSON line. Every request has `"v": 1` and an `"op"`:
     {"v": 1, "op": "answer", "id": N, "answer": once|dir|everywhere|deny|never,
      "channel": terminal|command}            -> {"v": 1, "ok": true, "grant": {...}}
     {"v": 1, "op": "revoke", "grant": N}     -> {"v": 1, "ok": true, "grant": {...}}
+    {"v": 1, "op": "connect", "host": "HOST:PORT", "pid": N}
+                                             -> {"v": 1, "ok": true, "allowed": ..., "reason":
+                                                 ..., "request": N or null}
 
 A refused or malformed request gets `{"v": 1, "ok": false, "error": "..."}`; the daemon stays
 up. The approvals ops answer the requests of sandboxfs.core.approvals: only from outside the
@@ -125,7 +128,15 @@ def parse_request(data: bytes) -> dict[str, Any]:
         return {"op": op, "id": _number(request, "id"), "answer": answer, "channel": channel}
     if op == "revoke":
         return {"op": op, "grant": _number(request, "grant")}
-    raise BadRequest(f"unknown op {op!r}; ops: status, trust, approvals, answer, revoke")
+    if op == "connect":  # from `run`'s proxy: a host not on its allowlist
+        host = request.get("host")
+        if not isinstance(host, str) or not 0 < len(host) <= 300 or not host.isprintable():
+            raise BadRequest("host must be HOST:PORT, at most 300 printable characters")
+        pid = request.get("pid", 0)
+        if type(pid) is not int or not 0 <= pid < 1 << 31:
+            raise BadRequest(f"pid must be a process id, got {pid!r}")
+        return {"op": op, "host": host, "pid": pid}
+    raise BadRequest(f"unknown op {op!r}; ops: status, trust, approvals, answer, revoke, connect")
 
 
 # Where an answer was given, as the audit log says it (never free text from the client).

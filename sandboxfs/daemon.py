@@ -326,7 +326,7 @@ class Control:
         guard = self.ops.guard
         if request["op"] == "status":
             return control.reply(True, trust=guard.policy.trust.value, session=self.info.session)
-        if request["op"] in ("approvals", "answer", "revoke"):
+        if request["op"] in ("approvals", "answer", "revoke", "connect"):
             return approvals_reply(guard, request, peer.pid, peer.uid)
         trust: Trust = request["trust"]
         async with self.changing:
@@ -360,6 +360,9 @@ def approvals_reply(guard: Guard, request: dict[str, Any], pid: int, uid: int) -
         return control.reply(False, error="this mount has no approvals")
     guard.tidy_approvals()
     who = f"{request.get('channel', 'command')} (pid {pid}, uid {uid})"
+    if request["op"] == "connect":  # the asking process, as `run` found it
+        allowed, reason, pending = guard.consent_connect(request["host"], request["pid"], uid)
+        return control.reply(True, allowed=allowed, reason=reason, request=pending)
     try:
         if request["op"] == "answer":
             grant = guard.answer(request["id"], request["answer"], who, pid, uid)

@@ -870,7 +870,7 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         if terminal is not None:
             terminal.started()
         if req.net != "host":
-            network = _Network(req, audit, child)
+            network = _Network(req, audit, child, control.socket_path(daemon))
         supervisor = Supervisor(child, terminal)
         screen = terminal.screen if terminal is not None and terminal.keyboard else None
         if screen is not None and req.approvals == "ask":  # the prompt in this very terminal
@@ -1024,7 +1024,7 @@ class _Network:
     reached, or a name looked up, the first time. Printed with --quiet too: it says why the
     program fails. A child that failed before handing its sockets over says why itself."""
 
-    def __init__(self, req: RunRequest, audit: RunAudit, child: _Child) -> None:
+    def __init__(self, req: RunRequest, audit: RunAudit, child: _Child, control_path: Path) -> None:
         more = (
             "network: more hosts refused or not reached than shown here; all are in "
             f"'sandboxfs audit --session {req.session} --op net'"
@@ -1033,7 +1033,7 @@ class _Network:
         self.dns = None if child.dns is None else _start_dns(req, audit, child, self.notices)
         self.proxy = None
         if child.listener is not None:
-            self.proxy = _start_proxy(req, audit, child, self.notices)
+            self.proxy = _start_proxy(req, audit, child, self.notices, control_path)
 
     def close(self) -> None:
         if self.proxy is not None:
@@ -1052,7 +1052,9 @@ def _notify(line: str) -> None:
     _write_all(2, f"sandboxfs: {line}{end}".encode())
 
 
-def _start_proxy(req: RunRequest, audit: RunAudit, child: _Child, notices: Notices) -> Proxy:
+def _start_proxy(
+    req: RunRequest, audit: RunAudit, child: _Child, notices: Notices, control_path: Path
+) -> Proxy:
     assert child.listener is not None
 
     def on_decision(decision: NetDecision) -> None:
@@ -1075,9 +1077,39 @@ def _start_proxy(req: RunRequest, audit: RunAudit, child: _Child, notices: Notic
         )
         notices.add(decision.target(), decision.notice())
 
-    proxy = Proxy(child.listener, Allowlist(req.allow), on_decision)
+    ask = _host_asker(req, child, control_path) if req.approvals == "ask" else None
+    proxy = Proxy(child.listener, Allowlist(req.allow), on_decision, ask=ask)
     proxy.start()
     return proxy
+
+
+def _host_asker(
+    req: RunRequest, child: _Child, path: Path
+) -> Callable[[str, int, tuple[str, int]], bool]:
+    """The proxy's question about a host not on the allowlist, put to the daemon (approvals:
+    a `connect` rule that asks): True once the user allowed it, False when refused, when the
+    request timed out, or when no rule asks. Waits in the connection's own thread only."""
+
+    def ask(host: str, port: int, client: tuple[str, int]) -> bool:
+        pid, _ = connecting_process(child.pid, client[1])
+        first: int | None = None
+        while True:
+            message = {"op": "connect", "host": f"{host}:{port}", "pid": pid or 0}
+            try:
+                reply = control.request(path, message, timeout=5.0)
+            except UserError:
+                return False
+            if not reply.get("ok"):
+                return False
+            if reply.get("allowed") is True:
+                return True
+            request = reply.get("request")
+            if not isinstance(request, int) or first not in (None, request):
+                return False  # refused, or its request timed out (another one was made)
+            first = request
+            time.sleep(0.5)
+
+    return ask
 
 
 def _start_dns(req: RunRequest, audit: RunAudit, child: _Child, notices: Notices) -> DnsStub:

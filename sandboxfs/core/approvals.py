@@ -38,6 +38,12 @@ class Kind(StrEnum):
     DELETE = "delete"  # unlink, rmdir
     RENAME = "rename"
     OVERWRITE = "overwrite"  # replacing an existing file: O_TRUNC, or a rename onto it
+    CONNECT = "connect"  # under `run --net allow`: a host not on the allowlist (zone NET)
+
+
+# The pseudo-zone of CONNECT requests; their path is HOST:PORT, their directory the same (so
+# "this directory" is "this host").
+NET = "net"
 
 
 class Verdict(StrEnum):
@@ -119,7 +125,9 @@ def strictest(rules: Iterable[Rule], trust: str, zone: str, kind: Kind) -> Rule:
     return found
 
 
-def parent_of(path: str) -> str:
+def parent_of(path: str, kind: Kind | None = None) -> str:
+    if kind is Kind.CONNECT:
+        return path
     head = path.rstrip("/").rpartition("/")[0]
     return head or "/"
 
@@ -220,6 +228,10 @@ def grant_text(
 ) -> str:
     """The exact rule a grant becomes, its scope and its lifetime, in one line."""
     verb = "allow" if allow else "refuse"
+    session = "for this session (until unmount, or `sandboxfs grants revoke`)"
+    if kind is Kind.CONNECT and scope in (Answer.DIR, Answer.NEVER):
+        stop = " without asking again" if scope is Answer.NEVER else ""
+        return f"{verb} connections to {directory}{stop}, {session}"
     if scope in (Answer.ONCE, Answer.DENY):
         listed = sorted(paths)
         what = listed[0] if len(listed) == 1 else f"{len(listed)} paths ({', '.join(listed[:3])}"
@@ -350,7 +362,7 @@ class Broker:
             )
         now = self._clock()
         self.expire()
-        key = (rule.id, kind, pid, parent_of(path))
+        key = (rule.id, kind, pid, parent_of(path, kind))
         joined = self._by_path.get((kind, path)) or self._by_key.get(key)
         if joined is not None:
             if (kind, path) not in self._by_path and len(joined.paths) < self.MAX_PATHS:
@@ -373,7 +385,7 @@ class Broker:
             zone,
             path,
             dest,
-            parent_of(path),
+            parent_of(path, kind),
             pid,
             comm,
             cmdline(),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol, TypedDict
 
 from . import gitconfig
-from .approvals import Answer, Broker, Grant, Kind, Outcome, Request
+from .approvals import NET, Answer, Broker, Grant, Kind, Outcome, Request, Verdict
 from .errors import SandboxError
 from .limits import Tally, ZoneLimits
 from .policy import (
@@ -1246,6 +1246,26 @@ class Guard:
             dest=dest,
         )
 
+    def consent_connect(self, target: str, pid: int, uid: int) -> tuple[bool, str, int | None]:
+        """A host (HOST:PORT) not on `run`'s allowlist: (allowed, reason, the pending request).
+        Only an `ask` rule for connect can admit it, by the user's answer; anything else
+        (no rule, preApproved, blocked, --no-approvals) leaves it refused, as without rules:
+        approvals never widen what the network allows on their own."""
+        broker = self.approvals
+        if broker is None:
+            return False, "", None
+        self.tidy_approvals()
+        caller = _Asker(pid, uid)
+        outcome = self._consult(broker, caller, [Kind.CONNECT], Zone(NET), target, None)
+        if outcome.rule.verdict is not Verdict.ASK or outcome.unasked:
+            return False, "", None
+        if outcome.request is not None and outcome.new:
+            self._approval_entry(outcome.request, "asks the user", None)
+        if outcome.grant is not None or outcome.limited:
+            self._approval_use(caller, outcome, Zone(NET), target, None)
+        request = outcome.request.id if outcome.request is not None else None
+        return outcome.allowed, outcome.reason, request
+
     def answer(self, request_id: int, answer: Answer, who: str, pid: int, uid: int) -> Grant:
         """The user's answer to a pending request (ApprovalError: none such), audited; the
         grant it made."""
@@ -1355,6 +1375,15 @@ class Guard:
             dest=dest,
             extra={"approval": fields},
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Asker:
+    """A caller known by its pid (the process behind a proxied connection)."""
+
+    pid: int
+    uid: int
+    gid: int = 0
 
 
 class _Said(TypedDict, total=False):

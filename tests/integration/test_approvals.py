@@ -467,3 +467,71 @@ def test_grants_never_widen_the_level_and_secrets_are_never_offered(asking: Moun
         lambda e: e["op"] == "delete" and e["path"] == "/repo/a/two" and e["allowed"] is False
     )
     assert "not deletable at trust level workspace" in entry["reason"], entry
+
+
+TUNNEL = r"""
+import socket, sys
+for target in sys.argv[1:]:
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=120)
+    s.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+    print(target, s.recv(4096).split(b"\r\n")[0].decode(), flush=True)
+"""
+
+
+@needs_bwrap
+def test_a_host_not_on_the_list_can_be_asked_about(project: Path) -> None:
+    """`--net allow` with a connect rule that asks: the connection waits (in the proxy, which
+    holds no kernel lock) for the user's answer; an allowed host is then admitted like a name
+    rule (here localhost, whose loopback address the proxy still refuses: never a way to the
+    host's own services), a denied one is refused as before."""
+    (project / "sandboxfs.yaml").write_text(
+        "approvals:\n  rules:\n    - {id: hosts, ops: [connect], decision: ask}\n"
+    )
+    proc = subprocess.Popen(
+        [
+            *SANDBOXFS,
+            "run",
+            "--project",
+            str(project),
+            "--trust",
+            "full",
+            "--approvals",
+            "ask",
+            "--net",
+            "allow",
+            "--allow-host",
+            "example.invalid",
+            "--quiet",
+            "--",
+            PY,
+            "-c",
+            TUNNEL,
+            "localhost:80",
+            "denied.example:443",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        for target, verb in (("localhost:80", "approve"), ("denied.example:443", "deny")):
+            assert wait_until(lambda: bool(_run_pending(project)), timeout=30)
+            [request] = _run_pending(project)
+            assert (request["op"], request["path"], request["rule"]) == ("connect", target, "hosts")
+            assert request["grants"]["dir"].startswith(f"allow connections to {target}, ")
+            extra = ("--scope", "dir") if verb == "approve" else ()
+            answered = sandboxfs(verb, str(request["id"]), *extra, "--project", project)
+            assert answered.returncode == 0, answered.stderr
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+    lines = dict(line.split(" ", 1) for line in out.splitlines())
+    assert "403" in lines["localhost:80"] and "loopback" in lines["localhost:80"], out
+    assert "403 sandboxfs refused denied.example:443 (not in --allow-host)" in out
+    entries = sandboxfs("audit", "--project", project, "--json", "--op", "approval").stdout
+    answers = [json.loads(line)["approval"] for line in entries.splitlines()]
+    assert [a.get("answer") for a in answers if a.get("answer")] == ["dir", "deny"]

@@ -138,6 +138,17 @@ def test_a_directory_grant_settles_the_requests_below() -> None:
     assert [r.id for r in b.pending()] == [3]
 
 
+def test_a_host_grant_covers_that_host_only() -> None:
+    b = broker(Rule("hosts", Verdict.ASK, frozenset({Kind.CONNECT})))
+    out = b.consult("full", "net", [Kind.CONNECT], "example.com:443", pid=1)
+    assert out.request is not None and out.request.directory == "example.com:443"
+    _, grant = b.answer(1, Answer.DIR, "test")
+    assert grant.describe()["text"].startswith("allow connections to example.com:443, for")
+    assert b.consult("full", "net", [Kind.CONNECT], "example.com:443", pid=2).allowed
+    assert not b.consult("full", "net", [Kind.CONNECT], "api.example.com:443", pid=2).allowed
+    assert not b.consult("full", "net", [Kind.CONNECT], "example.com:4430", pid=2).allowed
+
+
 def test_everywhere_is_for_that_kind_only() -> None:
     rules = (Rule("r", Verdict.ASK, frozenset({Kind.DELETE, Kind.RENAME})),)
     b = broker(*rules)
