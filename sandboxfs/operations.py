@@ -105,6 +105,8 @@ class FileHandle:
     # and for writing (each right is checked again on its own after a trust change).
     read_generation: int = 0
     write_generation: int = 0
+    # The approval grant it was opened under (core.approvals): revoking it ends the handle.
+    grant: int | None = None
 
 
 @dataclass(slots=True)
@@ -549,6 +551,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             write=wants_write,
             truncate=bool(flags & os.O_TRUNC),
         )
+        grant = self.guard.last_grant  # the approval grant that let it open, if one did
         limits = self.guard.zone_limits(node.zone)
         old_size = -1
         if flags & os.O_TRUNC:
@@ -567,6 +570,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             self.guard.did(ctx, Op.READ, node, comm=comm)
         handle = FileHandle(fd, node, wants_write, False, ctx.pid, ctx.uid, ctx.gid, comm)
         handle.sized = limits.sizes_matter
+        handle.grant = grant
         handle.read_generation = handle.write_generation = self.guard.generation
         node.open_fds = (*node.open_fds, fd)
         return self._new_handle(handle, keep_cache=keep_cache, direct_io=bool(flags & os.O_DIRECT))
@@ -592,7 +596,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if isinstance(handle, BlobHandle):
             return handle.data[off : off + size]
         if handle.read_generation != self.guard.generation:
-            self.guard.may_keep(handle, handle.node, True, False, handle.created)
+            self.guard.may_keep(handle, handle.node, True, False, handle.created, handle.grant)
             handle.read_generation = self.guard.generation
         self.replies.changing(handle.node)  # the kernel stops trusting a read file's atime
         return os.pread(handle.fd, size, off)
@@ -603,7 +607,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if not isinstance(handle, FileHandle) or not handle.writable:
             raise SandboxError(errno.EBADF)
         if handle.write_generation != self.guard.generation:
-            self.guard.may_keep(handle, handle.node, False, True, handle.created)
+            self.guard.may_keep(handle, handle.node, False, True, handle.created, handle.grant)
             handle.write_generation = self.guard.generation
         if handle.node.zone is Zone.STAGED:
             self._staged_write(handle)

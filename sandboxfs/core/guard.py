@@ -110,6 +110,10 @@ class Guard:
         # Consent (sandboxfs.core.approvals): set by make_guard; approver by the API.
         self.approvals: Broker | None = None
         self.approver: Approver | None = None
+        # The grant that allowed the last operation consent judged (None: none did), for a
+        # handle to remember; and the grants revoked since, which such handles lose.
+        self.last_grant: int | None = None
+        self.revoked_grants: set[int] = set()
         self._moves = moves
         # Whether the staged commit of that name is under review (frozen: see sandboxfs.staging).
         self._frozen = frozen
@@ -762,10 +766,25 @@ class Guard:
             kinds += [Kind.READ] if read else []
             self.consent(caller, kinds, node.zone, node.vpath(), Op.WRITE if write else Op.READ)
 
-    def may_keep(self, caller: Caller, node: Node, read: bool, write: bool, created: bool) -> None:
+    def may_keep(
+        self,
+        caller: Caller,
+        node: Node,
+        read: bool,
+        write: bool,
+        created: bool,
+        grant: int | None = None,
+    ) -> None:
         """A handle opened under an earlier trust level, used again to read or to write: that
-        must be allowed now (a handle that created its file keeps it while creating is)."""
+        must be allowed now (a handle that created its file keeps it while creating is), and
+        the approval grant it was opened under (`grant`) must not have been revoked."""
         assert node.zone is not None
+        if grant is not None and grant in self.revoked_grants:
+            reason = f"{node.vpath()} was opened under approval grant {grant}, since revoked"
+            decision = Decision(False, errno.EACCES, reason, "approval")
+            raise self.refuse(
+                caller, Op.WRITE if write else Op.READ, node.vpath(), node.zone, decision
+            )
         if not created:
             self.may_open(caller, node, read, write, consent=False)
             return
@@ -1201,6 +1220,7 @@ class Guard:
     ) -> None:
         """The approval rules for an operation every other check allowed: returns (allowed)
         or audits the refusal, or the new pending request and the refusal naming it."""
+        self.last_grant = None
         broker = self.approvals
         if broker is None or not broker.rules or not kinds:
             return
@@ -1219,6 +1239,7 @@ class Guard:
         if outcome.allowed:
             if outcome.grant is not None or outcome.unasked:
                 self._approval_use(caller, outcome, zone, path, dest)
+            self.last_grant = outcome.grant.id if outcome.grant is not None else None
             return
         if outcome.limited:
             self._approval_use(caller, outcome, zone, path, dest)
@@ -1304,6 +1325,8 @@ class Guard:
         """Revoke a grant (ApprovalError: none such), audited."""
         assert self.approvals is not None
         grant = self.approvals.revoke(grant_id)
+        self.revoked_grants.add(grant.id)
+        self.generation += 1  # open handles are checked again (may_keep)
         self.record(
             "approval",
             grant.directory,

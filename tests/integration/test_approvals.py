@@ -535,3 +535,50 @@ def test_a_host_not_on_the_list_can_be_asked_about(project: Path) -> None:
     entries = sandboxfs("audit", "--project", project, "--json", "--op", "approval").stdout
     answers = [json.loads(line)["approval"] for line in entries.splitlines()]
     assert [a.get("answer") for a in answers if a.get("answer")] == ["dir", "deny"]
+
+
+HOLD_OPEN = r"""
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND)
+print("opened", flush=True)
+sys.stdin.readline()
+try:
+    os.write(fd, b"more\n")
+    print("wrote", flush=True)
+except OSError as exc:
+    print("refused", exc.errno, flush=True)
+"""
+
+
+def test_revoking_a_grant_ends_the_handles_opened_under_it(tmp_path: Path, project: Path) -> None:
+    configure(project)
+    (project / "sandboxfs.yaml").write_text(
+        "approvals:\n  rules:\n    - {id: repo-write, ops: [write], zones: [repo], decision: ask}\n"
+    )
+    with mounted(tmp_path / "mnt", project, "full") as m:
+        one = m.mnt / "repo" / "a" / "one"
+        assert sh(f"echo x >> {one}").returncode != 0
+        [request] = pending(m)
+        assert (
+            sandboxfs("approve", str(request["id"]), "--scope", "dir", "--mount", m.mnt).returncode
+            == 0
+        )
+        holder = subprocess.Popen(
+            [PY, "-c", HOLD_OPEN, str(one)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert holder.stdout is not None and holder.stdin is not None
+            assert holder.stdout.readline() == "opened\n"
+            revoked = sandboxfs("grants", "--revoke", "1", "--mount", m.mnt)
+            assert revoked.returncode == 0, revoked.stderr
+            out, _ = holder.communicate("go\n", timeout=30)
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+        assert out == "refused 13\n", out
+        assert (project / "a" / "one").read_text() == "a/one\n"
+        entry = m.wait_audit(lambda e: "since revoked" in (e.get("reason") or ""))
+        assert "opened under approval grant 1, since revoked" in entry["reason"]
