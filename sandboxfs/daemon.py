@@ -28,8 +28,9 @@ import trio
 from . import control, request_wait
 from .audit import AuditLog
 from .core.approvals import ApprovalError, Mode
+from .core.consent import Consent
 from .core.context import context_document
-from .core.guard import Guard, MountInfo
+from .core.guard import MountInfo
 from .core.policy import Trust, Zone
 from .core.store import CONTEXT_NAME, CONTROL_NAME, STATE_DIR_NAME, Node, Store, ensure_dirs
 from .core.syscalls import CAP_SYS_RESOURCE, drop_effective_capability, make_undumpable
@@ -327,7 +328,7 @@ class Control:
         if request["op"] == "status":
             return control.reply(True, trust=guard.policy.trust.value, session=self.info.session)
         if request["op"] in ("approvals", "answer", "revoke", "connect"):
-            return approvals_reply(guard, request, peer.pid, peer.uid)
+            return approvals_reply(guard.consent, request, peer.pid, peer.uid)
         trust: Trust = request["trust"]
         async with self.changing:
             old = self.ops.set_trust(trust, peer.pid, peer.uid, self._context)
@@ -352,25 +353,25 @@ class Control:
         return context_document(guard.policy, self.info, os.getpid(), guard.limits)
 
 
-def approvals_reply(guard: Guard, request: dict[str, Any], pid: int, uid: int) -> bytes:
-    """The approvals ops of the control channel (sandboxfs.core.approvals): list, answer,
-    revoke; every answer and revocation audited with who gave it."""
-    broker = guard.approvals
+def approvals_reply(consent: Consent, request: dict[str, Any], pid: int, uid: int) -> bytes:
+    """The approvals ops of the control channel (sandboxfs.core.consent): list, answer,
+    revoke, and `run`'s proxy asking about a host; every answer and revocation audited with
+    who gave it."""
+    broker = consent.broker
     if broker is None:
         return control.reply(False, error="this mount has no approvals")
-    guard.tidy_approvals()
+    consent.tidy()
     who = f"{request.get('channel', 'command')} (pid {pid}, uid {uid})"
     if request["op"] == "connect":  # the asking process, as `run` found it
-        allowed, reason, pending = guard.consent_connect(request["host"], request["pid"], uid)
+        allowed, reason, pending = consent.connect(request["host"], request["pid"], uid)
         return control.reply(True, allowed=allowed, reason=reason, request=pending)
     try:
         if request["op"] == "answer":
-            grant = guard.answer(request["id"], request["answer"], who, pid, uid)
+            grant = consent.answer(request["id"], request["answer"], who, pid, uid)
             return control.reply(True, grant=grant.describe())
         if request["op"] == "revoke":
-            return control.reply(
-                True, grant=guard.revoke(request["grant"], who, pid, uid).describe()
-            )
+            revoked = consent.revoke(request["grant"], who, pid, uid)
+            return control.reply(True, grant=revoked.describe())
     except ApprovalError as exc:
         return control.reply(False, error=str(exc))
     return control.reply(True, **broker.snapshot())

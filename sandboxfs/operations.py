@@ -496,7 +496,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
     def _pending_text(self) -> bytes:
         """What waits for the user's approval, at the end of the guide (core.approvals)."""
-        broker = self.guard.approvals
+        broker = self.guard.consent.broker
         return broker.pending_text().encode() if broker is not None else b""
 
     def _write_guides(self) -> None:
@@ -551,7 +551,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             write=wants_write,
             truncate=bool(flags & os.O_TRUNC),
         )
-        grant = self.guard.last_grant  # the approval grant that let it open, if one did
+        grant = self.guard.consent.last_grant  # the approval grant that let it open, if any
         limits = self.guard.zone_limits(node.zone)
         old_size = -1
         if flags & os.O_TRUNC:

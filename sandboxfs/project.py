@@ -436,7 +436,7 @@ def make_guard(
     if pinned:
         guard.pin_zone_roots(lambda relpath: pinned.get(fold(relpath)))
     guard.inspect_contents(KeyScanner(StoreContents(store)))
-    guard.approvals = approvals if approvals is not None else approval_broker(config, Mode.ASK)
+    guard.consent.broker = approvals if approvals is not None else approval_broker(config, Mode.ASK)
     return guard
 
 

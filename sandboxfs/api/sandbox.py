@@ -196,7 +196,7 @@ class Sandbox:
             raise _setup_error(exc) from None
         if approver is not None:
             wait = approval_timeout if approval_timeout is not None else broker.timeout
-            guard.approver = _answering(approver, wait)
+            guard.consent.approver = _answering(approver, wait)
         return cls(backend, guard, audit, lambda: read_entries(root, session_id, workspace), root)
 
     @classmethod

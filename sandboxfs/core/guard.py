@@ -16,10 +16,11 @@ import stat
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol, TypedDict
+from typing import Any, NoReturn, Protocol
 
 from . import gitconfig
-from .approvals import NET, Answer, Broker, Grant, Kind, Outcome, Request, Verdict
+from .approvals import Kind
+from .consent import Consent
 from .errors import SandboxError
 from .limits import Tally, ZoneLimits
 from .policy import (
@@ -44,10 +45,6 @@ from .store import FIRST_DYNAMIC_INO, ROOT_INO, Node, StatLike
 _WRITABLE_XATTR_PREFIX = b"user."
 _ACL_XATTRS = (b"system.posix_acl_access", b"system.posix_acl_default")
 _NO_LIMITS = ZoneLimits()
-
-# The Python API's own prompt (Sandbox.open(approver=...)): a pending request's description in,
-# an approvals.Answer value out (None: no answer, refused).
-Approver = Callable[[dict[str, Any]], str | None]
 
 # What a front end gives Guard.may_move to judge a rename onto git's config by content: the bytes
 # of parent/name, or None (see Guard._judge_config).
@@ -107,13 +104,15 @@ class Guard:
         self.limits = dict(limits or {})
         self.tallies = dict(tallies or {})
         self.process_names = ProcessNames()
-        # Consent (sandboxfs.core.approvals): set by make_guard; approver by the API.
-        self.approvals: Broker | None = None
-        self.approver: Approver | None = None
-        # The grant that allowed the last operation consent judged (None: none did), for a
-        # handle to remember; and the grants revoked since, which such handles lose.
-        self.last_grant: int | None = None
-        self.revoked_grants: set[int] = set()
+        # Approvals (core/consent.py), the last step of each check: its broker is set by
+        # make_guard, its approver by the API.
+        self.consent = Consent(
+            self.record,
+            self.refuse,
+            lambda: self.policy.trust.value,
+            self.process_names.get,
+            self._recheck,
+        )
         self._moves = moves
         # Whether the staged commit of that name is under review (frozen: see sandboxfs.staging).
         self._frozen = frozen
@@ -137,6 +136,10 @@ class Guard:
             for zone, access in levels.items()
             if access.create_only
         )
+
+    def _recheck(self) -> None:
+        """What an open handle was allowed is to be checked again at its next use."""
+        self.generation += 1
 
     def set_trust(self, trust: Trust) -> Trust:
         """Switch to another trust level (live promotion or demotion); returns the old one.
@@ -764,7 +767,8 @@ class Guard:
             kinds = [Kind.OVERWRITE] if truncate else []
             kinds += [Kind.WRITE] if write else []
             kinds += [Kind.READ] if read else []
-            self.consent(caller, kinds, node.zone, node.vpath(), Op.WRITE if write else Op.READ)
+            op = Op.WRITE if write else Op.READ
+            self.consent.check(caller, kinds, node.zone, node.vpath(), op)
 
     def may_keep(
         self,
@@ -779,7 +783,7 @@ class Guard:
         must be allowed now (a handle that created its file keeps it while creating is), and
         the approval grant it was opened under (`grant`) must not have been revoked."""
         assert node.zone is not None
-        if grant is not None and grant in self.revoked_grants:
+        if grant is not None and grant in self.consent.revoked_grants:
             reason = f"{node.vpath()} was opened under approval grant {grant}, since revoked"
             decision = Decision(False, errno.EACCES, reason, "approval")
             raise self.refuse(
@@ -834,7 +838,7 @@ class Guard:
             self._check_layer(caller, node, Op.WRITE)
         self._reject_private_key_node(caller, Op.WRITE, node)
         if not node.created_here:  # approvals: a truncate, chmod or xattr changes the file
-            self.consent(caller, [Kind.WRITE], node.zone, node.vpath(), Op.WRITE)
+            self.consent.check(caller, [Kind.WRITE], node.zone, node.vpath(), Op.WRITE)
 
     def may_write_context(self, caller: Caller, node: Node) -> NoReturn:
         decision = Decision(False, errno.EACCES, CONTEXT_REASON)
@@ -946,7 +950,7 @@ class Guard:
         limits = self.limits.get(zone)
         if limits is not None and kind != "mkdir":
             self._check_suffix(caller, limits, parent, name, Op.WRITE, "creating")
-        self.consent(caller, [Kind.CREATE], zone, parent.vpath(name), Op.WRITE)  # approvals
+        self.consent.check(caller, [Kind.CREATE], zone, parent.vpath(name), Op.WRITE)  # approvals
         tally = self.tallies.get(zone)
         if tally is not None:
             refused = tally.charge(0, 1, parent.vpath(name))
@@ -1034,7 +1038,7 @@ class Guard:
             self._check_suffix(caller, limits, parent, new_name, "link", "linking", dest, src)
         self._check_layer(caller, parent, "link", new_name)
         self._check_layer(caller, node, "link")
-        self.consent(caller, [Kind.CREATE], parent.zone, dest, "link")  # approvals
+        self.consent.check(caller, [Kind.CREATE], parent.zone, dest, "link")  # approvals
 
     def hidden_target(
         self, caller: Caller, op: str, src: str, zone: Zone | None, dest: str, why: str
@@ -1070,7 +1074,7 @@ class Guard:
             raise self.refuse(caller, op, vpath, zone, Decision(False, errno.EROFS, reason))
         if not is_dir:
             self._reject_private_key(caller, Op.DELETE, parent, name, layer)
-        self.consent(caller, [Kind.DELETE], zone, parent.vpath(name), op)  # approvals
+        self.consent.check(caller, [Kind.DELETE], zone, parent.vpath(name), op)  # approvals
 
     def removed(self, zone: Zone, st: StatLike) -> None:
         """A name was unlinked or replaced: its inode's bytes and entry leave the quota when it
@@ -1153,7 +1157,7 @@ class Guard:
         assert parent.zone is not None
         kinds = [Kind.RENAME, Kind.OVERWRITE] if replaces else [Kind.RENAME]
         dest = to_parent.vpath(to_name)
-        self.consent(caller, kinds, parent.zone, parent.vpath(name), "rename", dest)  # approvals
+        self.consent.check(caller, kinds, parent.zone, parent.vpath(name), "rename", dest)
 
     def _may_move(
         self,
@@ -1206,228 +1210,6 @@ class Guard:
             )
             if found is not None:
                 raise self.refuse(caller, "rename", src, parent.zone, found, dest=dst)
-
-    # ----- consent (sandboxfs.core.approvals): the last step of a check that allowed ----------
-
-    def consent(
-        self,
-        caller: Caller,
-        kinds: list[Kind],
-        zone: Zone,
-        path: str,
-        op: Op | str,
-        dest: str | None = None,
-    ) -> None:
-        """The approval rules for an operation every other check allowed: returns (allowed)
-        or audits the refusal, or the new pending request and the refusal naming it."""
-        self.last_grant = None
-        broker = self.approvals
-        if broker is None or not broker.rules or not kinds:
-            return
-        self.tidy_approvals()
-        outcome = self._consult(broker, caller, kinds, zone, path, dest)
-        if outcome.request is not None and outcome.new and self.approver is not None:
-            answer = self.approver(outcome.request.describe(0))
-            try:
-                choice = Answer(answer) if answer is not None else Answer.DENY
-            except ValueError:
-                choice = Answer.DENY
-            self.answer(outcome.request.id, choice, "the API's approver", caller.pid, caller.uid)
-            outcome = self._consult(broker, caller, kinds, zone, path, dest)
-        elif outcome.request is not None and outcome.new:
-            self._approval_entry(outcome.request, "asks the user", None)
-        if outcome.allowed:
-            if outcome.grant is not None or outcome.unasked:
-                self._approval_use(caller, outcome, zone, path, dest)
-            self.last_grant = outcome.grant.id if outcome.grant is not None else None
-            return
-        if outcome.limited:
-            self._approval_use(caller, outcome, zone, path, dest)
-        decision = Decision(False, errno.EACCES, outcome.reason, "approval")
-        raise self.refuse(caller, op, path, zone, decision, dest=dest)
-
-    def _consult(
-        self,
-        broker: Broker,
-        caller: Caller,
-        kinds: list[Kind],
-        zone: Zone,
-        path: str,
-        dest: str | None,
-    ) -> Outcome:
-        pid = caller.pid
-        return broker.consult(
-            self.policy.trust.value,
-            zone.value,
-            kinds,
-            path,
-            pid=pid,
-            comm=self.process_names.get(pid) or "",
-            cmdline=lambda: read_cmdline(pid),
-            dest=dest,
-        )
-
-    def consent_connect(self, target: str, pid: int, uid: int) -> tuple[bool, str, int | None]:
-        """A host (HOST:PORT) not on `run`'s allowlist: (allowed, reason, the pending request).
-        Only an `ask` rule for connect can admit it, by the user's answer; anything else
-        (no rule, preApproved, blocked, --no-approvals) leaves it refused, as without rules:
-        approvals never widen what the network allows on their own."""
-        broker = self.approvals
-        if broker is None:
-            return False, "", None
-        self.tidy_approvals()
-        caller = _Asker(pid, uid)
-        outcome = self._consult(broker, caller, [Kind.CONNECT], Zone(NET), target, None)
-        if outcome.rule.verdict is not Verdict.ASK or outcome.unasked:
-            return False, "", None
-        if outcome.request is not None and outcome.new:
-            self._approval_entry(outcome.request, "asks the user", None)
-        if outcome.grant is not None or outcome.limited:
-            self._approval_use(caller, outcome, Zone(NET), target, None)
-        request = outcome.request.id if outcome.request is not None else None
-        return outcome.allowed, outcome.reason, request
-
-    def answer(self, request_id: int, answer: Answer, who: str, pid: int, uid: int) -> Grant:
-        """The user's answer to a pending request (ApprovalError: none such), audited; the
-        grant it made."""
-        assert self.approvals is not None
-        request, grant = self.approvals.answer(request_id, answer, who)
-        self.record(
-            "approval",
-            request.path,
-            Zone(request.zone),
-            pid=pid,
-            uid=uid,
-            allowed=grant.allow,
-            **_said(
-                grant.allow,
-                f"request {request.id} answered {answer.value}: {grant.describe()['text']}",
-            ),
-            dest=request.dest,
-            extra={
-                "approval": {
-                    "request": request.id,
-                    "answer": answer.value,
-                    "rule": request.rule.id,
-                    "scope": answer.value,
-                    "grant": grant.id,
-                    "by": who,
-                    "count": request.count,
-                    "op": request.kind.value,
-                }
-            },
-        )
-        for other in self.approvals.settled(grant):
-            self._approval_entry(other, f"answered by grant {grant.id}", grant.allow)
-        return grant
-
-    def revoke(self, grant_id: int, who: str, pid: int, uid: int) -> Grant:
-        """Revoke a grant (ApprovalError: none such), audited."""
-        assert self.approvals is not None
-        grant = self.approvals.revoke(grant_id)
-        self.revoked_grants.add(grant.id)
-        self.generation += 1  # open handles are checked again (may_keep)
-        self.record(
-            "approval",
-            grant.directory,
-            None,
-            pid=pid,
-            uid=uid,
-            allowed=None,
-            detail=f"grant {grant.id} revoked: {grant.describe()['text']}",
-            extra={"approval": {"grant": grant.id, "answer": "revoke", "by": who}},
-        )
-        return grant
-
-    def tidy_approvals(self) -> None:
-        """Drop, audited, the requests nobody answered in time. (Not those of processes that
-        are gone: the process refused at once is gone by the time the user answers, and its
-        retry, often by another process, is what the answer is for.)"""
-        if self.approvals is None:
-            return
-        for request in self.approvals.expire():
-            self._approval_entry(request, "timed out: nobody answered", False)
-
-    def _approval_entry(self, request: Request, what: str, allowed: bool | None) -> None:
-        more = f" and {request.count - 1} more" if request.count > 1 else ""
-        self.record(
-            "approval",
-            request.path,
-            Zone(request.zone),
-            pid=request.pid,
-            uid=0,
-            comm=request.comm,
-            allowed=allowed,
-            **_said(
-                allowed,
-                f"request {request.id}: {request.kind.value} of {request.path}{more} {what} "
-                f"(rule {request.rule.id})",
-            ),
-            dest=request.dest,
-            extra={
-                "approval": {
-                    "request": request.id,
-                    "rule": request.rule.id,
-                    "op": request.kind.value,
-                    "count": request.count,
-                    "cmdline": request.cmdline,
-                }
-            },
-        )
-
-    def _approval_use(
-        self, caller: Caller, outcome: Outcome, zone: Zone, path: str, dest: str | None
-    ) -> None:
-        """An operation a grant (or --no-approvals, or the rate limit) decided."""
-        fields: dict[str, Any] = {"rule": outcome.rule.id}
-        if outcome.grant is not None:
-            fields["grant"] = outcome.grant.id
-            fields["request"] = outcome.grant.request
-        if outcome.unasked:
-            fields["answer"] = "no-approvals"
-        if outcome.limited:
-            fields["answer"] = "rate-limited"
-        self.record(
-            "approval",
-            path,
-            zone,
-            pid=caller.pid,
-            uid=caller.uid,
-            allowed=outcome.allowed,
-            **_said(outcome.allowed, outcome.reason),
-            dest=dest,
-            extra={"approval": fields},
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class _Asker:
-    """A caller known by its pid (the process behind a proxied connection)."""
-
-    pid: int
-    uid: int
-    gid: int = 0
-
-
-class _Said(TypedDict, total=False):
-    reason: str
-    detail: str
-
-
-def _said(allowed: bool | None, text: str) -> _Said:
-    """An approval entry's text: the reason of a refusal, else its detail (what the audit
-    table shows of an entry that is not a refusal)."""
-    return {"reason": text} if allowed is False else {"detail": text}
-
-
-def read_cmdline(pid: int) -> str:
-    """The command line of pid, for an approval prompt (empty when it cannot be read)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            raw = f.read(4096)
-    except OSError:
-        return ""
-    return " ".join(arg.decode("utf-8", "replace") for arg in raw.rstrip(b"\0").split(b"\0"))
 
 
 def _absent(decision: Decision) -> Decision:
