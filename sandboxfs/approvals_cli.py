@@ -276,6 +276,7 @@ class RelayPrompt:
         self.request: dict[str, Any] | None = None
         self.choice: Answer | None = None
         self.next_poll = 0.0
+        self.skipped: set[int] = set()  # left with Ctrl-C: not shown here again
 
     def _say(self, *lines: str) -> None:
         self.write(("\r\n" + "\r\n".join(lines) + "\r\n").encode("utf-8", "replace"))
@@ -292,16 +293,26 @@ class RelayPrompt:
         except UserError:
             return False
         pending = reply.get("pending") if reply.get("ok") else None
+        pending = [r for r in pending or [] if r["id"] not in self.skipped]
         if not pending:
             return False
         self.request = pending[0]
-        self._say(*describe(pending[0]), "  (the program waits; its output resumes after this)")
+        self._say(
+            *describe(pending[0]),
+            "  (the program waits; its output resumes after this; Ctrl-C leaves it pending)",
+        )
         return True
 
     def key(self, data: bytes) -> bool:
-        """Keys typed while a request is shown; True once it is answered."""
+        """Keys typed while a request is shown; True once it is answered, or left with
+        Ctrl-C (pending still, answered elsewhere; the Ctrl-C is not passed on)."""
         assert self.request is not None
         for ch in data.decode("latin-1"):
+            if ch == "\x03":
+                self.skipped.add(self.request["id"])
+                self._say(f"  left pending: sandboxfs approve {self.request['id']} answers it")
+                self.request, self.choice = None, None
+                return True
             if self.choice is None:
                 answer = KEYS.get(ch)
                 if answer is not None:

@@ -582,3 +582,23 @@ def test_revoking_a_grant_ends_the_handles_opened_under_it(tmp_path: Path, proje
         assert (project / "a" / "one").read_text() == "a/one\n"
         entry = m.wait_audit(lambda e: "since revoked" in (e.get("reason") or ""))
         assert "opened under approval grant 1, since revoked" in entry["reason"]
+
+
+@needs_bwrap
+def test_ctrl_c_leaves_the_prompt_in_runs_terminal(project: Path) -> None:
+    configure(project)
+    term = UserTerminal()
+    script = "rm /sandbox/repo/a/one; read line; echo after-$line"
+    term.start("run", "--project", project, "--trust", "full", "--quiet", "--", "sh", "-c", script)
+    try:
+        term.read_until(b"Ctrl-C leaves it pending")
+        term.send(b"\x03")
+        term.read_until(b"left pending: sandboxfs approve 1 answers it")
+        assert [r["id"] for r in _run_pending(project)] == [1]
+        term.send(b"go\r")  # the relay is the program's again
+        term.read_until(b"after-go")
+        assert term.wait() == 0
+    finally:
+        if term.proc is not None and term.proc.poll() is None:
+            term.proc.kill()
+    assert (project / "a" / "one").exists()
