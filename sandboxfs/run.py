@@ -1085,12 +1085,13 @@ def _start_proxy(
 
 def _host_asker(
     req: RunRequest, child: _Child, path: Path
-) -> Callable[[str, int, tuple[str, int]], bool]:
+) -> Callable[[str, int, tuple[str, int], Callable[[], bool]], bool]:
     """The proxy's question about a host not on the allowlist, put to the daemon (approvals:
     a `connect` rule that asks): True once the user allowed it, False when refused, when the
-    request timed out, or when no rule asks. Waits in the connection's own thread only."""
+    request timed out, when no rule asks, or once the client went away (Ctrl-C, kill). Waits in
+    the connection's own thread only."""
 
-    def ask(host: str, port: int, client: tuple[str, int]) -> bool:
+    def ask(host: str, port: int, client: tuple[str, int], gone: Callable[[], bool]) -> bool:
         pid, _ = connecting_process(child.pid, client[1])
         first: int | None = None
         while True:
@@ -1108,6 +1109,8 @@ def _host_asker(
                 return False  # refused, or its request timed out (another one was made)
             first = request
             time.sleep(0.5)
+            if gone():
+                return False
 
     return ask
 

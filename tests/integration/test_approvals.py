@@ -602,3 +602,53 @@ def test_ctrl_c_leaves_the_prompt_in_runs_terminal(project: Path) -> None:
         if term.proc is not None and term.proc.poll() is None:
             term.proc.kill()
     assert (project / "a" / "one").exists()
+
+
+GIVE_UP = r"""
+import socket
+s = socket.create_connection(("127.0.0.1", 3128), timeout=2)
+s.sendall(b"CONNECT gone.example:443 HTTP/1.1\r\nHost: gone.example:443\r\n\r\n")
+try:
+    s.recv(4096)
+except TimeoutError:
+    print("gave up", flush=True)
+s.close()
+import time; time.sleep(3)
+"""
+
+
+@needs_bwrap
+def test_a_client_that_goes_away_ends_its_wait(project: Path) -> None:
+    (project / "sandboxfs.yaml").write_text(
+        "approvals:\n  rules:\n    - {id: hosts, ops: [connect], decision: ask}\n"
+    )
+    result = subprocess.run(
+        [
+            *SANDBOXFS,
+            "run",
+            "--project",
+            str(project),
+            "--trust",
+            "full",
+            "--approvals",
+            "ask",
+            "--net",
+            "allow",
+            "--allow-host",
+            "example.invalid",
+            "--quiet",
+            "--",
+            PY,
+            "-c",
+            GIVE_UP,
+        ],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.stdout == "gave up\n", (result.stdout, result.stderr)
+    entries = sandboxfs("audit", "--project", project, "--json", "--op", "net").stdout
+    refused = [json.loads(line) for line in entries.splitlines()]
+    assert [(e["host"], e["allowed"]) for e in refused] == [("gone.example", False)]
