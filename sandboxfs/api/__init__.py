@@ -12,6 +12,7 @@
 
 from .errors import (
     AlreadyExists,
+    ApprovalRequired,
     CrossZone,
     DenyListed,
     DirectoryNotEmpty,
@@ -36,6 +37,7 @@ from .types import FileInfo, Permission, StagedCommit
 
 __all__ = [
     "AlreadyExists",
+    "ApprovalRequired",
     "CrossZone",
     "DenyListed",
     "DirectoryNotEmpty",

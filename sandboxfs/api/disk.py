@@ -34,6 +34,7 @@ from sandboxfs.project.zones import (
     worker_layers,
 )
 
+from ..core.approvals import Broker
 from ..core.errors import SandboxError
 from ..core.guard import Guard, MountInfo
 from ..core.policy import Trust, Zone
@@ -215,6 +216,7 @@ def open_disk(
     workspace: str,
     session: str,
     audit_sync: bool,
+    approvals: Broker | None = None,
 ) -> tuple[DiskBackend, Guard, AuditLog]:
     """The store, guard and audit log of an API sandbox on `project` (already validated), laid
     out as daemon.prepare_store does for a mount."""
@@ -235,7 +237,7 @@ def open_disk(
     worker = config.worker.name if config.worker is not None else None
     info = MountInfo(session, workspace, str(project), "", via="api", worker=worker)
     try:
-        guard = make_guard(project, config, config_file, trust, info, store, audit)
+        guard = make_guard(project, config, config_file, trust, info, store, audit, approvals)
     except BaseException:
         with contextlib.suppress(OSError):
             audit.close()

@@ -70,6 +70,12 @@ class PermissionDenied(SandboxAPIError):
     """The trust level may not do this here (EACCES/EPERM)."""
 
 
+class ApprovalRequired(PermissionDenied):
+    """An approval rule asks the user about this operation, and nobody answered yes: no
+    approver was given to Sandbox.open, it refused, or it did not answer in time. The message
+    says which rule asked and how to get an answer."""
+
+
 class ReadOnlyZone(PermissionDenied):
     """A change in a zone the trust level may only read, or in a read-only workers layer."""
 
@@ -146,6 +152,7 @@ _BY_RULE: dict[str, type[SandboxAPIError]] = {
     "suffix": SuffixNotAllowed,
     "size": FileTooLarge,
     "quota": QuotaExceeded,
+    "approval": ApprovalRequired,
 }
 
 _BY_ERRNO: dict[int, type[SandboxAPIError]] = {

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from sandboxfs.config.model import Config, defaults, load
-from sandboxfs.project.zones import new_session_id, validate_project
+from sandboxfs.core.approvals import Answer, Mode
+from sandboxfs.project.zones import approval_broker, new_session_id, validate_project
 
 from ..core.context import context
 from ..core.errors import SandboxError
@@ -103,6 +104,42 @@ def _setup_error(exc: SandboxfsError | SandboxError | OSError) -> SandboxSetupEr
     return SandboxSetupError(f"Cannot open the sandbox: {message}", errno=err, reason=message)
 
 
+# What a sandbox without an approver says of an operation an approval rule asks about.
+NO_APPROVER = (
+    "this sandbox has no approver: pass approver=callable to Sandbox.open to ask the user, "
+    "or change the approvals: rules of the project's sandboxfs.yaml"
+)
+
+# The API's approver: a request's description in, an answer out (see Sandbox.open).
+Approver = Callable[[dict[str, Any]], "str | bool | None"]
+
+
+def _answering(approver: Approver, timeout: float) -> Callable[[dict[str, Any]], str | None]:
+    """`approver` given `timeout` seconds (in a thread of its own, left behind if it hangs),
+    its answer as an approvals.Answer value; None (refused) when it fails or is late."""
+
+    def ask(request: dict[str, Any]) -> str | None:
+        answers: list[str | bool | None] = []
+
+        def call() -> None:
+            with contextlib.suppress(Exception):
+                answers.append(approver(request))
+
+        thread = threading.Thread(target=call, name="sandboxfs-approver", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if not answers:
+            return None
+        answer = answers[0]
+        if answer is True:
+            return Answer.ONCE.value
+        if isinstance(answer, str) and answer in {a.value for a in Answer}:
+            return answer
+        return None
+
+    return ask
+
+
 class Sandbox:
     """A view of a project's zones at one trust level, enforced and audited like a mount.
 
@@ -128,6 +165,8 @@ class Sandbox:
         self._audit_sync = audit_sync
         self._owns_backend = owns_backend
         self._owns_attachments = False  # made by restrict for this one: removed at close
+        # The approver given to open, and its timeout: a worker's sandbox asks it too.
+        self._approval: tuple[Approver, float | None] | None = None
         self._guard = guard
         self._audit = audit
         self._entries = entries
@@ -155,11 +194,22 @@ class Sandbox:
         config: str | os.PathLike[str] | None = None,
         audit_sync: bool = False,
         worker: str | None = None,
+        approver: Approver | None = None,
+        approval_timeout: float | None = None,
     ) -> Sandbox:
         """A sandbox on the project's files (disk backend); its entries go to the project's
         audit log. `session`: None starts a new one; a given id is created if missing.
-        `worker`: narrowed to what `<worker>.worker` declares (sandboxfs.project.workers), under a
-        parent at `trust`; WorkerRefused when it asks more."""
+        `worker`: narrowed to what `<worker>.worker` declares (sandboxfs.project.workers), under
+        a parent at `trust`; WorkerRefused when it asks more.
+
+        `approver`: asked when an approval rule (the config's `approvals:`) asks about an
+        operation: called with the request (a dict: id, op, path, zone, rule, rule_text, pid,
+        cmdline, and `grants`, the text of each possible answer) and returns an answer:
+        "once", "dir", "everywhere", "deny" or "never" (True: once; False or None: deny). It
+        is called in the calling thread's stead and given `approval_timeout` seconds (default:
+        the config's approvals.timeout); no answer in time refuses. Without an approver such
+        an operation raises ApprovalRequired. A worker's sandbox made by `restrict` asks the
+        same approver."""
         check_id("workspace", workspace)
         session_id = check_id("session", session) if session is not None else new_session_id()
         try:
@@ -174,7 +224,17 @@ class Sandbox:
                 loaded = narrow(loaded, level, find(root, worker, loaded))
             except UserError as exc:
                 raise _worker_error(exc) from None
-        return cls.on_disk(root, loaded, config_file, level, workspace, session_id, audit_sync)
+        return cls.on_disk(
+            root,
+            loaded,
+            config_file,
+            level,
+            workspace,
+            session_id,
+            audit_sync,
+            approver=approver,
+            approval_timeout=approval_timeout,
+        )
 
     @classmethod
     def on_disk(
@@ -186,16 +246,24 @@ class Sandbox:
         workspace: str,
         session_id: str,
         audit_sync: bool = False,
+        *,
+        approver: Approver | None = None,
+        approval_timeout: float | None = None,
     ) -> Sandbox:
         """A sandbox on `root` (validated) with `config` as given (the CLI's, with a run's
         zones): what `open` and `restrict` build."""
         try:
+            mode = Mode.ASK if approver is not None else Mode.NONE
+            broker = approval_broker(config, mode, NO_APPROVER)
             backend, guard, audit = open_disk(
-                root, config, config_file, level, workspace, session_id, audit_sync
+                root, config, config_file, level, workspace, session_id, audit_sync, broker
             )
         except (SandboxfsError, SandboxError, OSError) as exc:
             raise _setup_error(exc) from None
-        return cls(
+        if approver is not None:
+            wait = approval_timeout if approval_timeout is not None else broker.timeout
+            guard.consent.approver = _answering(approver, wait)
+        made = cls(
             backend,
             guard,
             audit,
@@ -205,6 +273,9 @@ class Sandbox:
             config_file,
             audit_sync,
         )
+        if approver is not None:
+            made._approval = (approver, approval_timeout)
+        return made
 
     def restrict(
         self,
@@ -245,15 +316,7 @@ class Sandbox:
             except UserError as exc:
                 raise _worker_error(exc) from None
             try:
-                child = self.on_disk(
-                    self.project,
-                    config,
-                    self._config_file,
-                    self.trust,
-                    self.workspace,
-                    self.session,
-                    self._audit_sync,
-                )
+                child = self._worker_on_disk(config)
             except BaseException:
                 discard_attachments(config)
                 raise
@@ -275,6 +338,12 @@ class Sandbox:
                 config,
                 owns_backend=False,
             )
+        return self._worker_on_disk(config)
+
+    def _worker_on_disk(self, config: Config) -> Sandbox:
+        """A worker's sandbox on this one's project and session, asking this one's approver."""
+        assert self.project is not None
+        approver, timeout = self._approval if self._approval is not None else (None, None)
         return self.on_disk(
             self.project,
             config,
@@ -283,6 +352,8 @@ class Sandbox:
             self.workspace,
             self.session,
             self._audit_sync,
+            approver=approver,
+            approval_timeout=timeout,
         )
 
     @classmethod
@@ -556,7 +627,9 @@ class Sandbox:
         self._regular(g, Op.READ, node)
         return node
 
-    def _target(self, g: Guard, p: VirtualPath) -> tuple[Node, bytes, Node | None, bool]:
+    def _target(
+        self, g: Guard, p: VirtualPath, truncate: bool = False
+    ) -> tuple[Node, bytes, Node | None, bool]:
         """A write's parent, name, existing node (None: to be created) and whether the lookup
         refused the name (the creation then decides, as after a refused lookup in the mount)."""
         if p.zone is None or not p.parts:
@@ -573,7 +646,7 @@ class Sandbox:
         if node is not None and node.is_dir:
             raise SandboxError(errno.EISDIR, f"{p.text} is a directory")
         if node is not None:
-            g.may_open(self._caller, node, read=False, write=True)
+            g.may_open(self._caller, node, read=False, write=True, truncate=truncate)
             self._regular(g, Op.WRITE, node)
         return parent, name, node, False
 
@@ -770,7 +843,9 @@ class Sandbox:
 
     def _put(self, action: str, path: str, payload: bytes, append: bool) -> int:
         with self._call(action, path) as call:
-            parent, name, node, _ = self._target(self._guard, self._path(call, path))
+            parent, name, node, _ = self._target(
+                self._guard, self._path(call, path), truncate=not append
+            )
             if node is None:
                 self._create_file(parent, name, payload)
             else:
@@ -925,7 +1000,17 @@ class Sandbox:
                 raise g.hidden_target(
                     caller, "rename", ps.text, zone, pd.text, exc.reason
                 ) from None
-            g.may_move(caller, old_parent, old_name, src_st, new_parent, new_name, ps.text, pd.text)
+            g.may_move(
+                caller,
+                old_parent,
+                old_name,
+                src_st,
+                new_parent,
+                new_name,
+                ps.text,
+                pd.text,
+                replaces=dst_st is not None,
+            )
             self._backend.rename(old_parent, old_name, layer, new_parent, new_name, src_st, dst_st)
             if dst_st is not None and dst_st.st_ino != src_st.st_ino:
                 g.removed(zone, dst_st)

@@ -66,6 +66,7 @@ OPS = (
     "trust",
     "stage",
     "home",
+    "approval",
 )
 _AGE_HELP = "an ISO 8601 time (2026-11-22T08:00:00Z) or an age (30s, 10m, 2h, 7d)"
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from sandboxfs import staging
+from sandboxfs.cli import approvals as approvals_cli
 from sandboxfs.cli import audit as audit_cli
 from sandboxfs.cli import completion, manpage, subcommands
 from sandboxfs.cli import home as home_mod
@@ -113,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="log every FUSE request (opcode, inode or name, result, time) to the daemon log",
     )
+    _approvals_options(mount, "none: refuse them at once, with the reason")
     mount.add_argument(
         "-o",
         dest="options",
@@ -133,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--trust", type=_trust, help="as for mount (default: config, else session)")
     _project_options(run)
+    _approvals_options(run, "none: refuse them at once (the default when stdin is no terminal)")
     run.add_argument(
         "--net",
         choices=["none", "allow", "host"],
@@ -233,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--trust", type=_trust, required=True, metavar="LEVEL", help="the new trust level"
         )
         change.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
+
+    approvals_cli.add_parsers(sub, _approvals_target)
 
     audit_cli.add_parser(sub, trust_type=_trust, when_type=_when, positive_type=_positive)
     staged_cli.add_parser(sub)
@@ -352,6 +357,58 @@ def _attach(
     return workers.attach(cfg, project, workspace, files)
 
 
+def _approvals_options(parser: argparse.ArgumentParser, none: str) -> None:
+    """--approvals and --no-approvals of mount and run (README, "Approvals")."""
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
+        "--approvals",
+        choices=["ask", "none"],
+        help="how operations under an `ask` approval rule are answered: ask: they wait for "
+        f"`sandboxfs approvals` (refused until answered, then the retry passes); {none}",
+    )
+    which.add_argument(
+        "--no-approvals",
+        action="store_true",
+        help="every `ask` approval rule passes without asking (audited; `blocked` still refuses)",
+    )
+
+
+def _approvals_mode(args: argparse.Namespace, default: str) -> str:
+    if args.no_approvals:
+        print(
+            "sandboxfs: warning: --no-approvals: operations that approval rules ask about "
+            "go ahead without asking (each is audited)",
+            file=sys.stderr,
+        )
+        return "off"
+    return str(args.approvals or default)
+
+
+def _approvals_target(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mount",
+        metavar="MOUNTPOINT|SESSION",
+        help="the mount or the session id, as `sandboxfs status` shows them; left out: the "
+        "only running session of the project",
+    )
+    parser.add_argument(
+        "--project", type=Path, default=None, help="the project (default: this directory)"
+    )
+
+
+def cmd_approvals(args: argparse.Namespace) -> int:
+    """approvals, approve, deny, grants: through the mount's control socket."""
+    mountpoint = _trust_target(args.mount, args.project)
+    context = read_context(mountpoint, timeout=5.0)
+    if not isinstance(context, dict):
+        why = "it is another user's mount" if context == NOT_YOURS else f"it is {context}"
+        raise Failure(f"cannot reach the approvals of {mountpoint}: {why}")
+    path = context.get("control")
+    if not isinstance(path, str):
+        raise UserError(f"{mountpoint} has no control socket (mounted by an older sandboxfs)")
+    return approvals_cli.main(args, Path(path))
+
+
 _trust = subcommands.trust_level
 
 
@@ -413,6 +470,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         allow_other=args.allow_other,
         config_file=args.config,
         read_only=read_only,
+        approvals=_approvals_mode(args, "ask"),
     )
     from sandboxfs.fuse.daemon import serve
 
@@ -559,6 +617,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         audit_sync=args.audit_sync,
         quiet=args.quiet,
         tools=tools,
+        approvals=_approvals_mode(args, "ask" if sys.stdin.isatty() else "none"),
     )
     try:
         return run_mod.run(req)
@@ -854,6 +913,10 @@ COMMANDS = {
     "status": cmd_status,
     "promote": cmd_trust,
     "demote": cmd_trust,
+    "approvals": cmd_approvals,
+    "approve": cmd_approvals,
+    "deny": cmd_approvals,
+    "grants": cmd_approvals,
     "audit": audit_cli.main,
     "staged": staged_cli.main,
     "sessions": sessions_cli.main,

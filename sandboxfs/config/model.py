@@ -31,6 +31,7 @@ from pydantic import (
 
 from sandboxfs.config import inputs
 from sandboxfs.config.inputs import cut, shown
+from sandboxfs.core import approvals
 from sandboxfs.core.limits import Quota, ZoneLimits
 from sandboxfs.core.policy import BUILTIN_ZONES, Matrix, Op, Trust, Zone, ZoneAccess, in_git_dir
 from sandboxfs.errors import ConfigError
@@ -231,6 +232,104 @@ def narrowed(access: ZoneAccess, mode: str) -> ZoneAccess:
     return ZoneAccess(access.ops & WORKER_MODE_OPS[mode], access.create_only and mode == "rw")
 
 
+_RULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
+
+
+class ApprovalRuleConfig(_Strict):
+    """One approval rule (README, "Approvals"): zones and trust left out mean all of them."""
+
+    id: str | None = None
+    ops: list[approvals.Kind] = Field(min_length=1)
+    zones: list[str] = Field(default_factory=list)
+    trust: list[Trust] = Field(default_factory=list)
+    decision: approvals.Verdict
+
+    @field_validator("id")
+    @classmethod
+    def _valid_id(cls, value: str | None) -> str | None:
+        if value is not None and not _RULE_ID_RE.match(value):
+            raise ValueError(
+                f"rule id {shown(value)} is not a plain name: use 1-64 letters, digits, "
+                f"'_', '.', ':' or '-'"
+            )
+        return value
+
+
+class ApprovalsConfig(_Strict):
+    """`approvals:` of sandboxfs.yaml and of the user's own config."""
+
+    profile: str | None = None  # one of approvals.PROFILES
+    rules: list[ApprovalRuleConfig] = Field(default_factory=list)
+    timeout: float = Field(default=60.0, gt=0, le=3600)  # seconds a request stays pending
+    rate_limit: int = Field(default=30, ge=1, le=10_000)  # new requests a minute
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, value: str | None) -> str | None:
+        if value is not None and value not in approvals.PROFILES:
+            raise ValueError(
+                f"unknown approvals profile {shown(value)}; profiles: "
+                f"{', '.join(approvals.PROFILES)}"
+            )
+        return value
+
+    def rule_list(self, source: str) -> list[approvals.Rule]:
+        """The rules this config says, the profile's first; ids default to source#N."""
+        found = list(approvals.PROFILES[self.profile]) if self.profile else []
+        for number, rule in enumerate(self.rules, 1):
+            found.append(
+                approvals.Rule(
+                    rule.id or f"{source}#{number}",
+                    rule.decision,
+                    frozenset(rule.ops),
+                    frozenset(rule.zones),
+                    frozenset(t.value for t in rule.trust),
+                )
+            )
+        return found
+
+
+# What a worker's `approval: {write: ..., delete: ...}` covers (sandboxfs.project.workers).
+WORKER_APPROVAL_KINDS: dict[str, frozenset[approvals.Kind]] = {
+    "write": frozenset({approvals.Kind.WRITE, approvals.Kind.CREATE, approvals.Kind.OVERWRITE}),
+    "delete": frozenset({approvals.Kind.DELETE}),
+}
+
+
+def worker_rules(worker: WorkerScope | None) -> list[approvals.Rule]:
+    """A worker's own approval rules, per zone it declared: added to the mount's, where the
+    strictest matching rule decides, so they can only ask more, never less."""
+    if worker is None:
+        return []
+    return [
+        approvals.Rule(
+            f"worker:{worker.name}:{zone}:{op}",
+            approvals.Verdict(decision),
+            WORKER_APPROVAL_KINDS[op],
+            frozenset({zone}),
+        )
+        for zone, ops in sorted(worker.approval.items())
+        for op, decision in sorted(ops.items())
+    ]
+
+
+def make_broker(
+    project: ApprovalsConfig,
+    user: ApprovalsConfig,
+    mode: approvals.Mode,
+    worker: WorkerScope | None = None,
+) -> approvals.Broker:
+    """The approvals of one mount: the user's rules, the project's and a worker's together,
+    where the strictest matching rule decides, so a project (or a worker) can add consent and
+    never remove it; the shorter timeout and the lower rate limit."""
+    return approvals.Broker(
+        [*user.rule_list("user"), *project.rule_list(PROJECT_CONFIG_NAME), *worker_rules(worker)],
+        mode=mode,
+        timeout=min(project.timeout, user.timeout),
+        per_minute=min(project.rate_limit, user.rate_limit),
+    )
+
+
 class Config(_Strict):
     """The complete, validated configuration of one mount."""
 
@@ -250,6 +349,7 @@ class Config(_Strict):
     daemon: DaemonConfig = DaemonConfig()
     run: RunConfig = RunConfig()
     worker: WorkerScope | None = None
+    approvals: ApprovalsConfig = ApprovalsConfig()
 
     @field_validator("permissions")
     @classmethod
@@ -298,6 +398,12 @@ class Config(_Strict):
                 raise ValueError(
                     "limits: workers is a union of directories; a quota is not supported there"
                 )
+        for rule in self.approvals.rules:
+            for name in rule.zones:
+                if name not in known:
+                    raise ValueError(
+                        f"approvals: unknown zone {shown(name)}; zones: {', '.join(known)}"
+                    )
         return self
 
     def zone_list(self) -> list[Zone]:
@@ -370,6 +476,7 @@ class ProjectConfig(_Strict):
     audit: dict[str, Any] = Field(default_factory=dict)
     daemon: dict[str, Any] = Field(default_factory=dict)
     run: dict[str, Any] = Field(default_factory=dict)
+    approvals: dict[str, Any] = Field(default_factory=dict)
 
 
 def defaults() -> Config:
@@ -421,6 +528,7 @@ def _merge(base: Config, override: ProjectConfig) -> dict[str, Any]:
     merged["audit"].update(override.audit)
     merged["daemon"].update(override.daemon)
     merged["run"].update(override.run)
+    merged["approvals"].update(override.approvals)
     return merged
 
 

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sandboxfs.config import inputs
 from sandboxfs.config.inputs import shown
-from sandboxfs.config.model import _validate
+from sandboxfs.config.model import ApprovalsConfig, _validate
 from sandboxfs.errors import ConfigError, UserError
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
@@ -110,6 +110,8 @@ class AgentProfile(_Strict):
 class UserConfig(_Strict):
     expose: list[str] = Field(default_factory=list)
     agents: dict[str, AgentProfile] = Field(default_factory=dict)
+    # Approval rules for every project; a project's own can only add to them.
+    approvals: ApprovalsConfig = ApprovalsConfig()
 
     @field_validator("agents")
     @classmethod

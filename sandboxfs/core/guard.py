@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
 from . import gitconfig
+from .approvals import Kind
+from .consent import Consent
 from .errors import SandboxError
 from .limits import Tally, ZoneLimits
 from .policy import (
@@ -105,6 +107,15 @@ class Guard:
         self.limits = dict(limits or {})
         self.tallies = dict(tallies or {})
         self.process_names = ProcessNames()
+        # Approvals (core/consent.py), the last step of each check: its broker is set by
+        # make_guard, its approver by the API.
+        self.consent = Consent(
+            self.record,
+            self.refuse,
+            lambda: self.policy.trust.value,
+            self.process_names.get,
+            self._recheck,
+        )
         self._moves = moves
         # Whether the staged commit of that name is under review (frozen: see sandboxfs.staging).
         self._frozen = frozen
@@ -129,6 +140,10 @@ class Guard:
             for zone, access in levels.items()
             if access.create_only
         )
+
+    def _recheck(self) -> None:
+        """What an open handle was allowed is to be checked again at its next use."""
+        self.generation += 1
 
     def set_trust(self, trust: Trust) -> Trust:
         """Switch to another trust level (live promotion or demotion); returns the old one.
@@ -169,8 +184,9 @@ class Guard:
         dest: str | None = None,
         nbytes: int | None = None,
         detail: str | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
-        """The one place an audit entry is built."""
+        """The one place an audit entry is built (`extra`: fields of its own op)."""
         entry: dict[str, Any] = {
             "op": op,
             "path": path,
@@ -188,6 +204,8 @@ class Guard:
         }
         if detail is not None:
             entry["detail"] = detail
+        if extra:
+            entry.update(extra)
         self.audit.record(entry)
 
     def did(
@@ -722,9 +740,19 @@ class Guard:
 
     # ----- reading and changing existing entries --------------------------------------------------
 
-    def may_open(self, caller: Caller, node: Node, read: bool, write: bool) -> None:
+    def may_open(
+        self,
+        caller: Caller,
+        node: Node,
+        read: bool,
+        write: bool,
+        *,
+        truncate: bool = False,
+        consent: bool = True,
+    ) -> None:
         """Opening an existing file to read and/or to write (or truncate): never a deny-listed
-        one, nor one that holds a private key (checked last: it reads the file)."""
+        one, nor one that holds a private key (checked last: it reads the file); then the
+        approval rules (not for a handle kept open: `consent` False)."""
         assert node.zone is not None
         self._reject_denied_node(caller, Op.WRITE if write else Op.READ, node)
         if read and not self._own_readable(node):
@@ -740,13 +768,34 @@ class Guard:
             decision = limits.suffix_decision(node.vpath(), node.zone.value, "opening")
             raise self.refuse(caller, op, node.vpath(), node.zone, decision)
         self._reject_private_key_node(caller, Op.WRITE if write else Op.READ, node)
+        if consent:  # approvals: reading, writing, overwriting an existing file
+            kinds = [Kind.OVERWRITE] if truncate else []
+            kinds += [Kind.WRITE] if write else []
+            kinds += [Kind.READ] if read else []
+            op = Op.WRITE if write else Op.READ
+            self.consent.check(caller, kinds, node.zone, node.vpath(), op)
 
-    def may_keep(self, caller: Caller, node: Node, read: bool, write: bool, created: bool) -> None:
+    def may_keep(
+        self,
+        caller: Caller,
+        node: Node,
+        read: bool,
+        write: bool,
+        created: bool,
+        grant: int | None = None,
+    ) -> None:
         """A handle opened under an earlier trust level, used again to read or to write: that
-        must be allowed now (a handle that created its file keeps it while creating is)."""
+        must be allowed now (a handle that created its file keeps it while creating is), and
+        the approval grant it was opened under (`grant`) must not have been revoked."""
         assert node.zone is not None
+        if grant is not None and grant in self.consent.revoked_grants:
+            reason = f"{node.vpath()} was opened under approval grant {grant}, since revoked"
+            decision = Decision(False, errno.EACCES, reason, "approval")
+            raise self.refuse(
+                caller, Op.WRITE if write else Op.READ, node.vpath(), node.zone, decision
+            )
         if not created:
-            self.may_open(caller, node, read, write)
+            self.may_open(caller, node, read, write, consent=False)
             return
         decision = self.policy.decide_create(node.zone)
         if not decision.allowed:
@@ -793,6 +842,8 @@ class Guard:
             self.check(caller, Op.WRITE, node)
             self._check_layer(caller, node, Op.WRITE)
         self._reject_private_key_node(caller, Op.WRITE, node)
+        if not node.created_here:  # approvals: a truncate, chmod or xattr changes the file
+            self.consent.check(caller, [Kind.WRITE], node.zone, node.vpath(), Op.WRITE)
 
     def may_write_context(self, caller: Caller, node: Node) -> NoReturn:
         decision = Decision(False, errno.EACCES, CONTEXT_REASON)
@@ -902,14 +953,14 @@ class Guard:
             raise self.refuse(caller, Op.WRITE, parent.vpath(name), zone, decision)
         self._check_layer(caller, parent, Op.WRITE, name)
         limits = self.limits.get(zone)
-        if limits is not None:
-            if kind != "mkdir":
-                self._check_suffix(caller, limits, parent, name, Op.WRITE, "creating")
-            tally = self.tallies.get(zone)
-            if tally is not None:
-                refused = tally.charge(0, 1, parent.vpath(name))
-                if refused is not None:
-                    raise self.refuse(caller, Op.WRITE, parent.vpath(name), zone, refused)
+        if limits is not None and kind != "mkdir":
+            self._check_suffix(caller, limits, parent, name, Op.WRITE, "creating")
+        self.consent.check(caller, [Kind.CREATE], zone, parent.vpath(name), Op.WRITE)  # approvals
+        tally = self.tallies.get(zone)
+        if tally is not None:
+            refused = tally.charge(0, 1, parent.vpath(name))
+            if refused is not None:
+                raise self.refuse(caller, Op.WRITE, parent.vpath(name), zone, refused)
         return zone
 
     def _check_suffix(
@@ -992,6 +1043,7 @@ class Guard:
             self._check_suffix(caller, limits, parent, new_name, "link", "linking", dest, src)
         self._check_layer(caller, parent, "link", new_name)
         self._check_layer(caller, node, "link")
+        self.consent.check(caller, [Kind.CREATE], parent.zone, dest, "link")  # approvals
 
     def hidden_target(
         self, caller: Caller, op: str, src: str, zone: Zone | None, dest: str, why: str
@@ -1027,6 +1079,7 @@ class Guard:
             raise self.refuse(caller, op, vpath, zone, Decision(False, errno.EROFS, reason))
         if not is_dir:
             self._reject_private_key(caller, Op.DELETE, parent, name, layer)
+        self.consent.check(caller, [Kind.DELETE], zone, parent.vpath(name), op)  # approvals
 
     def removed(self, zone: Zone, st: StatLike) -> None:
         """A name was unlinked or replaced: its inode's bytes and entry leave the quota when it
@@ -1090,6 +1143,28 @@ class Guard:
         self._reject_private_key(caller, "rename", new_parent, name_new)
 
     def may_move(
+        self,
+        caller: Caller,
+        parent: Node,
+        name: bytes,
+        st: StatLike,
+        to_parent: Node,
+        to_name: bytes,
+        src: str,
+        dst: str,
+        read: ReadFile | None = None,
+        *,
+        replaces: bool = False,
+    ) -> None:
+        """The checks of _may_move, then the approval rules (`replaces`: the rename replaces
+        an existing entry, an overwrite too)."""
+        self._may_move(caller, parent, name, st, to_parent, to_name, src, dst, read)
+        assert parent.zone is not None
+        kinds = [Kind.RENAME, Kind.OVERWRITE] if replaces else [Kind.RENAME]
+        dest = to_parent.vpath(to_name)
+        self.consent.check(caller, kinds, parent.zone, parent.vpath(name), "rename", dest)
+
+    def _may_move(
         self,
         caller: Caller,
         parent: Node,

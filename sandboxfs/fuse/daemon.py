@@ -26,6 +26,8 @@ import pyfuse3
 import trio
 
 from sandboxfs.audit.log import AuditLog
+from sandboxfs.core.approvals import ApprovalError, Mode
+from sandboxfs.core.consent import Consent
 from sandboxfs.core.context import context_document
 from sandboxfs.core.guard import MountInfo
 from sandboxfs.core.policy import Trust, Zone
@@ -45,6 +47,7 @@ from sandboxfs.project import control
 from sandboxfs.project.mounts import MountRequest, lazy_unmount
 from sandboxfs.project.state import hold
 from sandboxfs.project.zones import (
+    approval_broker,
     config_source,
     hidden_identities,
     make_guard,
@@ -143,7 +146,10 @@ def serve(
             control=str(control_path),
             worker=req.config.worker.name if req.config.worker is not None else None,
         )
-        guard = make_guard(req.project, req.config, req.config_file, req.trust, info, store, audit)
+        approvals = approval_broker(req.config, Mode(req.approvals))
+        guard = make_guard(
+            req.project, req.config, req.config_file, req.trust, info, store, audit, approvals
+        )
         control.sweep()  # what daemons killed before they could unmount left behind
         listener = stack.enter_context(control.bind(control_path))
         stack.callback(control_path.unlink, missing_ok=True)
@@ -173,6 +179,19 @@ def serve(
         stack.callback(_close_session, ops)
         ops.kernel_store = pyfuse3.notify_store
         lifecycle("mount")
+        if approvals.mode is Mode.OFF and approvals.asks:  # --no-approvals: loudly, audited
+            guard.record(
+                "approval",
+                "/",
+                None,
+                pid=pid,
+                uid=os.getuid(),
+                comm=comm,
+                allowed=True,
+                reason="--no-approvals: every approval rule that asks passes without asking on "
+                "this mount",
+                extra={"approval": {"answer": "no-approvals"}},
+            )
         log.info("mounted %s (trust %s, session %s)", req.mountpoint, req.trust.value, req.session)
         try:
             trio.run(_main, req, audit, ready, lifeline, Control(ops, info, listener))
@@ -321,6 +340,8 @@ class Control:
         guard = self.ops.guard
         if request["op"] == "status":
             return control.reply(True, trust=guard.policy.trust.value, session=self.info.session)
+        if request["op"] in ("approvals", "answer", "revoke", "connect"):
+            return approvals_reply(guard.consent, request, peer.pid, peer.uid)
         trust: Trust = request["trust"]
         async with self.changing:
             old = self.ops.set_trust(trust, peer.pid, peer.uid, self._context)
@@ -343,6 +364,30 @@ class Control:
     def _context(self) -> bytes:
         guard = self.ops.guard
         return context_document(guard.policy, self.info, os.getpid(), guard.limits)
+
+
+def approvals_reply(consent: Consent, request: dict[str, Any], pid: int, uid: int) -> bytes:
+    """The approvals ops of the control channel (sandboxfs.core.consent): list, answer,
+    revoke, and `run`'s proxy asking about a host; every answer and revocation audited with
+    who gave it."""
+    broker = consent.broker
+    if broker is None:
+        return control.reply(False, error="this mount has no approvals")
+    consent.tidy()
+    who = f"{request.get('channel', 'command')} (pid {pid}, uid {uid})"
+    if request["op"] == "connect":  # the asking process, as `run` found it
+        allowed, reason, pending = consent.connect(request["host"], request["pid"], uid)
+        return control.reply(True, allowed=allowed, reason=reason, request=pending)
+    try:
+        if request["op"] == "answer":
+            grant = consent.answer(request["id"], request["answer"], who, pid, uid)
+            return control.reply(True, grant=grant.describe())
+        if request["op"] == "revoke":
+            revoked = consent.revoke(request["grant"], who, pid, uid)
+            return control.reply(True, grant=revoked.describe())
+    except ApprovalError as exc:
+        return control.reply(False, error=str(exc))
+    return control.reply(True, **broker.snapshot())
 
 
 def _invalidate(inodes: list[int], names: list[tuple[int, bytes]]) -> None:

@@ -105,6 +105,8 @@ class FileHandle:
     # and for writing (each right is checked again on its own after a trust change).
     read_generation: int = 0
     write_generation: int = 0
+    # The approval grant it was opened under (core.approvals): revoking it ends the handle.
+    grant: int | None = None
 
 
 @dataclass(slots=True)
@@ -200,7 +202,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             entry_timeout=entry_timeout,
             attr_timeout=attr_timeout,
             owner=(session_root.st_uid, session_root.st_gid),
-            guide_size=lambda: len(self.guides[1]),
+            guide_size=lambda: len(self.guides[1]) + len(self._pending_text()),
         )
         self._handles: dict[int, FileHandle | BlobHandle] = {}
         self._dirs: dict[int, DirHandle] = {}
@@ -492,6 +494,11 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             return self.store.guide
         raise SandboxError(errno.ENOENT)
 
+    def _pending_text(self) -> bytes:
+        """What waits for the user's approval, at the end of the guide (core.approvals)."""
+        broker = self.guard.consent.broker
+        return broker.pending_text().encode() if broker is not None else b""
+
     def _write_guides(self) -> None:
         """/.sandboxfs/README as the host side and a program inside `run` read it (the same
         text, with the mount's own path or /sandbox), from the policy of the current level."""
@@ -533,10 +540,18 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             if wants_write:
                 self.guard.may_write_context(ctx, node)
             document = self.guides[0] if self._host_side(ctx.pid) else self.guides[1]
+            document += self._pending_text()
             return self._new_handle(BlobHandle(document), keep_cache=False, direct_io=True)
         if node.zone is None or node.is_dir:
             raise SandboxError(errno.EISDIR)
-        self.guard.may_open(ctx, node, read=accmode != os.O_WRONLY, write=wants_write)
+        self.guard.may_open(
+            ctx,
+            node,
+            read=accmode != os.O_WRONLY,
+            write=wants_write,
+            truncate=bool(flags & os.O_TRUNC),
+        )
+        grant = self.guard.consent.last_grant  # the approval grant that let it open, if any
         limits = self.guard.zone_limits(node.zone)
         old_size = -1
         if flags & os.O_TRUNC:
@@ -555,6 +570,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             self.guard.did(ctx, Op.READ, node, comm=comm)
         handle = FileHandle(fd, node, wants_write, False, ctx.pid, ctx.uid, ctx.gid, comm)
         handle.sized = limits.sizes_matter
+        handle.grant = grant
         handle.read_generation = handle.write_generation = self.guard.generation
         node.open_fds = (*node.open_fds, fd)
         return self._new_handle(handle, keep_cache=keep_cache, direct_io=bool(flags & os.O_DIRECT))
@@ -580,7 +596,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if isinstance(handle, BlobHandle):
             return handle.data[off : off + size]
         if handle.read_generation != self.guard.generation:
-            self.guard.may_keep(handle, handle.node, True, False, handle.created)
+            self.guard.may_keep(handle, handle.node, True, False, handle.created, handle.grant)
             handle.read_generation = self.guard.generation
         self.replies.changing(handle.node)  # the kernel stops trusting a read file's atime
         return os.pread(handle.fd, size, off)
@@ -591,7 +607,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if not isinstance(handle, FileHandle) or not handle.writable:
             raise SandboxError(errno.EBADF)
         if handle.write_generation != self.guard.generation:
-            self.guard.may_keep(handle, handle.node, False, True, handle.created)
+            self.guard.may_keep(handle, handle.node, False, True, handle.created, handle.grant)
             handle.write_generation = self.guard.generation
         if handle.node.zone is Zone.STAGED:
             self._staged_write(handle)
@@ -922,8 +938,11 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         moving = [(old_parent, name_old, src_st, new_parent, name_new)]
         if exchange and dst_st is not None:
             moving.append((new_parent, name_new, dst_st, old_parent, name_old))
+        replaces = dst_st is not None and not exchange
         for parent, name, st, to_parent, to_name in moving:
-            self.guard.may_move(ctx, parent, name, st, to_parent, to_name, src, dst, self._judged)
+            self.guard.may_move(
+                ctx, parent, name, st, to_parent, to_name, src, dst, self._judged, replaces=replaces
+            )
         src_fd = self.store.child_dir_fd(old_parent, src_layer, checked=True)
         dst_fd = self.store.child_dir_fd(new_parent, 0, create=True, checked=True)
         src_node = self.store.by_key.get((zone, src_st.st_dev, src_st.st_ino))

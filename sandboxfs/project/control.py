@@ -11,9 +11,18 @@ answered by one JSON line. Every request has `"v": 1` and an `"op"`:
 
     {"v": 1, "op": "status"}                 -> {"v": 1, "ok": true, "trust": ..., "session": ...}
     {"v": 1, "op": "trust", "trust": LEVEL}  -> {"v": 1, "ok": true, "old": ..., "new": ...}
+    {"v": 1, "op": "approvals"}              -> {"v": 1, "ok": true, "mode": ..., "pending": [...],
+                                                 "grants": [...]}
+    {"v": 1, "op": "answer", "id": N, "answer": once|dir|everywhere|deny|never,
+     "channel": terminal|command}            -> {"v": 1, "ok": true, "grant": {...}}
+    {"v": 1, "op": "revoke", "grant": N}     -> {"v": 1, "ok": true, "grant": {...}}
+    {"v": 1, "op": "connect", "host": "HOST:PORT", "pid": N}
+                                             -> {"v": 1, "ok": true, "allowed": ..., "reason":
+                                                 ..., "request": N or null}
 
 A refused or malformed request gets `{"v": 1, "ok": false, "error": "..."}`; the daemon stays
-up. Later features (approvals) add ops to the same channel.
+up. The approvals ops answer the requests of sandboxfs.core.approvals: only from outside the
+sandbox, as every op (see `refusal`).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sandboxfs.core.approvals import Answer
 from sandboxfs.core.policy import Trust
 from sandboxfs.errors import Failure
 from sandboxfs.layout import control_dir
@@ -98,7 +108,42 @@ def parse_request(data: bytes) -> dict[str, Any]:
             levels = ", ".join(t.value for t in Trust)
             raise BadRequest(f"unknown trust level {level!r}; levels: {levels}") from None
         return {"op": op, "trust": trust}
-    raise BadRequest(f"unknown op {op!r}; ops: status, trust")
+    if op == "approvals":
+        return {"op": op}
+    if op == "answer":
+        try:
+            answer = Answer(str(request.get("answer")))
+        except ValueError:
+            answers = ", ".join(a.value for a in Answer)
+            raise BadRequest(
+                f"unknown answer {request.get('answer')!r}; answers: {answers}"
+            ) from None
+        channel = request.get("channel", "command")
+        if channel not in CHANNELS:
+            raise BadRequest(f"unknown channel {channel!r}; channels: {', '.join(CHANNELS)}")
+        return {"op": op, "id": _number(request, "id"), "answer": answer, "channel": channel}
+    if op == "revoke":
+        return {"op": op, "grant": _number(request, "grant")}
+    if op == "connect":  # from `run`'s proxy: a host not on its allowlist
+        host = request.get("host")
+        if not isinstance(host, str) or not 0 < len(host) <= 300 or not host.isprintable():
+            raise BadRequest("host must be HOST:PORT, at most 300 printable characters")
+        pid = request.get("pid", 0)
+        if type(pid) is not int or not 0 <= pid < 1 << 31:
+            raise BadRequest(f"pid must be a process id, got {pid!r}")
+        return {"op": op, "host": host, "pid": pid}
+    raise BadRequest(f"unknown op {op!r}; ops: status, trust, approvals, answer, revoke, connect")
+
+
+# Where an answer was given, as the audit log says it (never free text from the client).
+CHANNELS = ("terminal", "command", "run")
+
+
+def _number(request: dict[str, Any], key: str) -> int:
+    value = request.get(key)
+    if type(value) is not int or not 0 < value < 1 << 53:
+        raise BadRequest(f"{key} must be a positive whole number, got {value!r}")
+    return value
 
 
 def reply(ok: bool, **fields: Any) -> bytes:

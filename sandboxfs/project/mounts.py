@@ -43,6 +43,7 @@ class MountRequest:
     config_file: Path | None = None
     command: tuple[str, ...] | None = None  # set by `sandboxfs run`: shown in context.json
     read_only: bool = False  # mounted `ro`: the kernel refuses every change
+    approvals: str = "ask"  # how `ask` rules are answered: ask, none, off (core.approvals.Mode)
 
 
 def choose_session(

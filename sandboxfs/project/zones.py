@@ -14,8 +14,16 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 
 from sandboxfs import layout
+from sandboxfs.config import user as userconfig
 from sandboxfs.config.inputs import shown
-from sandboxfs.config.model import PROJECT_CONFIG_NAME, Config, ZoneConfig, git_surface_protect
+from sandboxfs.config.model import (
+    PROJECT_CONFIG_NAME,
+    Config,
+    ZoneConfig,
+    git_surface_protect,
+    make_broker,
+)
+from sandboxfs.core.approvals import Broker, Mode
 from sandboxfs.core.context import CONFINED_MOUNTPOINT
 from sandboxfs.core.errors import SandboxError
 from sandboxfs.core.guard import AuditSink, Guard, MountInfo
@@ -395,9 +403,11 @@ def make_guard(
     info: MountInfo,
     store: Store,
     audit: AuditSink,
+    approvals: Broker | None = None,
 ) -> Guard:
-    """The guard of one mount or sandbox: the policy, the limits, and a quota tally per zone
-    that has one (shared through files in the state dir by every mount of the project)."""
+    """The guard of one mount or sandbox: the policy, the limits, a quota tally per zone
+    that has one (shared through files in the state dir by every mount of the project), and
+    the approvals (default: answered over the control channel, see `approval_broker`)."""
     policy = Policy(
         config.matrix(),
         config.deny,
@@ -430,7 +440,16 @@ def make_guard(
     if pinned:
         guard.pin_zone_roots(lambda relpath: pinned.get(fold(relpath)))
     guard.inspect_contents(KeyScanner(StoreContents(store)))
+    guard.consent.broker = approvals if approvals is not None else approval_broker(config, Mode.ASK)
     return guard
+
+
+def approval_broker(config: Config, mode: Mode, nobody: str | None = None) -> Broker:
+    """The approvals of a mount: the project's rules with the user's own (sandboxfs.userconfig)."""
+    broker = make_broker(config.approvals, userconfig.load().approvals, mode, config.worker)
+    if nobody is not None:
+        broker.nobody = nobody
+    return broker
 
 
 def zone_roots_in_repo(project: Path, dirs: Mapping[Zone, Path]) -> dict[str, str]:

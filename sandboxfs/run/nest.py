@@ -341,6 +341,9 @@ def child_argv(
     def build(name: str, trust: Trust, argv: list[str], attach: list[str]) -> list[str]:
         args = [sys.executable, "-m", "sandboxfs", "run", "--project", str(project)]
         args += ["--workspace", workspace, "--trust", trust.value, "--net", "none"]
+        # What would ask is refused at once with the reason: the child's requests do not
+        # reach the parent's prompt, and a child must never wait on nobody.
+        args += ["--approvals", "none"]
         if config_file is not None:
             args += ["--config", str(config_file)]
         if scope is not None:

@@ -405,8 +405,13 @@ class Proxy:
         allowlist: Allowlist,
         on_decision: Callable[[NetDecision], None],
         resolve: Callable[[str, int], list[str]] | None = None,
+        ask: Callable[[str, int, tuple[str, int], Callable[[], bool]], bool] | None = None,
     ) -> None:
         self._listener = listener
+        # Asks the user about a valid host not on the allowlist (approvals: a `connect` rule
+        # that asks), in the connection's own thread: True admits it like a name rule. Its
+        # last argument tells whether the client went away (or the proxy closed): no more wait.
+        self._ask = ask
         self._allowlist = allowlist
         self._on_decision = on_decision
         self._resolve = resolve or _getaddrinfo
@@ -639,7 +644,10 @@ class Proxy:
                 self._respond(conn, "502 Bad Gateway", reason, denied=False, decision=decision)
 
         shown = _with_port(host, port)
-        if not self._allowlist.admits(host, port):
+        admitted = self._allowlist.admits(host, port)
+        if not admitted and valid and self._ask is not None:  # approvals: the user may admit it
+            admitted = self._ask_user(conn, host, port, client)
+        if not admitted:
             if valid:
                 fix = f"--allow-host {_with_port(host, None if port in WEB_PORTS else port)}"
                 cause = "not in --allow-host"
@@ -728,6 +736,25 @@ class Proxy:
         return sock
 
     # ----- reading and answering ------------------------------------------------------------------
+
+    def _ask_user(self, conn: socket.socket, host: str, port: int, client: tuple[str, int]) -> bool:
+        assert self._ask is not None
+
+        def gone() -> bool:
+            if self._closed:
+                return True
+            try:
+                return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                return False
+            except OSError:
+                return True
+
+        try:
+            return self._ask(host, port, client, gone)
+        except Exception:
+            logger.exception("proxy: asking about %s:%d failed; refusing", host, port)
+            return False
 
     def _read_head(self, conn: socket.socket) -> tuple[bytes, bytes] | None:
         """The request header (without its blank line) and the bytes after it; None when the

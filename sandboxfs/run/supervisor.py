@@ -38,9 +38,9 @@ from sandboxfs.audit.log import AuditLog
 from sandboxfs.config.model import Config
 from sandboxfs.core.policy import Op, Policy, Trust, Zone
 from sandboxfs.core.syscalls import make_undumpable, set_dumpable, write_all
-from sandboxfs.errors import SandboxfsError, SetupError
+from sandboxfs.errors import SandboxfsError, SetupError, UserError
 from sandboxfs.layout import audit_path
-from sandboxfs.project import gitdir
+from sandboxfs.project import control, gitdir, prompt
 from sandboxfs.project.identity import project_identity
 from sandboxfs.project.mounts import MountRequest, lazy_unmount, sandboxfs_mounts
 from sandboxfs.project.zones import CONFINED_HOME, HOME_ZONE
@@ -88,6 +88,7 @@ class RunRequest:
     quiet: bool = False
     # What CMD needs of the host, read-only (sandboxfs.run.toolchain): its trees and the PATH.
     tools: Toolchain = field(default_factory=Toolchain)
+    approvals: str = "ask"  # how `ask` rules are answered (MountRequest.approvals)
 
 
 # ----- the run directory: where the private mount lives, and how a dead one is cleaned ------
@@ -526,6 +527,10 @@ class Supervisor:
         self.reap_by: float | None = None  # set once bwrap was killed
         self.status: int | None = None
         self.on_ready: Callable[[], None] | None = None  # once CMD is about to start
+        # The approval prompt in this terminal (prompt.RelayPrompt), and whether it is
+        # shown now (the program's output then waits, and keys are the prompt's).
+        self.prompt: prompt.RelayPrompt | None = None
+        self.prompting = False
 
     def wait(self) -> int:
         wake_r, wake_w = os.pipe()
@@ -549,9 +554,12 @@ class Supervisor:
                 self.terminal.raw()  # only now: from here on a signal is handled, and undone
             while self.status is None:
                 deadlines = [t for t in (self.kill_at, self.reap_by) if t is not None]
+                if self.prompt is not None:
+                    deadlines.append(time.monotonic() + prompt.POLL)
                 timeout = max(0, min(deadlines) - time.monotonic()) if deadlines else None
                 for key, events in self.sel.select(timeout):
                     self._handle(key.data, key.fd, events, wake_r)
+                self._ask_user()
                 self._forward_signals()
                 if self.kill_at is not None and time.monotonic() >= self.kill_at:
                     self._kill_sandbox()
@@ -610,6 +618,10 @@ class Supervisor:
             if not data:
                 self.sel.unregister(0)
                 return
+            if self.prompting and self.prompt is not None:  # the user's keys, for the prompt
+                if self.prompt.key(data):
+                    self._resume_relay()
+                return
             self.terminal.pending += data
             self.sel.modify(
                 self.terminal.master, selectors.EVENT_READ | selectors.EVENT_WRITE, "master"
@@ -627,6 +639,27 @@ class Supervisor:
                 self.sel.unregister(fd)
             else:
                 _write_all(self.terminal.copies[fd], data)
+
+    def _ask_user(self) -> None:
+        """Show a pending approval request in this terminal: the program's output is held
+        back (its pty is not read) until the user answered."""
+        term = self.terminal
+        if self.prompt is None or self.prompting or not self.ready or term is None:
+            return
+        if self.prompt.poll(time.monotonic()):
+            self.prompting = True
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.unregister(term.master)
+
+    def _resume_relay(self) -> None:
+        term = self.terminal
+        assert term is not None
+        self.prompting = False
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if term.pending else 0)
+        self.sel.register(term.master, events, "master")
+        if (group := term.foreground()) is not None:  # a full-screen program draws again
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGWINCH)
 
     def _pump_master(self, events: int) -> None:
         term = self.terminal
@@ -778,6 +811,7 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         audit_sync=req.audit_sync,
         config_file=req.config_file,
         command=req.command,
+        approvals=req.approvals,
     )
     try:
         from sandboxfs.fuse.daemon import spawn_daemon
@@ -845,8 +879,13 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         if terminal is not None:
             terminal.started()
         if req.net != "host":
-            network = _Network(req, audit, child)
+            network = _Network(req, audit, child, control.socket_path(daemon))
         supervisor = Supervisor(child, terminal)
+        screen = terminal.screen if terminal is not None and terminal.keyboard else None
+        if screen is not None and req.approvals == "ask":  # the prompt in this very terminal
+            supervisor.prompt = prompt.RelayPrompt(
+                control.socket_path(daemon), lambda data: _write_all(screen, data)
+            )
         if not req.quiet:  # said once the sandbox is up: a setup error stays one line
             policy = Policy(req.config.matrix(), req.config.deny, req.trust, req.config.protect)
             supervisor.on_ready = lambda: _notify(start_line(req, policy, cwd))
@@ -1011,7 +1050,7 @@ class _Network:
     reached, or a name looked up, the first time. Printed with --quiet too: it says why the
     program fails. A child that failed before handing its sockets over says why itself."""
 
-    def __init__(self, req: RunRequest, audit: RunAudit, child: _Child) -> None:
+    def __init__(self, req: RunRequest, audit: RunAudit, child: _Child, control_path: Path) -> None:
         more = (
             "network: more hosts refused or not reached than shown here; all are in "
             f"'sandboxfs audit --session {req.session} --op net'"
@@ -1020,7 +1059,7 @@ class _Network:
         self.dns = None if child.dns is None else _start_dns(req, audit, child, self.notices)
         self.proxy = None
         if child.listener is not None:
-            self.proxy = _start_proxy(req, audit, child, self.notices)
+            self.proxy = _start_proxy(req, audit, child, self.notices, control_path)
 
     def close(self) -> None:
         if self.proxy is not None:
@@ -1039,7 +1078,9 @@ def _notify(line: str) -> None:
     _write_all(2, f"sandboxfs: {line}{end}".encode())
 
 
-def _start_proxy(req: RunRequest, audit: RunAudit, child: _Child, notices: Notices) -> Proxy:
+def _start_proxy(
+    req: RunRequest, audit: RunAudit, child: _Child, notices: Notices, control_path: Path
+) -> Proxy:
     assert child.listener is not None
 
     def on_decision(decision: NetDecision) -> None:
@@ -1062,9 +1103,42 @@ def _start_proxy(req: RunRequest, audit: RunAudit, child: _Child, notices: Notic
         )
         notices.add(decision.target(), decision.notice())
 
-    proxy = Proxy(child.listener, Allowlist(req.allow), on_decision)
+    ask = _host_asker(req, child, control_path) if req.approvals == "ask" else None
+    proxy = Proxy(child.listener, Allowlist(req.allow), on_decision, ask=ask)
     proxy.start()
     return proxy
+
+
+def _host_asker(
+    req: RunRequest, child: _Child, path: Path
+) -> Callable[[str, int, tuple[str, int], Callable[[], bool]], bool]:
+    """The proxy's question about a host not on the allowlist, put to the daemon (approvals:
+    a `connect` rule that asks): True once the user allowed it, False when refused, when the
+    request timed out, when no rule asks, or once the client went away (Ctrl-C, kill). Waits in
+    the connection's own thread only."""
+
+    def ask(host: str, port: int, client: tuple[str, int], gone: Callable[[], bool]) -> bool:
+        pid, _ = connecting_process(child.pid, client[1])
+        first: int | None = None
+        while True:
+            message = {"op": "connect", "host": f"{host}:{port}", "pid": pid or 0}
+            try:
+                reply = control.request(path, message, timeout=5.0)
+            except UserError:
+                return False
+            if not reply.get("ok"):
+                return False
+            if reply.get("allowed") is True:
+                return True
+            request = reply.get("request")
+            if not isinstance(request, int) or first not in (None, request):
+                return False  # refused, or its request timed out (another one was made)
+            first = request
+            time.sleep(0.5)
+            if gone():
+                return False
+
+    return ask
 
 
 def _start_dns(req: RunRequest, audit: RunAudit, child: _Child, notices: Notices) -> DnsStub:

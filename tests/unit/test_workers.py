@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from sandboxfs.api import (
+    ApprovalRequired,
     DenyListed,
     OutsideSandbox,
     PermissionDenied,
@@ -273,3 +274,21 @@ def test_attachments_only_from_what_the_parent_may_read(tmp_path: Path) -> None:
             parent.restrict({}, attachments=["/data/input.csv", "/data/../data/input.csv"])
     copies = project / ".sandbox" / "workspaces" / "default" / "attachments"
     assert not copies.exists() or list(copies.iterdir()) == []
+
+
+def test_a_workers_approval_rules_only_ask_more(tmp_path: Path) -> None:
+    """FORMATTER (rw on data) says delete: blocked and write: preApproved. The block holds;
+    its preApproved write cannot undo what the project asks, which decides as strictest."""
+    project = _project(tmp_path)
+    (project / ".workers" / "formatter.worker").write_text(FORMATTER)
+    (project / "sandboxfs.yaml").write_text(
+        "zones:\n  data:\n    path: ../data\n    permissions: {session: rwld}\n"
+        "approvals:\n  rules:\n    - {id: ask-writes, ops: [write], zones: [data], decision: ask}\n"
+    )
+    with Sandbox.open(project, trust="session", worker="formatter") as sb:
+        with pytest.raises(PermissionDenied, match="worker:formatter:data:delete"):
+            sb.delete("/data/input.csv")
+        with pytest.raises(ApprovalRequired, match="ask-writes"):
+            sb.write("/data/input.csv", "3,4\n")
+        assert sb.read_text("/data/input.csv") == "1,2\n"
+    assert (tmp_path / "data" / "input.csv").read_text() == "1,2\n"

@@ -1,0 +1,272 @@
+"""The approval step of the guard: every operation the other checks allowed goes through
+`Consent.check` last, for the mount and the API alike (rules, requests and grants: see
+sandboxfs.core.approvals, which this applies to callers and writes into the audit log).
+
+The guard calls it at one place per kind of operation (open, setattr, create, link, delete,
+rename); the control channel answers and revokes through it; the API's approver answers here
+directly. Nothing here waits: an `ask` without a grant is refused at once, naming the request.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypedDict
+
+from .approvals import NET, Answer, Broker, Grant, Kind, Outcome, Request, Verdict
+from .errors import SandboxError
+from .policy import Decision, Op, Zone
+
+if TYPE_CHECKING:
+    from .guard import Caller
+
+# The Python API's own prompt (Sandbox.open(approver=...)): a pending request's description in,
+# an approvals.Answer value out (None: no answer, refused).
+Approver = Callable[[dict[str, Any]], str | None]
+
+
+class Consent:
+    """The approvals of one guard: its broker (None: no approvals), the API's approver, and
+    the grants handles were opened under."""
+
+    def __init__(
+        self,
+        record: Callable[..., None],
+        refuse: Callable[..., SandboxError],
+        trust: Callable[[], str],
+        comm: Callable[[int], str | None],
+        revoked: Callable[[], None],
+    ) -> None:
+        self._record = record  # Guard.record
+        self._refuse = refuse  # Guard.refuse
+        self._trust = trust
+        self._comm = comm
+        self._revoked = revoked  # open handles are to be checked again
+        self.broker: Broker | None = None
+        self.approver: Approver | None = None
+        # The grant that allowed the last operation `check` judged (None: none did), for a
+        # handle to remember; and the grants revoked since, which such handles lose.
+        self.last_grant: int | None = None
+        self.revoked_grants: set[int] = set()
+
+    def check(
+        self,
+        caller: Caller,
+        kinds: list[Kind],
+        zone: Zone,
+        path: str,
+        op: Op | str,
+        dest: str | None = None,
+    ) -> None:
+        """The approval rules for an operation every other check allowed: returns (allowed)
+        or audits the refusal, or the new pending request and the refusal naming it."""
+        self.last_grant = None
+        broker = self.broker
+        if broker is None or not broker.rules or not kinds:
+            return
+        self.tidy()
+        outcome = self._consult(broker, caller, kinds, zone, path, dest)
+        if outcome.request is not None and outcome.new:
+            self._entry(outcome.request, "asks the user", None)
+            if self.approver is not None:  # the API's own prompt answers at once
+                answer = self.approver(outcome.request.describe(0))
+                try:
+                    choice = Answer(answer) if answer is not None else Answer.DENY
+                except ValueError:
+                    choice = Answer.DENY
+                request = outcome.request.id
+                self.answer(request, choice, "the API's approver", caller.pid, caller.uid)
+                outcome = self._consult(broker, caller, kinds, zone, path, dest)
+        if outcome.allowed:
+            if outcome.grant is not None or outcome.unasked:
+                self._use(caller, outcome, zone, path, dest)
+            self.last_grant = outcome.grant.id if outcome.grant is not None else None
+            return
+        if outcome.limited:
+            self._use(caller, outcome, zone, path, dest)
+        decision = Decision(False, errno.EACCES, outcome.reason, "approval")
+        raise self._refuse(caller, op, path, zone, decision, dest=dest)
+
+    def _consult(
+        self,
+        broker: Broker,
+        caller: Caller,
+        kinds: list[Kind],
+        zone: Zone,
+        path: str,
+        dest: str | None,
+    ) -> Outcome:
+        pid = caller.pid
+        return broker.consult(
+            self._trust(),
+            zone.value,
+            kinds,
+            path,
+            pid=pid,
+            comm=self._comm(pid) or "",
+            cmdline=lambda: read_cmdline(pid),
+            dest=dest,
+        )
+
+    def connect(self, target: str, pid: int, uid: int) -> tuple[bool, str, int | None]:
+        """A host (HOST:PORT) not on `run`'s allowlist: (allowed, reason, the pending request).
+        Only an `ask` rule for connect can admit it, by the user's answer; anything else
+        (no rule, preApproved, blocked, --no-approvals) leaves it refused, as without rules:
+        approvals never widen what the network allows on their own."""
+        broker = self.broker
+        if broker is None:
+            return False, "", None
+        self.tidy()
+        caller = _Asker(pid, uid)
+        outcome = self._consult(broker, caller, [Kind.CONNECT], Zone(NET), target, None)
+        if outcome.rule.verdict is not Verdict.ASK or outcome.unasked:
+            return False, "", None
+        if outcome.request is not None and outcome.new:
+            self._entry(outcome.request, "asks the user", None)
+        if outcome.grant is not None or outcome.limited:
+            self._use(caller, outcome, Zone(NET), target, None)
+        request = outcome.request.id if outcome.request is not None else None
+        return outcome.allowed, outcome.reason, request
+
+    def answer(self, request_id: int, answer: Answer, who: str, pid: int, uid: int) -> Grant:
+        """The user's answer to a pending request (ApprovalError: none such), audited; the
+        grant it made."""
+        assert self.broker is not None
+        request, grant = self.broker.answer(request_id, answer, who)
+        self._record(
+            "approval",
+            request.path,
+            Zone(request.zone),
+            pid=pid,
+            uid=uid,
+            allowed=grant.allow,
+            **_said(
+                grant.allow,
+                f"request {request.id} answered {answer.value}: {grant.describe()['text']}",
+            ),
+            dest=request.dest,
+            extra={
+                "approval": {
+                    "request": request.id,
+                    "answer": answer.value,
+                    "rule": request.rule.id,
+                    "scope": answer.value,
+                    "grant": grant.id,
+                    "by": who,
+                    "count": request.count,
+                    "op": request.kind.value,
+                }
+            },
+        )
+        for other in self.broker.settled(grant):
+            self._entry(other, f"answered by grant {grant.id}", grant.allow)
+        return grant
+
+    def revoke(self, grant_id: int, who: str, pid: int, uid: int) -> Grant:
+        """Revoke a grant (ApprovalError: none such), audited."""
+        assert self.broker is not None
+        grant = self.broker.revoke(grant_id)
+        self.revoked_grants.add(grant.id)
+        self._revoked()  # open handles are checked again (Guard.may_keep)
+        self._record(
+            "approval",
+            grant.directory,
+            None,
+            pid=pid,
+            uid=uid,
+            allowed=None,
+            detail=f"grant {grant.id} revoked: {grant.describe()['text']}",
+            extra={"approval": {"grant": grant.id, "answer": "revoke", "by": who}},
+        )
+        return grant
+
+    def tidy(self) -> None:
+        """Drop, audited, the requests nobody answered in time. (Not those of processes that
+        are gone: the process refused at once is gone by the time the user answers, and its
+        retry, often by another process, is what the answer is for.)"""
+        if self.broker is None:
+            return
+        for request in self.broker.expire():
+            self._entry(request, "timed out: nobody answered", False)
+
+    def _entry(self, request: Request, what: str, allowed: bool | None) -> None:
+        more = f" and {request.count - 1} more" if request.count > 1 else ""
+        self._record(
+            "approval",
+            request.path,
+            Zone(request.zone),
+            pid=request.pid,
+            uid=0,
+            comm=request.comm,
+            allowed=allowed,
+            **_said(
+                allowed,
+                f"request {request.id}: {request.kind.value} of {request.path}{more} {what} "
+                f"(rule {request.rule.id})",
+            ),
+            dest=request.dest,
+            extra={
+                "approval": {
+                    "request": request.id,
+                    "rule": request.rule.id,
+                    "op": request.kind.value,
+                    "count": request.count,
+                    "cmdline": request.cmdline,
+                }
+            },
+        )
+
+    def _use(
+        self, caller: Caller, outcome: Outcome, zone: Zone, path: str, dest: str | None
+    ) -> None:
+        """An operation a grant (or --no-approvals, or the rate limit) decided."""
+        fields: dict[str, Any] = {"rule": outcome.rule.id}
+        if outcome.grant is not None:
+            fields["grant"] = outcome.grant.id
+            fields["request"] = outcome.grant.request
+        if outcome.unasked:
+            fields["answer"] = "no-approvals"
+        if outcome.limited:
+            fields["answer"] = "rate-limited"
+        self._record(
+            "approval",
+            path,
+            zone,
+            pid=caller.pid,
+            uid=caller.uid,
+            allowed=outcome.allowed,
+            **_said(outcome.allowed, outcome.reason),
+            dest=dest,
+            extra={"approval": fields},
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Asker:
+    """A caller known by its pid (the process behind a proxied connection)."""
+
+    pid: int
+    uid: int
+    gid: int = 0
+
+
+class _Said(TypedDict, total=False):
+    reason: str
+    detail: str
+
+
+def _said(allowed: bool | None, text: str) -> _Said:
+    """An approval entry's text: the reason of a refusal, else its detail (what the audit
+    table shows of an entry that is not a refusal)."""
+    return {"reason": text} if allowed is False else {"detail": text}
+
+
+def read_cmdline(pid: int) -> str:
+    """The command line of pid, for an approval prompt (empty when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read(4096)
+    except OSError:
+        return ""
+    return " ".join(arg.decode("utf-8", "replace") for arg in raw.rstrip(b"\0").split(b"\0"))

@@ -1,0 +1,361 @@
+"""Approval rules, pending requests, grants, grouping and the rate limit (core.approvals), and
+their configuration: pure units, no mount."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from sandboxfs.api import ApprovalRequired, PermissionDenied, Sandbox
+from sandboxfs.config import model as config
+from sandboxfs.core.approvals import (
+    PROFILES,
+    Answer,
+    ApprovalError,
+    Broker,
+    Kind,
+    Mode,
+    Rule,
+    Verdict,
+    strictest,
+)
+from sandboxfs.errors import UserError
+
+ASK_DELETE = Rule("repo-delete", Verdict.ASK, frozenset({Kind.DELETE}), frozenset({"repo"}))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def broker(*rules: Rule, **kw: object) -> Broker:
+    return Broker(rules or (ASK_DELETE,), **kw)  # type: ignore[arg-type]
+
+
+def delete(b: Broker, path: str, pid: int = 7) -> object:
+    return b.consult("full", "repo", [Kind.DELETE], path, pid=pid, comm="rm")
+
+
+@pytest.mark.parametrize(
+    ("rules", "kind", "zone", "trust", "expected"),
+    [
+        ((), Kind.DELETE, "repo", "full", "default"),
+        ((ASK_DELETE,), Kind.DELETE, "repo", "full", "repo-delete"),
+        ((ASK_DELETE,), Kind.DELETE, "session", "full", "default"),
+        ((ASK_DELETE,), Kind.WRITE, "repo", "full", "default"),
+        (
+            (ASK_DELETE, Rule("no", Verdict.BLOCKED, frozenset({Kind.DELETE}))),
+            Kind.DELETE,
+            "repo",
+            "full",
+            "no",
+        ),
+        (
+            (Rule("lvl", Verdict.ASK, frozenset({Kind.READ}), trust=frozenset({"workspace"})),),
+            Kind.READ,
+            "repo",
+            "full",
+            "default",
+        ),
+    ],
+)
+def test_the_strictest_matching_rule_decides(
+    rules: tuple[Rule, ...], kind: Kind, zone: str, trust: str, expected: str
+) -> None:
+    assert strictest(rules, trust, zone, kind).id == expected
+
+
+def test_preapproved_passes_and_blocked_names_its_rule() -> None:
+    blocked = Rule("no-deletes", Verdict.BLOCKED, frozenset({Kind.DELETE}))
+    b = broker(blocked)
+    out = b.consult("full", "repo", [Kind.DELETE], "/repo/x", pid=1)
+    assert not out.allowed and "blocked by approval rule no-deletes" in out.reason
+    assert out.request is None and not b.pending()
+    assert b.consult("full", "repo", [Kind.WRITE], "/repo/x", pid=1).allowed
+
+
+def test_ask_makes_a_pending_request_and_an_answer_lets_the_retry_pass() -> None:
+    b = broker()
+    out = b.consult("full", "repo", [Kind.DELETE], "/repo/x", pid=7, cmdline=lambda: "rm x")
+    assert not out.allowed and out.new and out.request is not None
+    assert "delete of /repo/x waits for approval 1" in out.reason
+    assert b.pending()[0].cmdline == "rm x"
+    again = b.consult("full", "repo", [Kind.DELETE], "/repo/x", pid=7)
+    assert not again.allowed and not again.new and again.request is out.request
+    _, grant = b.answer(1, Answer.ONCE, "test")
+    assert not b.pending() and grant.allow
+    assert b.consult("full", "repo", [Kind.DELETE], "/repo/x", pid=7).allowed
+    # once: the next delete of the same path asks again
+    assert not b.consult("full", "repo", [Kind.DELETE], "/repo/x", pid=7).allowed
+    with pytest.raises(ApprovalError, match="no pending request 1"):
+        b.answer(1, Answer.ONCE, "test")  # stale id
+
+
+def test_deny_refuses_the_retry_and_never_stops_asking() -> None:
+    b = broker()
+    delete(b, "/repo/d/x")
+    b.answer(1, Answer.DENY, "test")
+    out = b.consult("full", "repo", [Kind.DELETE], "/repo/d/x", pid=7)
+    assert not out.allowed and "refused by the user (request 1" in out.reason
+    delete(b, "/repo/d/x")  # asks again: a deny is for that try
+    assert [r.id for r in b.pending()] == [2]
+    b.answer(2, Answer.NEVER, "test")
+    for path in ("/repo/d/x", "/repo/d/y", "/repo/d/sub/z"):
+        out = b.consult("full", "repo", [Kind.DELETE], path, pid=8)
+        assert not out.allowed and out.request is None and "refused by the user" in out.reason
+    assert not b.pending()
+
+
+def test_allow_directory_covers_the_directory_not_a_sibling() -> None:
+    b = broker()
+    delete(b, "/repo/a/one")
+    _, grant = b.answer(1, Answer.DIR, "test")
+    assert "under /repo/a/" in grant.describe()["text"]
+    assert b.consult("full", "repo", [Kind.DELETE], "/repo/a/two", pid=9).allowed
+    assert b.consult("full", "repo", [Kind.DELETE], "/repo/a/sub/three", pid=9).allowed
+    assert b.consult("full", "repo", [Kind.DELETE], "/repo/a", pid=9).allowed
+    assert not b.consult("full", "repo", [Kind.DELETE], "/repo/ab/one", pid=9).allowed
+    assert not b.consult("full", "repo", [Kind.DELETE], "/repo/b/one", pid=9).allowed
+    b.revoke(grant.id)
+    assert not b.consult("full", "repo", [Kind.DELETE], "/repo/a/four", pid=9).allowed
+    with pytest.raises(ApprovalError):
+        b.revoke(grant.id)
+
+
+def test_a_directory_grant_settles_the_requests_below() -> None:
+    b = broker()
+    delete(b, "/repo/a/one")
+    delete(b, "/repo/a/sub/two")
+    delete(b, "/repo/b/three")
+    _, grant = b.answer(1, Answer.DIR, "test")
+    assert [r.id for r in b.settled(grant)] == [2]
+    assert [r.id for r in b.pending()] == [3]
+
+
+def test_a_host_grant_covers_that_host_only() -> None:
+    b = broker(Rule("hosts", Verdict.ASK, frozenset({Kind.CONNECT})))
+    out = b.consult("full", "net", [Kind.CONNECT], "example.com:443", pid=1)
+    assert out.request is not None and out.request.directory == "example.com:443"
+    _, grant = b.answer(1, Answer.DIR, "test")
+    assert grant.describe()["text"].startswith("allow connections to example.com:443, for")
+    assert b.consult("full", "net", [Kind.CONNECT], "example.com:443", pid=2).allowed
+    assert not b.consult("full", "net", [Kind.CONNECT], "api.example.com:443", pid=2).allowed
+    assert not b.consult("full", "net", [Kind.CONNECT], "example.com:4430", pid=2).allowed
+
+
+def test_everywhere_is_for_that_kind_only() -> None:
+    rules = (Rule("r", Verdict.ASK, frozenset({Kind.DELETE, Kind.RENAME})),)
+    b = broker(*rules)
+    delete(b, "/repo/x")
+    b.answer(1, Answer.EVERYWHERE, "test")
+    assert b.consult("full", "workspace", [Kind.DELETE], "/workspace/y", pid=1).allowed
+    assert not b.consult("full", "repo", [Kind.RENAME], "/repo/x", pid=1).allowed
+
+
+def test_same_rule_process_and_directory_make_one_request() -> None:
+    b = broker()
+    for n in range(500):
+        delete(b, f"/repo/d/f{n}")
+    delete(b, "/repo/other/f", pid=7)  # another directory
+    delete(b, "/repo/d/g", pid=8)  # another process
+    requests = b.pending()
+    assert [(r.directory, r.pid, r.count) for r in requests] == [
+        ("/repo/d", 7, 500),
+        ("/repo/other", 7, 1),
+        ("/repo/d", 8, 1),
+    ]
+    shown = requests[0].describe(0)
+    assert shown["count"] == 500 and shown["paths"] == [f"/repo/d/f{n}" for n in range(5)]
+    b.answer(1, Answer.ONCE, "test")
+    assert all(delete_ok(b, f"/repo/d/f{n}") for n in range(500))
+
+
+def delete_ok(b: Broker, path: str) -> bool:
+    return b.consult("full", "repo", [Kind.DELETE], path, pid=7).allowed
+
+
+def test_rate_limit_refuses_without_a_request() -> None:
+    clock = Clock()
+    b = broker(per_minute=3, clock=clock)
+    for n in range(3):
+        delete(b, f"/repo/d{n}/x")
+    out = b.consult("full", "repo", [Kind.DELETE], "/repo/d9/x", pid=7)
+    assert not out.allowed and out.limited and out.request is None
+    assert "more than 3 requests came in a minute" in out.reason
+    clock.now += 61
+    assert b.consult("full", "repo", [Kind.DELETE], "/repo/d9/x", pid=7).new
+
+
+def test_requests_time_out() -> None:
+    clock = Clock()
+    b = broker(timeout=60, clock=clock)
+    delete(b, "/repo/x", pid=7)
+    clock.now += 59
+    assert not b.expire()
+    clock.now += 2
+    assert [r.path for r in b.expire()] == ["/repo/x"]
+    assert not b.pending()
+    assert delete(b, "/repo/x", pid=7).new  # type: ignore[attr-defined]
+
+
+def test_a_retry_by_another_process_joins_its_request() -> None:
+    b = broker()
+    first = delete(b, "/repo/x", pid=7)
+    again = delete(b, "/repo/x", pid=99)
+    assert again.request is first.request and first.request.count == 1  # type: ignore[attr-defined]
+    b.answer(1, Answer.ONCE, "test")
+    assert delete_ok(b, "/repo/x")
+
+
+def test_modes_none_and_off() -> None:
+    none = broker(mode=Mode.NONE)
+    out = none.consult("full", "repo", [Kind.DELETE], "/repo/x", pid=1)
+    assert not out.allowed and "--approvals none" in out.reason and not none.pending()
+    off = broker(mode=Mode.OFF)
+    out = off.consult("full", "repo", [Kind.DELETE], "/repo/x", pid=1)
+    assert out.allowed and out.unasked
+    blocked = broker(Rule("b", Verdict.BLOCKED, frozenset({Kind.DELETE})), mode=Mode.OFF)
+    assert not blocked.consult("full", "repo", [Kind.DELETE], "/repo/x", pid=1).allowed
+
+
+def test_rename_over_a_file_is_an_overwrite_too() -> None:
+    b = broker(Rule("ow", Verdict.ASK, frozenset({Kind.OVERWRITE})))
+    assert b.consult("full", "repo", [Kind.RENAME], "/repo/a", pid=1).allowed
+    out = b.consult("full", "repo", [Kind.RENAME, Kind.OVERWRITE], "/repo/a", pid=1)
+    assert not out.allowed and out.request is not None and out.request.kind is Kind.OVERWRITE
+
+
+def test_pending_text_for_the_guide() -> None:
+    b = broker()
+    assert b.pending_text() == ""
+    delete(b, "/repo/d/x")
+    delete(b, "/repo/d/y")
+    assert "1: delete of /repo/d/x and 1 more in /repo/d (rule repo-delete)" in b.pending_text()
+
+
+# ----- configuration ---------------------------------------------------------------------------
+
+
+def write_config(project: Path, text: str) -> config.Config:
+    (project / "sandboxfs.yaml").write_text(text)
+    return config.load(project)
+
+
+def test_profile_in_one_line_and_rule_ids(tmp_path: Path) -> None:
+    loaded = write_config(tmp_path, "approvals: {profile: agent}\n")
+    rules = loaded.approvals.rule_list("sandboxfs.yaml")
+    assert rules == list(PROFILES["agent"])
+    loaded = write_config(
+        tmp_path,
+        "approvals:\n  rules:\n    - {ops: [delete], zones: [repo], decision: blocked}\n"
+        "    - {id: mine, ops: [write], trust: [full], decision: ask}\n",
+    )
+    ids = [r.id for r in loaded.approvals.rule_list("sandboxfs.yaml")]
+    assert ids == ["sandboxfs.yaml#1", "mine"]
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("approvals: {profile: nope}\n", "unknown approvals profile 'nope'; profiles: agent"),
+        ("approvals: {rules: [{ops: [delete], zones: [nowhere], decision: ask}]}\n", "nowhere"),
+        ("approvals: {rules: [{ops: [erase], decision: ask}]}\n", "erase"),
+        ("approvals: {rules: [{ops: [delete], decision: maybe}]}\n", "maybe"),
+        ("approvals: {timeout: 0}\n", "timeout"),
+        ("approvals: {bogus: 1}\n", "bogus"),
+    ],
+)
+def test_bad_approvals_config_is_one_line(tmp_path: Path, text: str, needle: str) -> None:
+    with pytest.raises(UserError) as info:
+        write_config(tmp_path, text)
+    assert needle in info.value.message and "\n" not in info.value.message
+
+
+def test_a_project_cannot_loosen_the_users_rules() -> None:
+    user = config.ApprovalsConfig.model_validate(
+        {
+            "rules": [{"id": "u", "ops": ["delete"], "zones": ["repo"], "decision": "blocked"}],
+            "timeout": 30,
+        }
+    )
+    project = config.ApprovalsConfig.model_validate(
+        {"rules": [{"id": "p", "ops": ["delete"], "decision": "preApproved"}], "timeout": 600}
+    )
+    b = config.make_broker(project, user, Mode.ASK)
+    out = b.consult("full", "repo", [Kind.DELETE], "/repo/x", pid=1)
+    assert not out.allowed and out.rule.id == "u"
+    assert b.timeout == 30
+
+
+# ----- the Python API: Sandbox.open(approver=...) -----------------------------------------------
+
+
+def api_project(tmp_path: Path) -> Path:
+    project = tmp_path / "project"
+    for directory in ("a", "b"):
+        (project / directory).mkdir(parents=True)
+        for name in ("one", "two"):
+            (project / directory / name).write_text(name)
+    (project / "sandboxfs.yaml").write_text(
+        "approvals:\n  rules:\n    - {id: repo-delete, ops: [delete], zones: [repo], "
+        "decision: ask}\n"
+    )
+    return project
+
+
+def test_without_an_approver_ask_raises_a_typed_error(tmp_path: Path) -> None:
+    project = api_project(tmp_path)
+    with Sandbox.open(project, trust="full") as sb:
+        with pytest.raises(ApprovalRequired) as info:
+            sb.delete("/repo/a/one")
+        assert isinstance(info.value, PermissionDenied)
+        assert "needs the user's approval (rule repo-delete)" in str(info.value)
+        assert "pass approver=callable to Sandbox.open" in str(info.value)
+        text = sb.call_tool("delete", {"path": "/repo/a/one"})
+        assert text.startswith("Error:") and "needs the user's approval" in text
+        sb.write("/repo/a/new", "x")  # preApproved where no rule asks
+    assert (project / "a" / "one").exists()
+
+
+def test_the_approver_is_asked_once_for_a_directory(tmp_path: Path) -> None:
+    project = api_project(tmp_path)
+    asked: list[dict[str, object]] = []
+
+    def approver(request: dict[str, object]) -> str:
+        asked.append(request)
+        return "dir"
+
+    with Sandbox.open(project, trust="full", approver=approver) as sb:
+        sb.delete("/repo/a/one")
+        sb.delete("/repo/a/two")
+        entries = [e for e in sb.audit_entries() if e["op"] == "approval"]
+    assert [r["path"] for r in asked] == ["/repo/a/one"]
+    assert asked[0]["rule"] == "repo-delete"
+    assert "under /repo/a/" in str(asked[0]["grants"])
+    assert not (project / "a" / "one").exists() and not (project / "a" / "two").exists()
+    answer = next(e for e in entries if e["approval"].get("answer") == "dir")
+    assert answer["approval"]["by"] == "the API's approver"
+
+
+@pytest.mark.parametrize("answer", [False, None, "deny", "nonsense", "slow", "raises"])
+def test_an_approver_that_refuses_fails_or_is_late_refuses(tmp_path: Path, answer: object) -> None:
+    project = api_project(tmp_path)
+
+    def approver(request: dict[str, object]) -> object:
+        if answer == "slow":
+            time.sleep(5)
+            return "once"
+        if answer == "raises":
+            raise RuntimeError("no")
+        return answer
+
+    sb = Sandbox.open(project, trust="full", approver=approver, approval_timeout=0.2)
+    with sb, pytest.raises(ApprovalRequired, match="refused by the user"):
+        sb.delete("/repo/b/one")
+    assert (project / "b" / "one").exists()
