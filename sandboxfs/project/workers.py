@@ -18,7 +18,8 @@ instructions, which sandboxfs does not read):
 Narrowing happens on the config, before a guard is built (`narrow`): the worker's zones keep at
 most their declared mode, every other zone leaves the tree, and a declaration asking more than
 the parent has is refused as a whole. No `sandbox:` key means no zone at all (a pure function).
-The per-zone `approval:` rules are parsed and kept (`Worker.approval`) for consent to apply.
+The per-zone `approval:` rules become approval rules of the worker's mount
+(config.model.worker_rules).
 """
 
 from __future__ import annotations
