@@ -820,21 +820,40 @@ class Guard:
         """Opening a directory to list it (never a deny-listed one, nor one inside); allowed
         listings are audited at once."""
         if node.zone is not None:
+            self.check_listing(caller, node)
+            self.did(caller, Op.LIST, node)
+
+    def check_listing(self, caller: Caller, node: Node) -> None:
+        """may_list without its entry: the matrix (or an own directory), then the deny list."""
+        if node.zone is not None:
             self.check_list(caller, node)
             self._reject_denied_node(caller, Op.LIST, node)
-            self.did(caller, Op.LIST, node)
 
     def _check_layer(
         self, caller: Caller, node: Node, op: Op | str, child: bytes | None = None
     ) -> None:
         """Only the first workers directory (<project>/.workers) can be changed."""
         if node.zone is Zone.WORKERS and node.layer > 0:
-            vpath = node.vpath(child)
+            self._reject_layer(caller, op, node.vpath(child), node.zone, node.layer)
+
+    def _reject_layer(
+        self,
+        caller: Caller,
+        op: Op | str,
+        vpath: str,
+        zone: Zone | None,
+        layer: int,
+        dest: str | None = None,
+    ) -> None:
+        """The one read-only workers-layer rule: what comes from a SANDBOXFS_WORKERS_PATH
+        directory (layer > 0) is never changed, removed or renamed."""
+        if zone is Zone.WORKERS and layer > 0:
             reason = (
                 f"{vpath} comes from SANDBOXFS_WORKERS_PATH, which is read-only; "
                 f"only <project>/.workers can be changed"
             )
-            raise self.refuse(caller, op, vpath, node.zone, Decision(False, errno.EROFS, reason))
+            decision = Decision(False, errno.EROFS, reason)
+            raise self.refuse(caller, op, vpath, zone, decision, dest=dest)
 
     # ----- sizes and quotas -----------------------------------------------------------------------
 
@@ -1016,10 +1035,7 @@ class Guard:
         assert zone is not None
         self._reject_protected(caller, Op.DELETE, parent, name, is_dir)
         self._reject_frozen(caller, Op.DELETE, parent, name)
-        if zone is Zone.WORKERS and layer > 0:
-            vpath = parent.vpath(name)
-            reason = f"{vpath} comes from SANDBOXFS_WORKERS_PATH, which is read-only"
-            raise self.refuse(caller, op, vpath, zone, Decision(False, errno.EROFS, reason))
+        self._reject_layer(caller, op, parent.vpath(name), zone, layer)
         if not is_dir:
             self._reject_private_key(caller, Op.DELETE, parent, name, layer)
 
@@ -1071,13 +1087,8 @@ class Guard:
     def may_rename_from(
         self, caller: Caller, old_parent: Node, name_old: bytes, layer: int, dest: str
     ) -> None:
-        zone = old_parent.zone
         src = old_parent.vpath(name_old)
-        if zone is Zone.WORKERS and layer > 0:
-            reason = f"{src} comes from SANDBOXFS_WORKERS_PATH, which is read-only"
-            raise self.refuse(
-                caller, "rename", src, zone, Decision(False, errno.EROFS, reason), dest=dest
-            )
+        self._reject_layer(caller, "rename", src, old_parent.zone, layer, dest)
 
     def may_rename_to(self, caller: Caller, new_parent: Node, name_new: bytes) -> None:
         self._check_layer(caller, new_parent, Op.WRITE, name_new)
