@@ -327,7 +327,7 @@ class Gate:
             raise
         return zone
 
-    def _existing(self, caller: Caller, parent: Node, name: bytes, zone: Zone, err: int) -> None:
+    def existing(self, caller: Caller, parent: Node, name: bytes, zone: Zone, err: int) -> None:
         """A creation met an existing name (err): sandboxfs's state or another mount, or an
         entry of a create-only zone, are refused (EACCES, audited) as the write they were."""
         if err in (errno.EEXIST, errno.EISDIR, errno.EXDEV):
@@ -362,7 +362,7 @@ class Gate:
         except BaseException as exc:
             self._refund(zone, size, 1)
             if isinstance(exc, OSError) and exc.errno is not None:
-                self._existing(caller, parent, name, zone, exc.errno)
+                self.existing(caller, parent, name, zone, exc.errno)
             raise
         if st is not None:
             self.guard.created(zone, st)
