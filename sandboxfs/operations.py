@@ -506,9 +506,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         node = self.store.get(inode)
         accmode = flags & os.O_ACCMODE
         wants_write = accmode != os.O_RDONLY or bool(flags & os.O_TRUNC)
+        if node.ino in (CONTEXT_INO, GUIDE_INO):
+            self.gate.open_document(ctx, node, write=wants_write)
         if node.ino == CONTEXT_INO:
-            if wants_write:
-                self.guard.may_write_context(ctx, node)
             # Not audited: the mount's public description, which `sandboxfs status` and
             # `mount` read to tell a live mount from a dead one. A process in a PID namespace
             # of its own (a program of `run`) is not shown the host's paths. Never from the
@@ -518,8 +518,6 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 document = confined_context(self.context_json)
             return self._new_handle(BlobHandle(document), keep_cache=False, direct_io=True)
         if node.ino == GUIDE_INO:  # the same, in plain text for the program
-            if wants_write:
-                self.guard.may_write_context(ctx, node)
             document = self.guides[0] if self._host_side(ctx.pid) else self.guides[1]
             return self._new_handle(BlobHandle(document), keep_cache=False, direct_io=True)
         if node.zone is None or node.is_dir:

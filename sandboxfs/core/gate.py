@@ -189,6 +189,13 @@ class Gate:
             self.guard.did(caller, Op.READ, node, comm=comm)
         return result
 
+    def open_document(self, caller: Caller, node: Node, *, write: bool) -> None:
+        """The mount's own documents (/.sandboxfs/context.json and README): read-only at every
+        level; reading them is not audited (`sandboxfs status` reads context.json to tell a
+        live mount from a dead one)."""
+        if write:
+            self.guard.may_write_context(caller, node)
+
     def keep(self, caller: Caller, node: Node, *, read: bool, write: bool, created: bool) -> None:
         """A handle opened under an earlier trust level, used again (see Guard.may_keep)."""
         self.guard.may_keep(caller, node, read, write, created)
