@@ -1,10 +1,9 @@
 """The pyfuse3 adapter: a translator between FUSE callbacks and the core.
 
-Each callback resolves inodes to store nodes, asks the guard (sandboxfs.core.guard) whether the
-caller may do what it asks (the guard decides and audits refusals), has the store make the
-backing call, tells the guard what happened (the guard writes the entry), and answers the
-kernel: attribute replies (sandboxfs.replies), handles, lookup counts, the kernel's page cache.
-It decides nothing and builds no audit entry itself.
+Each callback resolves inodes to store nodes, calls the gate's method for its operation
+(sandboxfs.core.gate: the rules in their order, limits, the audit entry) with the backing call
+to make as the caller, and answers the kernel: attribute replies (sandboxfs.replies), handles,
+lookup counts, the kernel's page cache. It decides nothing and builds no audit entry itself.
 
 Handlers do their work synchronously between awaits, so the inode table never changes under
 a running callback. One guard (`_guarded`) turns `SandboxError` and `OSError` into

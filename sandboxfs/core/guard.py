@@ -3,9 +3,9 @@
 Each method takes the caller, what it asks for and where (store nodes: a parent and a name,
 or an existing node), and either returns (allowed) or audits the refusal and raises
 `SandboxError` with the errno and a reason written for the agent that was refused. Allowed
-operations are recorded through `record` once they happened. The FUSE adapter and the Python
-API call the same methods, so a rule lives here once; approvals and live promotion hook in
-here too.
+operations are recorded through `record` once they happened. The gate (sandboxfs.core.gate)
+strings these rules together, one order per operation, for the FUSE adapter and the Python API
+alike: a rule lives here once, and the order it runs in lives there once.
 """
 
 from __future__ import annotations
