@@ -105,12 +105,16 @@ class Gate:
 
     # ----- the one place a later rule joins every operation ----------------------------------
 
-    def _decide(self, request: Request) -> None:
+    def _decide(self, request: Callable[[], Request]) -> None:
         """After the built-in rules of an operation allowed it and before anything is charged
         or changed: each added step (see `Step`). Approvals (the user's consent) and worker
-        narrowing are added here, once, for every operation and for the probe alike."""
-        for step in self.steps:
-            step(self, request)
+        narrowing are added here, once, for every operation and for the probe alike.
+        `request` builds the operation's Request only when a step is there to read it (a
+        virtual path costs a walk up the tree)."""
+        if self.steps:
+            built = request()
+            for step in self.steps:
+                step(self, built)
 
     def refuse(self, request: Request, err: int, reason: str, rule: str = "") -> SandboxError:
         """A step's refusal: audited, then returned for the step to raise."""
@@ -160,7 +164,7 @@ class Gate:
     def check_open(self, caller: Caller, node: Node, *, read: bool, write: bool) -> None:
         self.guard.may_open(caller, node, read, write)
         op = Op.WRITE if write else Op.READ
-        self._decide(Request(op, caller, node.vpath(), node.zone, node=node))
+        self._decide(lambda: Request(op, caller, node.vpath(), node.zone, node=node))
 
     def open(
         self,
@@ -303,7 +307,7 @@ class Gate:
         if node.zone is None:
             raise SandboxError(errno.EINVAL)
         self.guard.may_read_link(caller, node)
-        self._decide(Request(Op.READ, caller, node.vpath(), node.zone, node=node))
+        self._decide(lambda: Request(Op.READ, caller, node.vpath(), node.zone, node=node))
         return action()
 
     # ----- creating entries ------------------------------------------------------------------
@@ -328,7 +332,7 @@ class Gate:
                 self._refund(zone, 0, 1)
                 raise
         try:
-            self._decide(Request(Op.WRITE, caller, parent.vpath(name), zone))
+            self._decide(lambda: Request(Op.WRITE, caller, parent.vpath(name), zone))
         except BaseException:
             self._refund(zone, size, 1)
             raise
@@ -431,7 +435,7 @@ class Gate:
             self.storage.target(parent, new_name)
         except HiddenEntry as exc:
             raise g.hidden_target(caller, "link", src, parent.zone, dest, exc.reason) from None
-        self._decide(Request("link", caller, src, node.zone, dest, node))
+        self._decide(lambda: Request("link", caller, src, node.zone, dest, node))
         result = action()
         g.did(caller, "link", node, path=src, dest=dest)
         return result
@@ -448,7 +452,7 @@ class Gate:
             raise SandboxError(errno.ENOENT, f"{parent.vpath(name)} does not exist")
         st, layer = found
         g.may_remove(caller, parent, name, stat.S_ISDIR(st.st_mode), layer, op)
-        self._decide(Request(Op.DELETE, caller, parent.vpath(name), zone))
+        self._decide(lambda: Request(Op.DELETE, caller, parent.vpath(name), zone))
         return zone, st, layer
 
     def remove(
@@ -510,7 +514,7 @@ class Gate:
             moving.append((new_parent, name_new, dst_st, old_parent, name_old))
         for parent, name, st, to_parent, to_name in moving:
             g.may_move(caller, parent, name, st, to_parent, to_name, src, dst, read)
-        self._decide(Request("rename", caller, src, zone, dst))
+        self._decide(lambda: Request("rename", caller, src, zone, dst))
         action(zone, src_st, src_layer, dst_st)
         if dst_st is not None and not exchange and dst_st.st_ino != src_st.st_ino:
             g.removed(zone, dst_st)
@@ -535,7 +539,7 @@ class Gate:
         times; `action(mode)` changes the rest; one `write` entry names what changed."""
         g = self.guard
         g.may_change(caller, node, allow_created=creating or size is None)
-        self._decide(Request(Op.WRITE, caller, node.vpath(), node.zone, node=node))
+        self._decide(lambda: Request(Op.WRITE, caller, node.vpath(), node.zone, node=node))
         changes: list[str] = []
         if size is not None:
             current, truncate, new_size = size
@@ -585,7 +589,7 @@ class Gate:
     ) -> None:
         """setxattr or removexattr (`what`): only user.* and POSIX ACLs."""
         self.guard.may_change_xattr(caller, node, name)
-        self._decide(Request(Op.WRITE, caller, node.vpath(), node.zone, node=node))
+        self._decide(lambda: Request(Op.WRITE, caller, node.vpath(), node.zone, node=node))
         action()
         detail = f"{what} {name.decode('utf-8', 'replace')}"
         self.guard.did(caller, Op.WRITE, node, detail=detail)
@@ -596,7 +600,7 @@ class Gate:
         g = self.guard
         if node.zone is not None:
             g.check_listing(caller, node)
-            self._decide(Request(Op.LIST, caller, node.vpath(), node.zone, node=node))
+            self._decide(lambda: Request(Op.LIST, caller, node.vpath(), node.zone, node=node))
 
     def opendir(self, caller: Caller, node: Node) -> None:
         """Opening a directory to list it (never a deny-listed one, nor one inside); recorded
