@@ -67,7 +67,8 @@ class Request:
 
 
 # A rule that joins every operation (approvals, worker narrowing): returns to allow, or raises
-# `gate.refuse(...)` (audited) to refuse. Steps run in the order they were added.
+# `gate.refuse(...)` (audited) to refuse. Steps run in the order they were added. For a probe
+# (`gate.effect` is False) a step answers without asking anyone or changing anything.
 Step = Callable[["Gate", Request], None]
 
 
@@ -84,7 +85,14 @@ class _NullSink:
 
 
 class Gate:
-    """Every operation of one mount or sandbox, in its one order of rules."""
+    """Every operation of one mount or sandbox, in its one order of rules.
+
+    `_decide` (the added steps) runs in every operation that reads or changes an entry's
+    contents or names: open (and the API's read and replace), readlink, create, make, link,
+    remove, rename, setattr, setxattr/removexattr and listing. Lookups and attributes are
+    judged by the guard alone (visibility), and a write through an open handle was decided
+    when the handle was opened (a staged commit under review and a trust change aside).
+    """
 
     def __init__(self, guard: Guard, storage: Storage, *, effect: bool = True) -> None:
         self.guard = guard
