@@ -833,27 +833,27 @@ class Guard:
         self, caller: Caller, node: Node, op: Op | str, child: bytes | None = None
     ) -> None:
         """Only the first workers directory (<project>/.workers) can be changed."""
-        if node.zone is Zone.WORKERS and node.layer > 0:
-            self._reject_layer(caller, op, node.vpath(child), node.zone, node.layer)
+        self._reject_layer(caller, op, node, child, node.layer)
 
     def _reject_layer(
         self,
         caller: Caller,
         op: Op | str,
-        vpath: str,
-        zone: Zone | None,
+        node: Node,
+        name: bytes | None,
         layer: int,
         dest: str | None = None,
     ) -> None:
         """The one read-only workers-layer rule: what comes from a SANDBOXFS_WORKERS_PATH
-        directory (layer > 0) is never changed, removed or renamed."""
-        if zone is Zone.WORKERS and layer > 0:
+        directory (layer > 0) is never changed, removed or renamed (node/name, or node)."""
+        if node.zone is Zone.WORKERS and layer > 0:
+            vpath = node.vpath(name)
             reason = (
                 f"{vpath} comes from SANDBOXFS_WORKERS_PATH, which is read-only; "
                 f"only <project>/.workers can be changed"
             )
             decision = Decision(False, errno.EROFS, reason)
-            raise self.refuse(caller, op, vpath, zone, decision, dest=dest)
+            raise self.refuse(caller, op, vpath, node.zone, decision, dest=dest)
 
     # ----- sizes and quotas -----------------------------------------------------------------------
 
@@ -1035,7 +1035,7 @@ class Guard:
         assert zone is not None
         self._reject_protected(caller, Op.DELETE, parent, name, is_dir)
         self._reject_frozen(caller, Op.DELETE, parent, name)
-        self._reject_layer(caller, op, parent.vpath(name), zone, layer)
+        self._reject_layer(caller, op, parent, name, layer)
         if not is_dir:
             self._reject_private_key(caller, Op.DELETE, parent, name, layer)
 
@@ -1087,8 +1087,7 @@ class Guard:
     def may_rename_from(
         self, caller: Caller, old_parent: Node, name_old: bytes, layer: int, dest: str
     ) -> None:
-        src = old_parent.vpath(name_old)
-        self._reject_layer(caller, "rename", src, old_parent.zone, layer, dest)
+        self._reject_layer(caller, "rename", old_parent, name_old, layer, dest)
 
     def may_rename_to(self, caller: Caller, new_parent: Node, name_new: bytes) -> None:
         self._check_layer(caller, new_parent, Op.WRITE, name_new)
