@@ -33,7 +33,7 @@ from typing import Any, Protocol, TypeVar
 
 from .errors import SandboxError
 from .guard import Caller, Guard, ReadFile
-from .policy import Decision, Op, Zone
+from .policy import Decision, Op, Rule, Zone
 from .store import HiddenEntry, Node, StatLike
 
 T = TypeVar("T")
@@ -124,7 +124,9 @@ class Gate:
             for step in self.steps:
                 step(self, built)
 
-    def refuse(self, request: Request, err: int, reason: str, rule: str = "") -> SandboxError:
+    def refuse(
+        self, request: Request, err: int, reason: str, rule: Rule = Rule.MATRIX
+    ) -> SandboxError:
         """A step's refusal: audited, then returned for the step to raise."""
         decision = Decision(False, err, reason, rule)
         return self.guard.refuse(

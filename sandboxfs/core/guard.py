@@ -28,6 +28,7 @@ from .policy import (
     Decision,
     Op,
     Policy,
+    Rule,
     Trust,
     Zone,
     cross_zone_reason,
@@ -600,7 +601,7 @@ class Guard:
                 f"{vpath} {what}: it cannot be removed, renamed, replaced or changed through "
                 f"/repo at any trust level (what is inside it can, where the level allows)"
             )
-            decision = Decision(False, errno.EBUSY, reason, "protect")
+            decision = Decision(False, errno.EBUSY, reason, Rule.PROTECT)
             raise self.refuse(caller, op, vpath, parent.zone, decision, dest=dest)
 
     # ----- protected paths ------------------------------------------------------------------------
@@ -712,7 +713,7 @@ class Guard:
             f"{dst}: {problem}: refused ({rule} may change only branch tracking, remotes with "
             f"ordinary URLs, user.* and similar settings; change others outside the sandbox)"
         )
-        decision = Decision(False, errno.EROFS, reason, "protect")
+        decision = Decision(False, errno.EROFS, reason, Rule.PROTECT)
         raise self.refuse(caller, "rename", src, zone, decision, dest=dst)
 
     # ----- reading and changing existing entries --------------------------------------------------
