@@ -11,6 +11,7 @@ import errno as errnos
 import os
 
 from ..core.errors import SandboxError
+from ..core.policy import Rule
 
 __all__ = [
     "AlreadyExists",
@@ -147,12 +148,12 @@ class WorkerRefused(SandboxSetupError):
 
 
 _BY_RULE: dict[str, type[SandboxAPIError]] = {
-    "deny": DenyListed,
-    "protect": Protected,
-    "suffix": SuffixNotAllowed,
-    "size": FileTooLarge,
-    "quota": QuotaExceeded,
-    "approval": ApprovalRequired,
+    Rule.DENY: DenyListed,
+    Rule.PROTECT: Protected,
+    Rule.SUFFIX: SuffixNotAllowed,
+    Rule.SIZE: FileTooLarge,
+    Rule.QUOTA: QuotaExceeded,
+    Rule.APPROVAL: ApprovalRequired,
 }
 
 _BY_ERRNO: dict[int, type[SandboxAPIError]] = {
@@ -201,7 +202,7 @@ def api_error(
     if isinstance(exc, SandboxError):
         err, reason, rule = exc.errno, exc.reason, exc.rule
     else:
-        err, reason, rule = exc.errno or errnos.EIO, "", ""
+        err, reason, rule = exc.errno or errnos.EIO, "", Rule.MATRIX
         if err not in _DEFAULT_REASONS and exc.strerror:
             reason = exc.strerror[:1].lower() + exc.strerror[1:]
     if not reason:

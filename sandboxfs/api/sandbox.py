@@ -1,12 +1,12 @@
 """`Sandbox`: the in-process Python API, with the mount's rules and audit entries.
 
-Every operation runs the same sequence of `Guard` checks as the FUSE adapter
-(sandboxfs/operations.py): a lookup per component (`visible`), then `may_open`, `may_create`,
-`may_list`, `may_remove_in`/`may_remove`, `may_rename_*`/`may_move`, `may_resize` for sizes and
-quotas; allowed operations are recorded with `did`/`record`. The backends (disk.py, memory.py)
-only find, read, write, create, list, remove and rename. Permission questions
-(`check_permission`, `can_read`, `can_write`) run the same checks through a second guard that
-shares the policy and limits but audits nothing and charges no quota.
+Every operation goes through the gate (sandboxfs.core.gate) as the FUSE adapter's does: a
+lookup per component (`Gate.lookup`), then the operation's own method (`open`, `replace`,
+`create`, `make`, `opendir`, `remove`, `rename`), which runs the rules in their one order,
+charges and refunds sizes and quotas, calls the backend and records the entry. The backends
+(disk.py, memory.py) only find, read, write, create, list, remove and rename. Permission
+questions (`check_permission`, `can_read`, `can_write`) run the same checks through the same
+gate without effect (`Gate.without_effect`): nothing audited, charged or changed.
 
 Not thread-safe by itself (the core's statx buffer is shared): every call holds one lock.
 """
@@ -33,9 +33,10 @@ from sandboxfs.project.zones import approval_broker, new_session_id, validate_pr
 
 from ..core.context import context
 from ..core.errors import SandboxError
+from ..core.gate import Gate
 from ..core.guard import Guard
 from ..core.policy import ZONE_ROOT_REASON, Decision, Op, Trust, Zone
-from ..core.store import FIRST_DYNAMIC_INO, HiddenEntry, Node, StatLike
+from ..core.store import FIRST_DYNAMIC_INO, Node, StatLike
 from ..errors import SandboxfsError, UserError
 from ..project.workers import (
     WiderThanParent,
@@ -70,7 +71,7 @@ from .errors import (
     make_error,
 )
 from .memory import MemoryBackend, MemorySink, memory_guard, open_memory
-from .types import Backend, Caller, ClosableSink, FileInfo, NullSink, Permission, StagedCommit
+from .types import Backend, Caller, ClosableSink, FileInfo, Permission, StagedCommit
 
 _LOCK = threading.RLock()
 _KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink"}
@@ -171,10 +172,7 @@ class Sandbox:
         self._audit = audit
         self._entries = entries
         self.project = project
-        self._probe = Guard(
-            guard.policy, NullSink(), guard.info, moves=lambda: backend.moves, limits=guard.limits
-        )
-        self._probe.inspect_contents(guard.keys)
+        self._gate = Gate(guard, backend)
         self._caller = Caller(os.getpid(), os.getuid(), os.getgid())
         self._zone_names = {zone.value: zone for zone in guard.policy.zones}
         self._held: list[Node] = []
@@ -438,7 +436,6 @@ class Sandbox:
                     self._audit.close()
             finally:
                 self._guard.close()
-                self._probe.close()
                 if self._owns_backend:
                     self._backend.close()
                 if self._owns_attachments:
@@ -510,7 +507,7 @@ class Sandbox:
     # ----- resolving --------------------------------------------------------------------------
 
     def _refuse_closed_zone(
-        self, g: Guard, p: VirtualPath, op: Op, audited: Op | str | None = None
+        self, g: Gate, p: VirtualPath, op: Op, audited: Op | str | None = None
     ) -> None:
         """A path below the root of a zone this trust level may not access at all is refused
         as the zone is (PermissionDenied: "repo is not writable at trust level ..."), for the
@@ -518,48 +515,40 @@ class Sandbox:
         so it tells nothing about what exists. (The mount answers ENOENT at the lookup: a
         kernel lookup cannot say more.)"""
         zone = p.zone
-        if zone is None or not p.parts or g.policy.access(zone).any:
+        policy = g.guard.policy
+        if zone is None or not p.parts or policy.access(zone).any:
             return
-        decision = g.policy.decide(zone, op)
-        raise g.refuse(self._caller, audited or op, p.text, zone, decision)
+        decision = policy.decide(zone, op)
+        raise g.guard.refuse(self._caller, audited or op, p.text, zone, decision)
 
-    def _find(self, g: Guard, op: Op, parent: Node, name: bytes) -> tuple[StatLike, int] | None:
-        """backend.find, with sandboxfs's state and other mounts refused as absent (`op`)."""
-        try:
-            return self._backend.find(parent, name)
-        except HiddenEntry as exc:
-            raise g.hidden(self._caller, op, parent, name, exc.reason) from None
-
-    def _lookup(self, g: Guard, parent: Node, name: bytes) -> Node | None:
+    def _lookup(self, g: Gate, parent: Node, name: bytes) -> Node | None:
         """The node at parent/name, None when absent; refuses (ENOENT) what this level may
-        not see, as the mount's lookup does."""
-        zone = parent.zone
-        assert zone is not None
-        found = self._find(g, Op.READ, parent, name)
-        st, layer = found if found is not None else (None, 0)
-        created = st is not None and self._backend.created(zone, st)
-        if not g.visible(self._caller, parent, name, st, created) or st is None:
+        not see, as the mount's lookup does (Gate.lookup)."""
+        found = g.lookup(self._caller, parent, name)
+        if found is None:
             return None
+        st, layer = found
         node = self._backend.remember(parent, name, st, layer)
         self._held.append(node)
         return node
 
-    def _absent(self, g: Guard, parent: Node, name: bytes) -> SandboxError:
+    def _absent(self, g: Gate, parent: Node, name: bytes) -> SandboxError:
         """ENOENT for a missing name, with the reason an existing one would have had where the
         level may not see it, so that the answer does not tell whether the name exists."""
         zone = parent.zone
         assert zone is not None
         vpath = parent.vpath(name)
-        policy = g.policy
+        guard = g.guard
+        policy = guard.policy
         if not policy.access(zone).any:
             return SandboxError(errno.ENOENT, policy.decide(zone, Op.READ).reason)
-        pattern = None if g.readable(zone) else g.denied_pattern(parent, name, True)
+        pattern = None if guard.readable(zone) else guard.denied_pattern(parent, name, True)
         if pattern is not None:
             decision = policy.deny_list_decision(vpath, pattern, errno.ENOENT)
             return SandboxError(errno.ENOENT, decision.reason, decision.rule)
         return SandboxError(errno.ENOENT, f"{vpath} does not exist")
 
-    def _dir(self, g: Guard, zone: Zone, parts: tuple[bytes, ...]) -> Node:
+    def _dir(self, g: Gate, zone: Zone, parts: tuple[bytes, ...]) -> Node:
         """The directory at zone/parts..., looked up component by component."""
         node = self._backend.zone_roots[zone]
         for name in parts:
@@ -576,7 +565,7 @@ class Sandbox:
             return f"{node.vpath()} is a symbolic link, which the API never follows"
         return f"{node.vpath()} is not a directory"
 
-    def _node(self, g: Guard, p: VirtualPath) -> Node:
+    def _node(self, g: Gate, p: VirtualPath) -> Node:
         if p.zone is None:
             return self._backend.root
         if not p.parts:
@@ -587,14 +576,14 @@ class Sandbox:
             raise self._absent(g, parent, p.parts[-1])
         return node
 
-    def _parent(self, g: Guard, p: VirtualPath) -> tuple[Node, bytes]:
+    def _parent(self, g: Gate, p: VirtualPath) -> tuple[Node, bytes]:
         """Where p's last name lives: `/` for a zone root."""
         assert p.zone is not None
         if not p.parts:
             return self._backend.root, p.zone.value.encode()
         return self._dir(g, p.zone, p.parts[:-1]), p.parts[-1]
 
-    def _seen_parent(self, g: Guard, p: VirtualPath) -> tuple[Node, bytes]:
+    def _seen_parent(self, g: Gate, p: VirtualPath) -> tuple[Node, bytes]:
         """_parent, after looking the name up as the kernel does before an unlink or rename
         through the mount: a name this level may not see is absent (ENOENT)."""
         parent, name = self._parent(g, p)
@@ -602,7 +591,7 @@ class Sandbox:
             raise self._absent(g, parent, name)
         return parent, name
 
-    def _regular(self, g: Guard, op: Op, node: Node) -> None:
+    def _regular(self, g: Gate, op: Op, node: Node) -> None:
         """Only regular files are read or written: a symlink is never followed."""
         kind = stat.S_IFMT(self._backend.stat(node).st_mode)
         if kind == stat.S_IFREG:
@@ -614,22 +603,19 @@ class Sandbox:
         else:
             reason = f"{vpath} is not a regular file; only regular files can be read or written"
             decision = Decision(False, errno.EINVAL, reason)
-        raise g.refuse(self._caller, op, vpath, node.zone, decision)
+        raise g.guard.refuse(self._caller, op, vpath, node.zone, decision)
 
     # ----- the checks of each operation (shared by the operations and check_permission) -------
 
-    def _readable(self, g: Guard, p: VirtualPath) -> Node:
-        self._refuse_closed_zone(g, p, Op.READ)
+    def _file(self, g: Gate, p: VirtualPath, op: Op) -> Node:
+        """The file at p, to read (a directory is refused with a hint)."""
+        self._refuse_closed_zone(g, p, op)
         node = self._node(g, p)
         if node.is_dir:
             raise SandboxError(errno.EISDIR, f"{p.text} is a directory; list() shows its entries")
-        g.may_open(self._caller, node, read=True, write=False)
-        self._regular(g, Op.READ, node)
         return node
 
-    def _target(
-        self, g: Guard, p: VirtualPath, truncate: bool = False
-    ) -> tuple[Node, bytes, Node | None, bool]:
+    def _target(self, g: Gate, p: VirtualPath) -> tuple[Node, bytes, Node | None, bool]:
         """A write's parent, name, existing node (None: to be created) and whether the lookup
         refused the name (the creation then decides, as after a refused lookup in the mount)."""
         if p.zone is None or not p.parts:
@@ -645,53 +631,45 @@ class Sandbox:
             return parent, name, None, True
         if node is not None and node.is_dir:
             raise SandboxError(errno.EISDIR, f"{p.text} is a directory")
-        if node is not None:
-            g.may_open(self._caller, node, read=False, write=True, truncate=truncate)
-            self._regular(g, Op.WRITE, node)
         return parent, name, node, False
 
-    def _existing(self, g: Guard, parent: Node, name: bytes, zone: Zone) -> SandboxError:
-        """A creation met an existing name: sandboxfs's state or a mount (EACCES), an entry of
-        a create-only zone (EACCES), else EEXIST."""
-        self._find(g, Op.WRITE, parent, name)
-        g.refuse_existing(self._caller, parent, name, zone)
-        return SandboxError(errno.EEXIST, f"{parent.vpath(name)} already exists")
-
-    def _removable(self, g: Guard, p: VirtualPath) -> tuple[Node, bytes, Zone, StatLike, int]:
+    def _removal(self, g: Gate, p: VirtualPath) -> tuple[Node, bytes]:
+        """Where the entry to delete is, looked up as the kernel does before an unlink."""
         if p.zone is None:
             raise SandboxError(errno.EACCES, ZONE_ROOT_REASON)
         self._refuse_closed_zone(g, p, Op.DELETE)
-        parent, name = self._seen_parent(g, p)
-        zone = g.may_remove_in(self._caller, parent, name, Op.DELETE.value)
-        found = self._find(g, Op.DELETE, parent, name)
-        if found is None:
-            raise SandboxError(errno.ENOENT, f"{p.text} does not exist")
-        st, layer = found
-        g.may_remove(self._caller, parent, name, stat.S_ISDIR(st.st_mode), layer, Op.DELETE.value)
-        return parent, name, zone, st, layer
+        return self._seen_parent(g, p)
 
-    def _listable(self, g: Guard, p: VirtualPath) -> Node:
+    def _listable(self, g: Gate, p: VirtualPath) -> Node:
         self._refuse_closed_zone(g, p, Op.LIST)
         node = self._node(g, p)
         if not node.is_dir:
             raise SandboxError(errno.ENOTDIR, self._not_dir_reason(node))
-        g.may_list(self._caller, node)
+        g.opendir(self._caller, node)
         return node
 
     def _probe_op(self, op: Op, p: VirtualPath) -> None:
-        g = self._probe
+        """The checks of the operation `op` on p, through the gate without effect: the same
+        `check_<op>` methods the operations run, on the same rules."""
+        g, caller = self._gate.without_effect(), self._caller
         if op is Op.READ:
-            self._readable(g, p)
+            node = self._file(g, p, Op.READ)
+            g.check_open(caller, node, read=True, write=False)
+            self._regular(g, Op.READ, node)
         elif op is Op.LIST:
             self._listable(g, p)
         elif op is Op.DELETE:
-            self._removable(g, p)
+            parent, name = self._removal(g, p)
+            g.check_remove(caller, parent, name)
         else:
-            parent, name, node, refused = self._target(g, p)
-            if node is None:
-                zone = g.may_create(self._caller, parent, name)
-                if refused:
-                    raise self._existing(g, parent, name, zone)
+            parent, name, existing, refused = self._target(g, p)
+            if existing is not None:
+                g.check_open(caller, existing, read=False, write=True)
+                self._regular(g, Op.WRITE, existing)
+                return
+            zone = g.check_create(caller, parent, name)
+            if refused:
+                g.existing(caller, parent, name, zone, errno.EEXIST)
 
     # ----- permissions (not audited) ----------------------------------------------------------
 
@@ -735,10 +713,14 @@ class Sandbox:
         """The file's contents (the first `max_bytes` of them, if given)."""
         limit = as_limit(max_bytes, "max_bytes")
         with self._call("read", path) as call:
-            node = self._readable(self._guard, self._path(call, path))
-            data = self._backend.read(node, limit)
-            self._guard.did(self._caller, Op.READ, node)
-            return data
+            g = self._gate
+            node = self._file(g, self._path(call, path), Op.READ)
+
+            def read() -> bytes:
+                self._regular(g, Op.READ, node)
+                return self._backend.read(node, limit)
+
+            return g.open(self._caller, node, read, read=True, write=False)
 
     def read_text(self, path: str, max_chars: int | None = None, encoding: str = "utf-8") -> str:
         """The file's text (the first `max_chars` characters, if given); undecodable bytes
@@ -756,8 +738,8 @@ class Sandbox:
     def stat(self, path: str) -> FileInfo:
         with self._call("stat", path, checked=False) as call:
             p = self._path(call, path)
-            self._refuse_closed_zone(self._guard, p, Op.READ)
-            node = self._node(self._guard, p)
+            self._refuse_closed_zone(self._gate, p, Op.READ)
+            node = self._node(self._gate, p)
             zone = p.zone.value if p.zone is not None else None
             st: StatLike | None = None
             if node.ino >= FIRST_DYNAMIC_INO:
@@ -781,21 +763,22 @@ class Sandbox:
             raise TypeError(f"pattern must be a str or None, not {type(pattern).__name__}")
         with self._call("list", path) as call:
             p = self._path(call, path)
-            g = self._guard
+            g = self._gate
+            policy = g.guard.policy
             found: list[str] = []
             pending: list[tuple[Node, str]] = []
             if p.zone is None:
-                for zone in g.policy.zones:
+                for zone in policy.zones:
                     found.append(f"/{zone.value}")
-                    if recursive and g.policy.decide(zone, Op.LIST).allowed:
+                    if recursive and policy.decide(zone, Op.LIST).allowed:
                         root = self._backend.zone_roots[zone]
-                        g.may_list(self._caller, root)
+                        g.opendir(self._caller, root)
                         pending.append((root, f"/{zone.value}"))
             else:
                 pending.append((self._listable(g, p), p.text))
             while pending:
                 node, prefix = pending.pop()
-                own_only = node.zone is not None and g.reads_own(node.zone)
+                own_only = node.zone is not None and g.guard.reads_own(node.zone)
                 for name, is_dir in self._backend.list_entries(node):
                     own = own_only and self._created_here(node, name)
                     if not g.listed(node, name, is_dir, own=own):
@@ -820,13 +803,13 @@ class Sandbox:
             return False
         return found is not None and self._backend.created(parent.zone, found[0])
 
-    def _descend(self, g: Guard, parent: Node, name: bytes) -> Node | None:
+    def _descend(self, g: Gate, parent: Node, name: bytes) -> Node | None:
         """A subdirectory to list recursively, or None if it cannot be (skipped)."""
         try:
             child = self._lookup(g, parent, name)
             if child is None or not child.is_dir:
                 return None
-            g.may_list(self._caller, child)
+            g.opendir(self._caller, child)
         except (SandboxError, OSError):
             return None
         return child
@@ -843,89 +826,49 @@ class Sandbox:
 
     def _put(self, action: str, path: str, payload: bytes, append: bool) -> int:
         with self._call(action, path) as call:
-            parent, name, node, _ = self._target(
-                self._guard, self._path(call, path), truncate=not append
-            )
+            g = self._gate
+            parent, name, node, _ = self._target(g, self._path(call, path))
             if node is None:
                 self._create_file(parent, name, payload)
-            else:
-                self._rewrite(node, payload, append)
+                return len(payload)
+            existing = node
+
+            def write(before: Callable[[int], None]) -> None:
+                self._backend.write(existing, payload, append, before)
+
+            def regular() -> None:
+                self._regular(g, Op.WRITE, existing)
+
+            g.replace(self._caller, node, len(payload), append, write, check=regular)
             return len(payload)
 
-    def _rewrite(self, node: Node, payload: bytes, append: bool) -> None:
-        g = self._guard
-        expected = -1
-
-        def before(old: int) -> None:
-            nonlocal expected
-            new = old + len(payload) if append else len(payload)
-            if append or old == 0:
-                g.may_resize(self._caller, node, old, new)
-            else:  # as the mount: truncated (never refused), then written
-                g.may_resize(self._caller, node, old, 0)
-                try:
-                    g.may_resize(self._caller, node, 0, new)
-                except BaseException:
-                    g.freed(node.zone, -old, 0)  # charge again what truncating gave back
-                    raise
-            expected = new
-
-        try:
-            self._backend.write(node, payload, append, before)
-        except BaseException:
-            if expected >= 0:  # charged, then failed: give back what was not written
-                try:
-                    actual = self._backend.stat(node).st_size
-                except (SandboxError, OSError):
-                    actual = expected - len(payload)
-                g.freed(node.zone, max(0, expected - actual), 0)
-            raise
-        g.did(self._caller, Op.WRITE, node, nbytes=len(payload))
-
     def _create_file(self, parent: Node, name: bytes, payload: bytes) -> Node:
-        g = self._guard
-        zone = g.may_create(self._caller, parent, name)  # charges one entry
-        try:  # sizes are judged before anything exists
-            g.may_resize(self._caller, Node(0, zone, parent, name, False), 0, len(payload))
-        except BaseException:
-            g.freed(zone, 0, 1)
-            raise
-        try:
-            node = self._backend.create(parent, name, payload)
-        except BaseException as exc:
-            g.freed(zone, len(payload), 1)
-            if isinstance(exc, OSError) and exc.errno == errno.EEXIST:
-                raise self._existing(g, parent, name, zone) from None
-            raise
+        def create(flags: int, mode: int) -> tuple[Node, None]:
+            return self._backend.create(parent, name, payload), None
+
+        node = self._gate.create(self._caller, parent, name, create, size=len(payload), record=True)
         self._held.append(node)
-        g.did(self._caller, Op.WRITE, node, nbytes=len(payload), detail="create")
         return node
 
     def _make_dir(self, parent: Node, name: bytes) -> Node:
-        g = self._guard
-        zone = g.may_create(self._caller, parent, name, "mkdir")
-        try:
+        def make(mode: int) -> tuple[Node, None]:
             node = self._backend.mkdir(parent, name)
-        except BaseException as exc:
-            g.freed(zone, 0, 1)
-            if isinstance(exc, OSError) and exc.errno == errno.EEXIST:
-                raise self._existing(g, parent, name, zone) from None
-            raise
-        self._held.append(node)
-        g.did(self._caller, Op.WRITE, node, detail="mkdir")
-        return node
+            self._held.append(node)
+            return node, None
+
+        return self._gate.make(self._caller, parent, name, "mkdir", make)
 
     def _ensure_dir(self, parent: Node, name: bytes, create: bool, last: bool) -> Node:
         """parent/name as a directory: the existing one, or (create) a new one."""
         try:
-            child = self._lookup(self._guard, parent, name)
+            child = self._lookup(self._gate, parent, name)
         except SandboxError as exc:
             if exc.errno != errno.ENOENT or not create:
                 raise
             child = None
         if child is None:
             if not create:
-                raise self._absent(self._guard, parent, name)
+                raise self._absent(self._gate, parent, name)
             return self._make_dir(parent, name)
         if not child.is_dir:
             if last:
@@ -942,13 +885,13 @@ class Sandbox:
                 if parents:
                     return
                 raise SandboxError(errno.EEXIST, f"{p.text} already exists")
-            self._refuse_closed_zone(self._guard, p, Op.WRITE, "mkdir")
+            self._refuse_closed_zone(self._gate, p, Op.WRITE, "mkdir")
             node = self._backend.zone_roots[p.zone]
             for name in p.parts[:-1]:
                 node = self._ensure_dir(node, name, create=parents, last=False)
             name = p.parts[-1]
             try:
-                existing = self._lookup(self._guard, node, name)
+                existing = self._lookup(self._gate, node, name)
             except SandboxError as exc:
                 if exc.errno != errno.ENOENT:
                     raise
@@ -963,15 +906,13 @@ class Sandbox:
     def delete(self, path: str) -> None:
         """Delete a file, or an empty directory."""
         with self._call("delete", path) as call:
-            g = self._guard
-            parent, name, zone, st, layer = self._removable(g, self._path(call, path))
-            self._backend.remove(parent, name, st, layer)
-            g.removed(zone, st)
-            rmdir = "rmdir" if stat.S_ISDIR(st.st_mode) else None
-            vpath = parent.vpath(name)
-            g.record(
-                "delete", vpath, zone, pid=self._caller.pid, uid=self._caller.uid, detail=rmdir
-            )
+            g = self._gate
+            parent, name = self._removal(g, self._path(call, path))
+
+            def remove(zone: Zone, st: StatLike, layer: int) -> None:
+                self._backend.remove(parent, name, st, layer)
+
+            g.remove(self._caller, parent, name, remove)
 
     def rename(self, src: str, dst: str) -> None:
         """Move src to dst within one zone (replacing a file, or an empty directory, at dst)."""
@@ -982,39 +923,18 @@ class Sandbox:
                     ZONE_ROOT_REASON if ps.zone is None else self._guard.policy.root_create_reason
                 )
                 raise SandboxError(errno.EACCES, reason)
-            g, caller = self._guard, self._caller
+            g, caller = self._gate, self._caller
             for end in (ps, pd):
                 self._refuse_closed_zone(g, end, Op.WRITE, "rename")
             old_parent, old_name = self._seen_parent(g, ps)
             new_parent, new_name = self._parent(g, pd)
-            zone = g.may_rename_in(caller, old_parent, old_name, new_parent, new_name, True)
-            found = self._find(g, Op.WRITE, old_parent, old_name)
-            if found is None:
-                raise SandboxError(errno.ENOENT, f"{ps.text} does not exist")
-            src_st, layer = found
-            g.may_rename_from(caller, old_parent, old_name, layer, pd.text)
-            g.may_rename_to(caller, new_parent, new_name)
-            try:
-                dst_st = self._backend.target(new_parent, new_name)
-            except HiddenEntry as exc:
-                raise g.hidden_target(
-                    caller, "rename", ps.text, zone, pd.text, exc.reason
-                ) from None
-            g.may_move(
-                caller,
-                old_parent,
-                old_name,
-                src_st,
-                new_parent,
-                new_name,
-                ps.text,
-                pd.text,
-                replaces=dst_st is not None,
-            )
-            self._backend.rename(old_parent, old_name, layer, new_parent, new_name, src_st, dst_st)
-            if dst_st is not None and dst_st.st_ino != src_st.st_ino:
-                g.removed(zone, dst_st)
-            g.record("rename", ps.text, zone, pid=caller.pid, uid=caller.uid, dest=pd.text)
+
+            def rename(zone: Zone, src_st: StatLike, layer: int, dst_st: StatLike | None) -> None:
+                self._backend.rename(
+                    old_parent, old_name, layer, new_parent, new_name, src_st, dst_st
+                )
+
+            g.rename(caller, old_parent, old_name, new_parent, new_name, rename)
 
     # ----- LLM tools (tools.py) ------------------------------------------------------------
 
@@ -1066,22 +986,19 @@ class Sandbox:
     def _precheck(self, commit_id: bytes, layout: Mapping[tuple[bytes, ...], bytes]) -> None:
         """Run every creation's checks on nodes that do not exist yet, through the permission
         guard; the first refusal is audited (as the write it would have been) and raised."""
-        g, caller = self._probe, self._caller
+        g, caller = self._gate.without_effect(), self._caller
         staged = self._backend.zone_roots[Zone.STAGED]
         dirs: dict[tuple[bytes, ...], Node] = {}
 
         def check(parent: Node, name: bytes, kind: str, size: int = 0) -> Node:
             try:
-                zone = g.may_create(caller, parent, name, kind)
-                node = Node(0, zone, parent, name, kind == "mkdir")
-                if kind != "mkdir":
-                    g.may_resize(caller, node, 0, size)
+                zone = g.check_create(caller, parent, name, kind, size=size)
             except SandboxError as exc:
                 decision = Decision(False, exc.errno, exc.reason, exc.rule)
                 raise self._guard.refuse(
                     caller, Op.WRITE, parent.vpath(name), parent.zone, decision
                 ) from None
-            return node
+            return Node(0, zone, parent, name, kind == "mkdir")
 
         dirs[()] = check(staged, commit_id, "mkdir")
         for parts, data in layout.items():

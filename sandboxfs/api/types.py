@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..core.guard import AuditSink
 from ..core.policy import Zone
@@ -86,15 +86,3 @@ class Backend(Protocol):
 
 class ClosableSink(AuditSink, Protocol):
     def close(self) -> None: ...
-
-
-class NullSink:
-    """The permission guard's audit log: nothing is recorded."""
-
-    failing = False
-
-    def record(self, entry: dict[str, Any]) -> None:
-        pass
-
-    def try_flush(self) -> bool:
-        return True

@@ -317,6 +317,22 @@ class Broker:
                 best, best_kind = rule, kind
         return best, best_kind
 
+    def verdict(self, trust: str, zone: str, kinds: Sequence[Kind], path: str) -> Outcome:
+        """What consult would answer now, changing nothing: no request made or joined, no
+        once-grant used (a permission probe's answer)."""
+        rule, kind = self.rule_for(trust, zone, kinds)
+        what = f"{kind.value} of {path}"
+        if rule.verdict is Verdict.PRE_APPROVED or self.mode is Mode.OFF:
+            return Outcome(True, rule)
+        if rule.verdict is Verdict.BLOCKED:
+            return Outcome(False, rule, f"{what} is blocked by approval rule {rule.id}")
+        grant = self._grant_for(kind, path)
+        if grant is not None and grant.allow:
+            return Outcome(True, rule, f"{what}: allowed by grant {grant.id}", grant=grant)
+        if grant is not None:
+            return Outcome(False, rule, f"{what} was refused by the user (rule {rule.id})")
+        return Outcome(False, rule, f"{what} needs the user's approval (rule {rule.id})")
+
     def consult(
         self,
         trust: str,

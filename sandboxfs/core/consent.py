@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from .approvals import NET, Answer, Broker, Grant, Kind, Outcome, Request, Verdict
 from .errors import SandboxError
-from .policy import Decision, Op, Zone
+from .policy import Decision, Op, Rule, Zone
 
 if TYPE_CHECKING:
     from .guard import Caller
@@ -49,6 +49,15 @@ class Consent:
         # handle to remember; and the grants revoked since, which such handles lose.
         self.last_grant: int | None = None
         self.revoked_grants: set[int] = set()
+        self.probing = False  # answering a permission probe: decide, ask nobody, change nothing
+
+    def probe(self, refuse: Callable[..., SandboxError]) -> Consent:
+        """This consent as a permission probe sees it (sandboxfs.core.gate.without_effect):
+        the same rules and grants, judged without making, joining or answering a request and
+        without an audit entry (`refuse`: the probe's own guard's)."""
+        copy = Consent(lambda *a, **k: None, refuse, self._trust, self._comm, lambda: None)
+        copy.broker, copy.revoked_grants, copy.probing = self.broker, self.revoked_grants, True
+        return copy
 
     def check(
         self,
@@ -65,6 +74,12 @@ class Consent:
         broker = self.broker
         if broker is None or not broker.rules or not kinds:
             return
+        if self.probing:
+            outcome = broker.verdict(self._trust(), zone.value, kinds, path)
+            if outcome.allowed:
+                return
+            decision = Decision(False, errno.EACCES, outcome.reason, Rule.APPROVAL)
+            raise self._refuse(caller, op, path, zone, decision, dest=dest)
         self.tidy()
         outcome = self._consult(broker, caller, kinds, zone, path, dest)
         if outcome.request is not None and outcome.new:
@@ -85,7 +100,7 @@ class Consent:
             return
         if outcome.limited:
             self._use(caller, outcome, zone, path, dest)
-        decision = Decision(False, errno.EACCES, outcome.reason, "approval")
+        decision = Decision(False, errno.EACCES, outcome.reason, Rule.APPROVAL)
         raise self._refuse(caller, op, path, zone, decision, dest=dest)
 
     def _consult(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .policy import Rule
+
 
 class SandboxError(Exception):
     """An operation refused by policy or failed in the store, with its errno and reason.
@@ -10,7 +12,7 @@ class SandboxError(Exception):
     typed exceptions (sandboxfs.api.errors).
     """
 
-    def __init__(self, errno: int, reason: str = "", rule: str = "") -> None:
+    def __init__(self, errno: int, reason: str = "", rule: Rule = Rule.MATRIX) -> None:
         super().__init__(errno, reason)
         self.errno = errno
         self.reason = reason

@@ -3,9 +3,9 @@
 Each method takes the caller, what it asks for and where (store nodes: a parent and a name,
 or an existing node), and either returns (allowed) or audits the refusal and raises
 `SandboxError` with the errno and a reason written for the agent that was refused. Allowed
-operations are recorded through `record` once they happened. The FUSE adapter and the Python
-API call the same methods, so a rule lives here once; approvals and live promotion hook in
-here too.
+operations are recorded through `record` once they happened. The gate (sandboxfs.core.gate)
+strings these rules together, one order per operation, for the FUSE adapter and the Python API
+alike: a rule lives here once, and the order it runs in lives there once.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from .policy import (
     Decision,
     Op,
     Policy,
+    Rule,
     Trust,
     Zone,
     cross_zone_reason,
@@ -623,7 +624,7 @@ class Guard:
                 f"{vpath} {what}: it cannot be removed, renamed, replaced or changed through "
                 f"/repo at any trust level (what is inside it can, where the level allows)"
             )
-            decision = Decision(False, errno.EBUSY, reason, "protect")
+            decision = Decision(False, errno.EBUSY, reason, Rule.PROTECT)
             raise self.refuse(caller, op, vpath, parent.zone, decision, dest=dest)
 
     # ----- protected paths ------------------------------------------------------------------------
@@ -735,7 +736,7 @@ class Guard:
             f"{dst}: {problem}: refused ({rule} may change only branch tracking, remotes with "
             f"ordinary URLs, user.* and similar settings; change others outside the sandbox)"
         )
-        decision = Decision(False, errno.EROFS, reason, "protect")
+        decision = Decision(False, errno.EROFS, reason, Rule.PROTECT)
         raise self.refuse(caller, "rename", src, zone, decision, dest=dst)
 
     # ----- reading and changing existing entries --------------------------------------------------
@@ -790,7 +791,7 @@ class Guard:
         assert node.zone is not None
         if grant is not None and grant in self.consent.revoked_grants:
             reason = f"{node.vpath()} was opened under approval grant {grant}, since revoked"
-            decision = Decision(False, errno.EACCES, reason, "approval")
+            decision = Decision(False, errno.EACCES, reason, Rule.APPROVAL)
             raise self.refuse(
                 caller, Op.WRITE if write else Op.READ, node.vpath(), node.zone, decision
             )
@@ -876,21 +877,40 @@ class Guard:
         """Opening a directory to list it (never a deny-listed one, nor one inside); allowed
         listings are audited at once."""
         if node.zone is not None:
+            self.check_listing(caller, node)
+            self.did(caller, Op.LIST, node)
+
+    def check_listing(self, caller: Caller, node: Node) -> None:
+        """may_list without its entry: the matrix (or an own directory), then the deny list."""
+        if node.zone is not None:
             self.check_list(caller, node)
             self._reject_denied_node(caller, Op.LIST, node)
-            self.did(caller, Op.LIST, node)
 
     def _check_layer(
         self, caller: Caller, node: Node, op: Op | str, child: bytes | None = None
     ) -> None:
         """Only the first workers directory (<project>/.workers) can be changed."""
-        if node.zone is Zone.WORKERS and node.layer > 0:
-            vpath = node.vpath(child)
+        self._reject_layer(caller, op, node, child, node.layer)
+
+    def _reject_layer(
+        self,
+        caller: Caller,
+        op: Op | str,
+        node: Node,
+        name: bytes | None,
+        layer: int,
+        dest: str | None = None,
+    ) -> None:
+        """The one read-only workers-layer rule: what comes from a SANDBOXFS_WORKERS_PATH
+        directory (layer > 0) is never changed, removed or renamed (node/name, or node)."""
+        if node.zone is Zone.WORKERS and layer > 0:
+            vpath = node.vpath(name)
             reason = (
                 f"{vpath} comes from SANDBOXFS_WORKERS_PATH, which is read-only; "
                 f"only <project>/.workers can be changed"
             )
-            raise self.refuse(caller, op, vpath, node.zone, Decision(False, errno.EROFS, reason))
+            decision = Decision(False, errno.EROFS, reason)
+            raise self.refuse(caller, op, vpath, node.zone, decision, dest=dest)
 
     # ----- sizes and quotas -----------------------------------------------------------------------
 
@@ -1073,10 +1093,7 @@ class Guard:
         assert zone is not None
         self._reject_protected(caller, Op.DELETE, parent, name, is_dir)
         self._reject_frozen(caller, Op.DELETE, parent, name)
-        if zone is Zone.WORKERS and layer > 0:
-            vpath = parent.vpath(name)
-            reason = f"{vpath} comes from SANDBOXFS_WORKERS_PATH, which is read-only"
-            raise self.refuse(caller, op, vpath, zone, Decision(False, errno.EROFS, reason))
+        self._reject_layer(caller, op, parent, name, layer)
         if not is_dir:
             self._reject_private_key(caller, Op.DELETE, parent, name, layer)
         self.consent.check(caller, [Kind.DELETE], zone, parent.vpath(name), op)  # approvals
@@ -1129,13 +1146,7 @@ class Guard:
     def may_rename_from(
         self, caller: Caller, old_parent: Node, name_old: bytes, layer: int, dest: str
     ) -> None:
-        zone = old_parent.zone
-        src = old_parent.vpath(name_old)
-        if zone is Zone.WORKERS and layer > 0:
-            reason = f"{src} comes from SANDBOXFS_WORKERS_PATH, which is read-only"
-            raise self.refuse(
-                caller, "rename", src, zone, Decision(False, errno.EROFS, reason), dest=dest
-            )
+        self._reject_layer(caller, "rename", old_parent, name_old, layer, dest)
 
     def may_rename_to(self, caller: Caller, new_parent: Node, name_new: bytes) -> None:
         self._check_layer(caller, new_parent, Op.WRITE, name_new)

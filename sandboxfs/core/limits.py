@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .policy import Decision, deny, fold
+from .policy import Decision, Rule, deny, fold
 
 _TALLY = struct.Struct("<qq")
 _RECOUNT_INTERVAL = 1.0
@@ -84,7 +84,7 @@ class ZoneLimits:
             errno.EACCES,
             f"{vpath}: {what} a file whose name does not end with an allowed suffix is refused "
             f"in {zone}; allowed suffixes: {listed}",
-            "suffix",
+            Rule.SUFFIX,
         )
 
     def size_decision(self, vpath: str, zone: str, size: int) -> Decision:
@@ -92,7 +92,7 @@ class ZoneLimits:
             errno.EFBIG,
             f"{vpath} would be {size} bytes; files in {zone} may be at most "
             f"{self.max_file_bytes} bytes (max_file_bytes)",
-            "size",
+            Rule.SIZE,
         )
 
 
@@ -148,7 +148,7 @@ class Tally:
             errno.EDQUOT,
             f"{vpath}: the quota of {self.zone} is exhausted: {what}; delete files in "
             f"{self.zone} to make room",
-            "quota",
+            Rule.QUOTA,
         )
 
     def credit(self, nbytes: int, nfiles: int) -> None:

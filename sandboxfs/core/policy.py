@@ -138,6 +138,20 @@ class ZoneAccess:
         return bool(self.ops) or self.create_only
 
 
+class Rule(StrEnum):
+    """Which rule refused, for front ends that name it (the API's exception types)."""
+
+    MATRIX = ""  # the trust matrix, and every refusal without a rule of its own
+    DENY = "deny"  # the deny list, and files that hold a private key
+    PROTECT = "protect"  # protected paths, git's code-running surface, pinned zone directories
+    SUFFIX = "suffix"
+    SIZE = "size"  # max_file_bytes
+    QUOTA = "quota"
+    APPROVAL = (
+        "approval"  # an approval rule (core.approvals): asked, blocked or refused by the user
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """The outcome of a policy check: allowed, or the errno and reason for the refusal."""
@@ -145,15 +159,13 @@ class Decision:
     allowed: bool
     errno: int = 0
     reason: str = ""
-    # Which rule refused, for front ends that name it (the API's exception types): "" for the
-    # matrix, else "deny", "protect", "suffix", "size" or "quota".
-    rule: str = ""
+    rule: Rule = Rule.MATRIX  # which rule refused
 
 
 ALLOW = Decision(True)
 
 
-def deny(err: int, reason: str, rule: str = "") -> Decision:
+def deny(err: int, reason: str, rule: Rule = Rule.MATRIX) -> Decision:
     return Decision(False, err, reason, rule)
 
 
@@ -511,7 +523,7 @@ class Policy:
             f"read, listed, created, changed, renamed or deleted through sandboxfs, at every "
             f"trust level (where the level may list the zone they are shown, with their "
             f"attributes)",
-            "deny",
+            Rule.DENY,
         )
 
     def private_key_decision(self, vpath: str, pattern: str, what: str) -> Decision:
@@ -521,7 +533,7 @@ class Policy:
             f"{vpath} holds {what} (files matching {pattern!r} are refused when their contents "
             f"hold a private key); it is never read, changed, renamed or deleted through "
             f"sandboxfs, at every trust level",
-            "deny",
+            Rule.DENY,
         )
 
     def protect_decision(self, vpath: str, pattern: str) -> Decision:
@@ -530,7 +542,7 @@ class Policy:
             f"{vpath} is protected by the pattern {pattern!r}: it can be read where the trust "
             f"level allows, but never created, changed, renamed, linked or deleted through "
             f"sandboxfs",
-            "protect",
+            Rule.PROTECT,
         )
 
     def git_decision(self, vpath: str, rule: str) -> Decision:
@@ -552,7 +564,7 @@ class Policy:
                 f"{vpath}: no symbolic link, and no second name for a file from outside, is made "
                 f"inside a git directory, at any trust level: one there would move what git "
                 f"reads into the working tree (git's code-running surface)",
-                "protect",
+                Rule.PROTECT,
             )
         else:
             why = f"git runs code or finds its repository from what {rule} holds"
@@ -561,7 +573,7 @@ class Policy:
             f"{vpath} is protected, part of git's code-running surface ({rule}): {why}; it can "
             f"be read where the trust level allows, but never created, changed, renamed, linked or "
             f"deleted through sandboxfs, at any trust level",
-            "protect",
+            Rule.PROTECT,
         )
 
     def protected(

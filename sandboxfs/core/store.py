@@ -538,6 +538,24 @@ class Store:
             return None
         return self.lstat(dir_fd, name)
 
+    def target(self, parent: Node, name: bytes) -> Stat | None:
+        """lstat of a rename's or link's destination: in the workers root, the first
+        (writable) layer."""
+        return self.stat_child(parent, name, 0)
+
+    def created(self, zone: Zone, st: StatLike) -> bool:
+        """Whether the node known for st was created through this mount (the same inode and,
+        where the filesystem keeps one, birth time)."""
+        known = self.by_key.get((zone, st.st_dev, st.st_ino))
+        return (
+            known is not None
+            and known.created_here
+            and (not known.birth_ns or known.birth_ns == getattr(st, "st_birthtime_ns", 0))
+        )
+
+    def stat(self, node: Node) -> StatLike:
+        return self.stat_node(node)
+
     def find(self, parent: Node, name: bytes) -> tuple[Stat, int] | None:
         """lstat of a name in a directory node and its layer; for the workers root, the first
         layer holding the name wins."""

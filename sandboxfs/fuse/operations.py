@@ -1,10 +1,10 @@
 """The pyfuse3 adapter: a translator between FUSE callbacks and the core.
 
-Each callback resolves inodes to store nodes, asks the guard (sandboxfs.core.guard) whether the
-caller may do what it asks (the guard decides and audits refusals), has the store make the
-backing call, tells the guard what happened (the guard writes the entry), and answers the
-kernel: attribute replies (sandboxfs.fuse.replies), handles, lookup counts, the kernel's page cache.
-It decides nothing and builds no audit entry itself.
+Each callback resolves inodes to store nodes, calls the gate's method for its operation
+(sandboxfs.core.gate: the rules in their order, limits, the audit entry) with the backing call
+to make as the caller, and answers the kernel: attribute replies (sandboxfs.fuse.replies),
+handles, lookup counts, the kernel's page cache. It decides nothing and builds no audit entry
+itself.
 
 Handlers do their work synchronously between awaits, so the inode table never changes under
 a running callback. One guard (`_guarded`) turns `SandboxError` and `OSError` into
@@ -28,9 +28,10 @@ import pyfuse3
 
 from sandboxfs.core.context import confined_context, guide
 from sandboxfs.core.errors import SandboxError
+from sandboxfs.core.gate import Gate
 from sandboxfs.core.gitconfig import read_bounded
 from sandboxfs.core.guard import Guard, MountInfo
-from sandboxfs.core.policy import Op, Trust, Zone
+from sandboxfs.core.policy import Trust, Zone
 from sandboxfs.core.store import (
     CONTEXT_INO,
     CONTEXT_NAME,
@@ -52,13 +53,11 @@ __all__ = ["FileHandle", "MountInfo", "SandboxOperations"]
 
 log = logging.getLogger(__name__)
 
-_SUID_SGID = stat.S_ISUID | stat.S_ISGID
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 # Files up to this size are handed to the kernel's page cache whole after a write that left
 # pages partly written (see _release); larger ones are re-read by the next reader instead.
 _KERNEL_STORE_LIMIT = 256 << 10
 _OPEN_STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_DIRECT
-_SECURITY_XATTR_PREFIX = b"security."
 
 # Callbacks that write an audit entry when they succeed: refused while the log is failing.
 _AUDITED_CALLBACKS = frozenset(
@@ -190,6 +189,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         super().__init__()
         self.store = store
         self.guard = guard
+        self.gate = Gate(guard, store)
         self.context_json = context_json
         self._write_guides()
         self._pid_namespace = os.readlink("/proc/self/ns/pid")
@@ -255,36 +255,17 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         """LOOKUP: the guard decides whether the name is visible (see Guard.visible); a
         CREATE, MKDIR, SYMLINK, MKNOD or LINK that follows a refused lookup reaches its own
         callback and is refused and audited there as `write`."""
-        zone = parent.zone
-        assert zone is not None
-        found = self._find(ctx, Op.READ, parent, name)
-        st, layer = found if found is not None else (None, 0)
-        created_here = False
-        if st is not None:
-            known = self.store.by_key.get((zone, st.st_dev, st.st_ino))
-            created_here = (
-                known is not None
-                and known.created_here
-                and (not known.birth_ns or known.birth_ns == st.st_birthtime_ns)
-            )
-        if not self.guard.visible(ctx, parent, name, st, created_here) or st is None:
+        found = self.gate.lookup(ctx, parent, name)
+        if found is None:
             return self.replies.negative_entry()
+        st, layer = found
         node = self.store.remember(parent, name, st, layer)
         return self.replies.attrs(node, st)
-
-    def _find(self, ctx: Any, op: Op, parent: Node, name: bytes) -> tuple[Stat, int] | None:
-        """store.find, with an entry that is never part of a zone (sandboxfs's state, another
-        mount) refused as absent and audited as `op`."""
-        try:
-            return self.store.find(parent, name)
-        except HiddenEntry as exc:
-            raise self.guard.hidden(ctx, op, parent, name, exc.reason) from None
 
     @_guarded
     def getattr(self, inode: int, ctx: Any) -> pyfuse3.EntryAttributes:
         node = self.store.get(inode)
-        if self.guard.generation:
-            self.guard.may_stat(ctx, node)
+        self.gate.getattr(ctx, node)
         return self.replies.node_attrs(node)
 
     @_guarded
@@ -294,57 +275,64 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         node = self.store.get(inode)
         handle = self._handles.get(fh) if fh is not None else None
         creating = isinstance(handle, FileHandle) and handle.created
-        self.guard.may_change(ctx, node, allow_created=creating or not fields.update_size)
-        self.replies.changing(node)
         fd = handle.fd if isinstance(handle, FileHandle) else None
-        changes: list[str] = []
-        if fields.update_size:
-            writable = handle is not None and handle.writable  # type: ignore[union-attr]
+        writable = isinstance(handle, FileHandle) and handle.writable
+        opened: list[int] = []
+        keeps_cache = False
+
+        def current_size() -> int:
+            self.replies.changing(node)
             wfd = fd if fd is not None and writable else self.store.reopen(node, os.O_WRONLY)
-            try:
-                old_size = os.fstat(wfd).st_size
-                self.guard.may_resize(ctx, node, old_size, attr.st_size)
-                try:
-                    with self._as_caller(ctx.uid, ctx.gid):  # growing a file allocates blocks
-                        os.truncate(wfd, attr.st_size)
-                except BaseException:
-                    self.guard.freed(node.zone, attr.st_size - old_size, 0)
-                    raise
-            finally:
-                if wfd != fd:
-                    os.close(wfd)
-            changes.append(f"size={attr.st_size}")
-        mode = owner = times = None
-        if fields.update_mode:
-            mode = stat.S_IMODE(attr.st_mode) & ~_SUID_SGID
-            changes.append(f"mode={mode:o}")
+            if wfd != fd:
+                opened.append(wfd)
+            return os.fstat(wfd).st_size
+
+        def truncate(new_size: int) -> None:
+            with self._as_caller(ctx.uid, ctx.gid):  # growing a file allocates blocks
+                os.truncate(opened[-1] if opened else fd, new_size)  # type: ignore[arg-type]
+
+        def change(mode: int | None) -> None:
+            nonlocal keeps_cache
+            self.replies.changing(node)
+            times = None
+            # A new mtime alone leaves the kernel's cached pages valid (`tar` sets it after
+            # writing): carry the cache stamp over, if it held up to now.
+            if fields.update_atime or fields.update_mtime:
+                if node.cache_stamp is None or fields.update_size:
+                    current = None
+                else:
+                    current = self.store.stat_node(node)
+                    keeps_cache = node.cache_stamp == (current.st_mtime_ns, current.st_size)
+                if fields.update_atime and fields.update_mtime:
+                    atime, mtime = attr.st_atime_ns, attr.st_mtime_ns
+                else:  # os.utime has no UTIME_OMIT: keep the other time as it is
+                    current = current or self.store.stat_node(node)
+                    atime = attr.st_atime_ns if fields.update_atime else current.st_atime_ns
+                    mtime = attr.st_mtime_ns if fields.update_mtime else current.st_mtime_ns
+                times = (atime, mtime)
+            if mode is not None or owner is not None or times is not None:
+                self.store.change_meta(node, mode, owner, times)
+
+        owner = None
         if fields.update_uid or fields.update_gid:
             owner = (
                 attr.st_uid if fields.update_uid else -1,
                 attr.st_gid if fields.update_gid else -1,
             )
-            changes.append(f"owner={owner[0]}:{owner[1]}")
-        # A new mtime alone leaves the kernel's cached pages valid (`tar` sets it after
-        # writing): carry the cache stamp over, if it held up to now.
-        keeps_cache = False
-        if fields.update_atime or fields.update_mtime:
-            if node.cache_stamp is None or fields.update_size:
-                current = None
-            else:
-                current = self.store.stat_node(node)
-                keeps_cache = node.cache_stamp == (current.st_mtime_ns, current.st_size)
-            if fields.update_atime and fields.update_mtime:
-                atime, mtime = attr.st_atime_ns, attr.st_mtime_ns
-            else:  # os.utime has no UTIME_OMIT: keep the other time as it is
-                current = current or self.store.stat_node(node)
-                atime = attr.st_atime_ns if fields.update_atime else current.st_atime_ns
-                mtime = attr.st_mtime_ns if fields.update_mtime else current.st_mtime_ns
-            times = (atime, mtime)
-            changes.append("times")
-        if mode is not None or owner is not None or times is not None:
-            self.store.change_meta(node, mode, owner, times)
-        if changes:
-            self.guard.did(ctx, Op.WRITE, node, detail="setattr " + " ".join(changes))
+        try:
+            self.gate.setattr(
+                ctx,
+                node,
+                size=(current_size, truncate, attr.st_size) if fields.update_size else None,
+                mode=attr.st_mode if fields.update_mode else None,
+                owner=owner,
+                times=bool(fields.update_atime or fields.update_mtime),
+                creating=creating,
+                action=change,
+            )
+        finally:
+            for wfd in opened:
+                os.close(wfd)
         attrs = self.replies.node_attrs(node)
         if keeps_cache:
             node.cache_stamp = (attrs.st_mtime_ns, attrs.st_size)
@@ -353,11 +341,12 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     @_guarded
     def readlink(self, inode: int, ctx: Any) -> bytes:
         node = self.store.get(inode)
-        if node.zone is None:
-            raise SandboxError(errno.EINVAL)
-        self.guard.may_read_link(ctx, node)
-        self.replies.changing(node)  # the kernel stops trusting a read link's atime
-        return self.store.readlink(node)
+
+        def read() -> bytes:
+            self.replies.changing(node)  # the kernel stops trusting a read link's atime
+            return self.store.readlink(node)
+
+        return self.gate.readlink(ctx, node, read)
 
     def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         """Drop what the kernel no longer references. Synchronous on purpose: pyfuse3 awaits
@@ -377,7 +366,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         node = self.store.get(inode)
         if not node.is_dir:
             raise SandboxError(errno.ENOTDIR)
-        self.guard.may_list(ctx, node)
+        self.gate.opendir(ctx, node)
         fh = self._next_fh
         self._next_fh += 1
         self._dirs[fh] = DirHandle(node, None, self.guard.generation, (ctx.pid, ctx.uid, ctx.gid))
@@ -388,8 +377,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         handle = self._dirs[fh]
         node = handle.node
         if handle.generation != self.guard.generation:
-            if node.zone is not None:
-                self.guard.check_list(_Caller(*handle.caller), node)
+            self.gate.relist(_Caller(*handle.caller), node)
             handle.generation = self.guard.generation
         if handle.entries is None or start_id == 0:
             handle.entries = self._dir_entries(node)
@@ -461,7 +449,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if (
             stat.S_ISDIR(st.st_mode)
             and not listed_as_dir
-            and not self.guard.listed(node, name, True, st.st_ino)
+            and not self.gate.listed(node, name, True, st.st_ino)
         ):
             return None
         return st
@@ -479,7 +467,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         return dots + [
             entry
             for entry in self.store.list_entries(node)
-            if self.guard.listed(node, entry[0], entry[3], entry[2])
+            if self.gate.listed(node, entry[0], entry[3], entry[2])
         ]
 
     def _virtual_child(self, node: Node, name: bytes) -> Node:
@@ -525,9 +513,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         node = self.store.get(inode)
         accmode = flags & os.O_ACCMODE
         wants_write = accmode != os.O_RDONLY or bool(flags & os.O_TRUNC)
+        if node.ino in (CONTEXT_INO, GUIDE_INO):
+            self.gate.open_document(ctx, node, write=wants_write)
         if node.ino == CONTEXT_INO:
-            if wants_write:
-                self.guard.may_write_context(ctx, node)
             # Not audited: the mount's public description, which `sandboxfs status` and
             # `mount` read to tell a live mount from a dead one. A process in a PID namespace
             # of its own (a program of `run`) is not shown the host's paths. Never from the
@@ -537,37 +525,29 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 document = confined_context(self.context_json)
             return self._new_handle(BlobHandle(document), keep_cache=False, direct_io=True)
         if node.ino == GUIDE_INO:  # the same, in plain text for the program
-            if wants_write:
-                self.guard.may_write_context(ctx, node)
             document = self.guides[0] if self._host_side(ctx.pid) else self.guides[1]
             document += self._pending_text()
             return self._new_handle(BlobHandle(document), keep_cache=False, direct_io=True)
         if node.zone is None or node.is_dir:
             raise SandboxError(errno.EISDIR)
-        self.guard.may_open(
-            ctx,
-            node,
-            read=accmode != os.O_WRONLY,
-            write=wants_write,
-            truncate=bool(flags & os.O_TRUNC),
+        truncate = bool(flags & os.O_TRUNC)
+
+        def open_file() -> int:
+            if truncate:
+                self.replies.changing(node)
+            return self.store.open_file(node, flags & ~_OPEN_STRIP)
+
+        comm = self.guard.process_names.get(ctx.pid)
+        read = accmode != os.O_WRONLY
+        fd = self.gate.open(
+            ctx, node, open_file, read=read, write=wants_write, truncate=truncate, comm=comm
         )
         grant = self.guard.consent.last_grant  # the approval grant that let it open, if any
-        limits = self.guard.zone_limits(node.zone)
-        old_size = -1
-        if flags & os.O_TRUNC:
-            self.replies.changing(node)
-            if limits.has_quota:
-                old_size = self.store.stat_node(node).st_size
-        fd = self.store.open_file(node, flags & ~_OPEN_STRIP)
         st = os.stat(fd)
-        if old_size > st.st_size:
-            self.guard.freed(node.zone, old_size - st.st_size, 0)
         stamp = (st.st_mtime_ns, st.st_size)
-        keep_cache = node.cache_stamp == stamp and not flags & os.O_TRUNC
+        keep_cache = node.cache_stamp == stamp and not truncate
         node.cache_stamp = stamp
-        comm = self.guard.process_names.get(ctx.pid)
-        if not wants_write:
-            self.guard.did(ctx, Op.READ, node, comm=comm)
+        limits = self.guard.zone_limits(node.zone)
         handle = FileHandle(fd, node, wants_write, False, ctx.pid, ctx.uid, ctx.gid, comm)
         handle.sized = limits.sizes_matter
         handle.grant = grant
@@ -596,7 +576,14 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if isinstance(handle, BlobHandle):
             return handle.data[off : off + size]
         if handle.read_generation != self.guard.generation:
-            self.guard.may_keep(handle, handle.node, True, False, handle.created, handle.grant)
+            self.gate.keep(
+                handle,
+                handle.node,
+                read=True,
+                write=False,
+                created=handle.created,
+                grant=handle.grant,
+            )
             handle.read_generation = self.guard.generation
         self.replies.changing(handle.node)  # the kernel stops trusting a read file's atime
         return os.pread(handle.fd, size, off)
@@ -606,48 +593,30 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         handle = self._handles[fh]
         if not isinstance(handle, FileHandle) or not handle.writable:
             raise SandboxError(errno.EBADF)
+        node = handle.node
         if handle.write_generation != self.guard.generation:
-            self.guard.may_keep(handle, handle.node, False, True, handle.created, handle.grant)
+            self.gate.keep(
+                handle, node, read=False, write=True, created=handle.created, grant=handle.grant
+            )
             handle.write_generation = self.guard.generation
-        if handle.node.zone is Zone.STAGED:
-            self._staged_write(handle)
-        self.replies.changing(handle.node)
-        if handle.sized:
-            return self._sized_write(handle, off, buf)
-        with self._as_caller(handle.uid, handle.gid):
-            written = os.pwrite(handle.fd, buf, off)
-        return _wrote(handle, off, written)
 
-    def _staged_write(self, handle: FileHandle) -> None:
-        """A handle may be older than the review that froze its staged commit: every write
-        through it asks the guard again (it alone, of every zone's writes, pays for that).
-
-        The mount runs without the writeback cache, so write(2), O_APPEND, sendfile, the
-        fallbacks of fallocate and copy_file_range (neither is implemented here) and the
-        writeback of a shared mapping all arrive here as WRITE requests."""
-        try:
-            self.guard.may_write_staged(handle, handle.node)
-        except SandboxError:
+        def frozen() -> None:
             # Pages of a shared mapping the kernel failed to write back stay in its cache as
             # the program changed them: the next open drops them (keep_cache is False), and
             # release hands the kernel the file as it is on disk where it can (_release).
-            handle.node.cache_stamp = None
+            node.cache_stamp = None
             handle.partial_pages = True
-            raise
 
-    def _sized_write(self, handle: FileHandle, off: int, buf: bytes) -> int:
-        """A write in a zone with max_file_bytes or a quota: checked and charged first."""
-        old_size = os.fstat(handle.fd).st_size
-        new_size = max(old_size, off + len(buf))
-        self.guard.may_resize(handle, handle.node, old_size, new_size)
-        try:
+        def pwrite() -> int:
+            self.replies.changing(node)
             with self._as_caller(handle.uid, handle.gid):
-                written = os.pwrite(handle.fd, buf, off)
-        except BaseException:
-            self.guard.freed(handle.node.zone, new_size - old_size, 0)
-            raise
-        if written < len(buf):
-            self.guard.freed(handle.node.zone, new_size - max(old_size, off + written), 0)
+                return os.pwrite(handle.fd, buf, off)
+
+        # The mount runs without the writeback cache, so write(2), O_APPEND, sendfile, the
+        # fallbacks of fallocate and copy_file_range (neither is implemented here) and the
+        # writeback of a shared mapping all arrive here as WRITE requests (Gate.write).
+        size = (lambda: os.fstat(handle.fd).st_size) if handle.sized else None
+        written = self.gate.write(handle, node, off, len(buf), pwrite, size=size, frozen=frozen)
         return _wrote(handle, off, written)
 
     async def flush(self, fh: int) -> None:
@@ -695,11 +664,14 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 node.cache_stamp = (st.st_mtime_ns, st.st_size)
         finally:
             os.close(handle.fd)
-        if handle.writable or handle.created:
-            detail = "create" if handle.created else None
-            self.guard.did(
-                handle, Op.WRITE, node, comm=handle.comm, nbytes=handle.bytes_written, detail=detail
-            )
+        self.gate.release(
+            handle,
+            node,
+            wrote=handle.writable,
+            created=handle.created,
+            nbytes=handle.bytes_written,
+            comm=handle.comm,
+        )
 
     def _complete_kernel_copy(self, node: Node, fd: int) -> tuple[int, int] | None:
         """After writes that left pages partly written (`tar` writes 10 KiB records; most files
@@ -737,35 +709,27 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         parent = self.store.get(parent_inode)
-        zone = self.guard.may_create(ctx, parent, name)
-        self.replies.changing(parent)
-        open_flags = flags & ~(os.O_NOCTTY | os.O_DIRECT)
-        if self.guard.create_only(zone):
-            open_flags |= os.O_EXCL  # never reopen an existing file through "create"
-        try:
+
+        def make(open_flags: int, file_mode: int) -> tuple[tuple[int, Stat], Stat]:
+            self.replies.changing(parent)
             dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
             with self._as_caller(ctx.uid, ctx.gid):
-                fd = self.store.create_file(dfd, name, open_flags, stat.S_IMODE(mode) & ~_SUID_SGID)
-        except BaseException as exc:
-            self.guard.freed(zone, 0, 1)
-            err = exc.errno if isinstance(exc, OSError) else None
-            if err in (errno.EEXIST, errno.EISDIR, errno.EXDEV):
-                self._find(ctx, Op.WRITE, parent, name)  # sandboxfs's state, a mount: EACCES
-            if err == errno.EEXIST:
-                self.guard.refuse_existing(ctx, parent, name, zone)
-            if err == errno.EXDEV:  # the name is the root of another mount
-                self.guard.refuse_mount_root(ctx, parent, name, zone)
-            raise
-        try:
-            if self.running_as_root and (ctx.uid != 0 or ctx.gid != 0):
-                os.fchown(fd, ctx.uid, ctx.gid)
-            st = fstat(fd)
-        except BaseException:
-            os.close(fd)
-            raise
+                fd = self.store.create_file(dfd, name, open_flags, file_mode)
+            try:
+                if self.running_as_root and (ctx.uid != 0 or ctx.gid != 0):
+                    os.fchown(fd, ctx.uid, ctx.gid)
+                st = fstat(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            return (fd, st), st
+
+        fd, st = self.gate.create(
+            ctx, parent, name, make, flags=flags & ~(os.O_NOCTTY | os.O_DIRECT), mode=mode
+        )
+        zone = parent.zone
         node = self.store.remember(parent, name, st, 0)
         node.created_here = True
-        self.guard.created(zone, st)
         node.cache_stamp = (st.st_mtime_ns, st.st_size)
         node.open_fds = (*node.open_fds, fd)
         comm = self.guard.process_names.get(ctx.pid)
@@ -780,43 +744,38 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         ctx: Any,
         parent: Node,
         name: bytes,
-        detail: str,
-        make: Callable[[int], None],
+        kind: str,
+        make: Callable[[int, int], None],
         mode: int = 0,
     ) -> pyfuse3.EntryAttributes:
-        """mkdir, symlink and mknod: checks, the backing call as the caller, the new node."""
-        zone = self.guard.may_create(ctx, parent, name, detail, mode)
-        self.replies.changing(parent)
-        try:
+        """mkdir, symlink and mknod: the gate's checks, the backing call as the caller (with
+        the mode the gate gives), the new node."""
+
+        def made(new_mode: int) -> tuple[tuple[Node, Stat], Stat]:
+            self.replies.changing(parent)
             dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
             with self._as_caller(ctx.uid, ctx.gid):
-                make(dfd)
-        except BaseException as exc:
-            self.guard.freed(zone, 0, 1)
-            if isinstance(exc, OSError) and exc.errno in (errno.EEXIST, errno.EADDRINUSE):
-                # Only a creation that failed can have met sandboxfs's state or a mount.
-                self._find(ctx, Op.WRITE, parent, name)
-                self.guard.refuse_existing(ctx, parent, name, zone)
-            raise
-        dfd = self.store.child_dir_fd(parent, 0)
-        self._own(dfd, name, ctx)
-        st = self.store.lstat(dfd, name)
-        if st is None:
-            raise SandboxError(errno.ENOENT, "the new entry vanished")
-        node = self.store.remember(parent, name, st, 0)
-        node.created_here = True
-        self.guard.created(zone, st)
-        self.guard.did(ctx, Op.WRITE, node, detail=detail)
+                make(dfd, new_mode)
+            dfd = self.store.child_dir_fd(parent, 0)
+            self._own(dfd, name, ctx)
+            st = self.store.lstat(dfd, name)
+            if st is None:
+                raise SandboxError(errno.ENOENT, "the new entry vanished")
+            node = self.store.remember(parent, name, st, 0)
+            node.created_here = True
+            return (node, st), st
+
+        node, st = self.gate.make(ctx, parent, name, kind, made, mode=mode)
         return self.replies.attrs(node, st)
 
     @_guarded
     def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> pyfuse3.EntryAttributes:
         parent = self.store.get(parent_inode)
 
-        def make(dfd: int) -> None:
-            self.store.make_dir(dfd, name, stat.S_IMODE(mode) & ~_SUID_SGID)
+        def make(dfd: int, new_mode: int) -> None:
+            self.store.make_dir(dfd, name, stat.S_IMODE(new_mode))
 
-        return self._make_entry(ctx, parent, name, "mkdir", make)
+        return self._make_entry(ctx, parent, name, "mkdir", make, stat.S_IFDIR | stat.S_IMODE(mode))
 
     @_guarded
     def symlink(
@@ -824,7 +783,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     ) -> pyfuse3.EntryAttributes:
         parent = self.store.get(parent_inode)
 
-        def make(dfd: int) -> None:
+        def make(dfd: int, new_mode: int) -> None:
             self.store.make_symlink(dfd, name, target)
 
         return self._make_entry(ctx, parent, name, "symlink", make)
@@ -835,8 +794,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     ) -> pyfuse3.EntryAttributes:
         parent = self.store.get(parent_inode)
 
-        def make(dfd: int) -> None:
-            self.store.make_node(dfd, name, stat.S_IFMT(mode) | (stat.S_IMODE(mode) & ~_SUID_SGID))
+        def make(dfd: int, new_mode: int) -> None:
+            self.store.make_node(dfd, name, new_mode)
 
         return self._make_entry(ctx, parent, name, "mknod", make, mode)
 
@@ -846,60 +805,38 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     ) -> pyfuse3.EntryAttributes:
         node = self.store.get(inode)
         parent = self.store.get(new_parent_inode)
-        src, dest = node.vpath(), parent.vpath(new_name)
-        self.guard.may_link(ctx, node, parent, new_name)
-        try:
-            self.store.stat_child(parent, new_name, 0)
-        except HiddenEntry as exc:  # never onto sandboxfs's state or another mount
-            raise self.guard.hidden_target(
-                ctx, "link", src, parent.zone, dest, exc.reason
-            ) from None
-        self.replies.changing(node, parent)
-        # Every check and walk with the daemon's identity, as create does: only the link
-        # itself is the caller's (a caller cannot search the state dir above the zone roots).
-        dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
-        src_fd = self.store.link_source(node)
-        with self._as_caller(ctx.uid, ctx.gid):
-            self.store.link(src_fd, node.name, dfd, new_name)
-        st = self.store.lstat(dfd, new_name)
-        if st is None:
-            raise SandboxError(errno.ENOENT, "the new link vanished")
-        self.store.remember(parent, new_name, st, 0)
-        self.guard.did(ctx, "link", node, path=src, dest=dest)
+
+        def link() -> Stat:
+            self.replies.changing(node, parent)
+            # Every check and walk with the daemon's identity, as create does: only the link
+            # itself is the caller's (a caller cannot search the state dir above the zones).
+            dfd = self.store.child_dir_fd(parent, 0, create=True, checked=True)
+            src_fd = self.store.link_source(node)
+            with self._as_caller(ctx.uid, ctx.gid):
+                self.store.link(src_fd, node.name, dfd, new_name)
+            st = self.store.lstat(dfd, new_name)
+            if st is None:
+                raise SandboxError(errno.ENOENT, "the new link vanished")
+            self.store.remember(parent, new_name, st, 0)
+            return st
+
+        st = self.gate.link(ctx, node, parent, new_name, link)
         return self.replies.attrs(node, st)
 
     # ----- removing and renaming ------------------------------------------------------------------
 
-    def _removable(
-        self, ctx: Any, parent: Node, name: bytes, op_name: str
-    ) -> tuple[Zone, int, StatLike]:
-        """Checks for deleting parent/name; returns its zone, the backing directory fd and the
-        entry's lstat."""
-        zone = self.guard.may_remove_in(ctx, parent, name, op_name)
-        found = self._find(ctx, Op.DELETE, parent, name)
-        if found is None:
-            raise SandboxError(errno.ENOENT)
-        st, layer = found
-        self.guard.may_remove(ctx, parent, name, stat.S_ISDIR(st.st_mode), layer, op_name)
-        return zone, self.store.child_dir_fd(parent, layer, checked=True), st
-
     def _remove(self, ctx: Any, parent_inode: int, name: bytes, rmdir: bool) -> None:
         parent = self.store.get(parent_inode)
-        zone, dfd, st = self._removable(ctx, parent, name, Op.DELETE.value)
-        node = self.store.by_key.get((zone, st.st_dev, st.st_ino))
-        self.replies.changing(parent, node)
-        self.store.remove(dfd, name, rmdir)
-        self.guard.removed(zone, st)
-        if node is not None:
-            self.store.detach(node, parent, name, st.st_nlink - 1 if not rmdir else 0)
-        self.guard.record(
-            Op.DELETE.value,
-            parent.vpath(name),
-            zone,
-            pid=ctx.pid,
-            uid=ctx.uid,
-            detail="rmdir" if rmdir else None,
-        )
+
+        def remove(zone: Zone, st: StatLike, layer: int) -> None:
+            dfd = self.store.child_dir_fd(parent, layer, checked=True)
+            node = self.store.by_key.get((zone, st.st_dev, st.st_ino))
+            self.replies.changing(parent, node)
+            self.store.remove(dfd, name, rmdir)
+            if node is not None:
+                self.store.detach(node, parent, name, st.st_nlink - 1 if not rmdir else 0)
+
+        self.gate.remove(ctx, parent, name, remove, rmdir=rmdir)
 
     @_guarded
     def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
@@ -921,47 +858,40 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     ) -> None:
         old_parent = self.store.get(parent_inode_old)
         new_parent = self.store.get(parent_inode_new)
-        src, dst = old_parent.vpath(name_old), new_parent.vpath(name_new)
         flags_ok = not flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE)
-        zone = self.guard.may_rename_in(ctx, old_parent, name_old, new_parent, name_new, flags_ok)
         exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
-        found_old = self._find(ctx, Op.WRITE, old_parent, name_old)
-        if found_old is None:
-            raise SandboxError(errno.ENOENT)
-        src_st, src_layer = found_old
-        self.guard.may_rename_from(ctx, old_parent, name_old, src_layer, dst)
-        self.guard.may_rename_to(ctx, new_parent, name_new)
-        try:
-            dst_st = self.store.stat_child(new_parent, name_new, 0)
-        except HiddenEntry as exc:  # never onto sandboxfs's state or another mount
-            raise self.guard.hidden_target(ctx, "rename", src, zone, dst, exc.reason) from None
-        moving = [(old_parent, name_old, src_st, new_parent, name_new)]
-        if exchange and dst_st is not None:
-            moving.append((new_parent, name_new, dst_st, old_parent, name_old))
-        replaces = dst_st is not None and not exchange
-        for parent, name, st, to_parent, to_name in moving:
-            self.guard.may_move(
-                ctx, parent, name, st, to_parent, to_name, src, dst, self._judged, replaces=replaces
-            )
-        src_fd = self.store.child_dir_fd(old_parent, src_layer, checked=True)
-        dst_fd = self.store.child_dir_fd(new_parent, 0, create=True, checked=True)
-        src_node = self.store.by_key.get((zone, src_st.st_dev, src_st.st_ino))
-        dst_node = self.store.by_key.get((zone, dst_st.st_dev, dst_st.st_ino)) if dst_st else None
-        self.replies.changing(old_parent, new_parent, src_node, dst_node)
-        self.store.rename(src_fd, name_old, dst_fd, name_new, flags)
-        if dst_st is not None and not exchange and dst_st.st_ino != src_st.st_ino:
-            self.guard.removed(zone, dst_st)
-        if dst_node is not None and dst_node is not src_node:
-            if exchange:
-                self.store.moved(dst_node, new_parent, name_new, old_parent, name_old)
-            else:
-                nlink = dst_st.st_nlink - 1 if dst_st and not dst_node.is_dir else 0
-                self.store.detach(dst_node, new_parent, name_new, nlink)
-        if src_node is not None:
-            self.store.moved(src_node, old_parent, name_old, new_parent, name_new)
-            if new_parent.zone is Zone.WORKERS and new_parent.parent is self.store.root:
-                src_node.layer = 0
-        self.guard.record("rename", src, zone, pid=ctx.pid, uid=ctx.uid, dest=dst)
+
+        def rename(zone: Zone, src_st: StatLike, src_layer: int, dst_st: StatLike | None) -> None:
+            src_fd = self.store.child_dir_fd(old_parent, src_layer, checked=True)
+            dst_fd = self.store.child_dir_fd(new_parent, 0, create=True, checked=True)
+            src_node = self.store.by_key.get((zone, src_st.st_dev, src_st.st_ino))
+            dst_node = None
+            if dst_st is not None:
+                dst_node = self.store.by_key.get((zone, dst_st.st_dev, dst_st.st_ino))
+            self.replies.changing(old_parent, new_parent, src_node, dst_node)
+            self.store.rename(src_fd, name_old, dst_fd, name_new, flags)
+            if dst_node is not None and dst_node is not src_node:
+                if exchange:
+                    self.store.moved(dst_node, new_parent, name_new, old_parent, name_old)
+                else:
+                    nlink = dst_st.st_nlink - 1 if dst_st and not dst_node.is_dir else 0
+                    self.store.detach(dst_node, new_parent, name_new, nlink)
+            if src_node is not None:
+                self.store.moved(src_node, old_parent, name_old, new_parent, name_new)
+                if new_parent.zone is Zone.WORKERS and new_parent.parent is self.store.root:
+                    src_node.layer = 0
+
+        self.gate.rename(
+            ctx,
+            old_parent,
+            name_old,
+            new_parent,
+            name_new,
+            rename,
+            flags_ok=flags_ok,
+            exchange=exchange,
+            read=self._judged,
+        )
 
     def _judged(self, parent: Node, name: bytes, expect: tuple[int, int] | None) -> bytes | None:
         """The content of parent/name for the guard to judge a rename onto git's config
@@ -1007,18 +937,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
     @_guarded
     def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
-        if name.startswith(_SECURITY_XATTR_PREFIX):
-            # sandboxfs has no security.* namespace: it never shows or stores labels or file
-            # capabilities (the mount is nosuid). Say so at once, without a policy check that
-            # would audit a phantom denial. The kernel asks for security.capability before
-            # writes and `ls -l` for security.selinux; EOPNOTSUPP rather than ENODATA lets
-            # ls remember the answer for the whole mount instead of asking for every file.
-            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
         node = self.store.get(inode)
-        if not self.guard.xattrs_visible(ctx, node):
-            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
-
-        value = self.store.get_xattr(node, name)
+        value = self.gate.getxattr(ctx, node, name, lambda: self.store.get_xattr(node, name))
         if value is None:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         return value
@@ -1026,31 +946,33 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     @_guarded
     def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
         node = self.store.get(inode)
-        if not self.guard.xattrs_visible(ctx, node):
-            return []
-        names = self.store.list_xattrs(node)
-        encoded = (n.encode("utf-8", "surrogateescape") for n in names)
-        return [n for n in encoded if not n.startswith(_SECURITY_XATTR_PREFIX)]
+
+        def names() -> list[bytes]:
+            return [n.encode("utf-8", "surrogateescape") for n in self.store.list_xattrs(node)]
+
+        return self.gate.listxattr(ctx, node, names)
 
     @_guarded
     def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
-        node = self._changing_xattr(ctx, inode, name)
-        if not self.store.set_xattr(node, name, value):
-            raise SandboxError(errno.EPERM, "symlinks cannot carry extended attributes")
-        self.guard.did(ctx, Op.WRITE, node, detail=f"setxattr {_text(name)}")
+        node = self.store.get(inode)
+
+        def change() -> None:
+            self.replies.changing(node)
+            if not self.store.set_xattr(node, name, value):
+                raise SandboxError(errno.EPERM, "symlinks cannot carry extended attributes")
+
+        self.gate.change_xattr(ctx, node, name, "setxattr", change)
 
     @_guarded
     def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
-        node = self._changing_xattr(ctx, inode, name)
-        if not self.store.remove_xattr(node, name):
-            raise SandboxError(pyfuse3.ENOATTR, "symlinks cannot carry extended attributes")
-        self.guard.did(ctx, Op.WRITE, node, detail=f"removexattr {_text(name)}")
-
-    def _changing_xattr(self, ctx: Any, inode: int, name: bytes) -> Node:
         node = self.store.get(inode)
-        self.guard.may_change_xattr(ctx, node, name)
-        self.replies.changing(node)
-        return node
+
+        def change() -> None:
+            self.replies.changing(node)
+            if not self.store.remove_xattr(node, name):
+                raise SandboxError(pyfuse3.ENOATTR, "symlinks cannot carry extended attributes")
+
+        self.gate.change_xattr(ctx, node, name, "removexattr", change)
 
     @_guarded
     def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:

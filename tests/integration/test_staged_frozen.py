@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from sandboxfs.api import PermissionDenied, Sandbox
 from sandboxfs.core.policy import Trust, Zone
 from tests.conftest import Mount, mounted, wait_until
 from tests.integration.test_staged import (
@@ -244,6 +245,44 @@ def test_handles_after_discard_and_commit(repo: Path, mount: Mount) -> None:
         os.close(kept)
         os.close(dropped)
     assert git(repo, "rev-parse", "HEAD") == head
+
+
+# ----- the Python API ----------------------------------------------------------------------------
+
+
+def test_the_api_probe_answers_as_the_operation_does(repo: Path) -> None:
+    """check_permission is each operation's own checks in the gate, run without effect: once a
+    staged commit is under review it answers "refused" for a write, a new file and a delete
+    there, as write() and delete() then refuse (it used to answer "allowed": its second guard
+    had no frozen-commit rule). The probe itself audits nothing; the operations audit their
+    refusals."""
+    with Sandbox.open(repo, trust="workspace") as sb:
+        commit = sb.stage({"src/a.py": SOURCE.replace("line 3\n", "line three\n")}, "Change")
+        changed, new = f"{commit.path}/files/src/a.py", f"{commit.path}/files/src/new.py"
+        assert sb.check_permission("write", changed).allowed
+        assert sb.check_permission("write", new).allowed
+        assert sb.check_permission("delete", changed).allowed
+        freeze(repo, commit.id)
+        before = len(audit_entries(repo))
+        for op, path in (("write", changed), ("write", new), ("delete", changed)):
+            permission = sb.check_permission(op, path)
+            assert not permission.allowed, (op, path)
+            assert permission.error == "PermissionDenied", permission
+            assert "under review" in permission.reason, permission
+        sb.audit_entries()  # flushes the log
+        assert len(audit_entries(repo)) == before, "the probe wrote audit entries"
+        with pytest.raises(PermissionDenied, match="under review"):
+            sb.write(changed, "late\n")
+        with pytest.raises(PermissionDenied, match="under review"):
+            sb.write(new, "late\n")
+        with pytest.raises(PermissionDenied, match="under review"):
+            sb.delete(changed)
+    for path, op in ((changed, "write"), (new, "write"), (changed, "delete")):
+        assert any(
+            e["op"] == op and e["reason"] and "under review" in e["reason"]
+            for e in denials(repo, path)
+        ), (op, path)
+    assert b"late" not in (staged_dir(repo, commit.id) / "files/src/a.py").read_bytes()
 
 
 # ----- the adapter, without a mount -------------------------------------------------------------

@@ -44,6 +44,7 @@ from sandboxfs.api import (
 )
 from sandboxfs.audit.log import AuditLog, verify
 from sandboxfs.config.model import DEFAULT_PERMISSIONS, load
+from sandboxfs.core.gate import Gate, Request
 from sandboxfs.core.policy import BUILTIN_ZONES, Trust
 from sandboxfs.layout import audit_path
 
@@ -686,6 +687,49 @@ def test_audit_entries(make: Maker) -> None:
         assert entry["comm"] and entry["ts"].endswith("Z")
     assert entries[1]["bytes"] == 3 and entries[4]["dest"] == "/session/d.txt"
     assert "repo is not writable" in entries[-1]["reason"]
+
+
+def test_a_step_of_the_gate_joins_every_operation_and_the_probe(make: Maker) -> None:
+    """A rule added to the gate (as approvals will be: Gate.steps) runs after the built-in
+    rules of each operation, for the operation and for check_permission alike; its refusal
+    is audited by the operation only, before anything is charged or changed."""
+    sb = make("session")
+    asked: list[tuple[str, str]] = []
+
+    def no_b(gate: Gate, request: Request) -> None:
+        asked.append((str(request.op), request.path))
+        if request.path.startswith("/session/b"):
+            raise gate.refuse(request, errno.EACCES, f"{request.path}: the user said no")
+
+    sb._gate.steps.append(no_b)
+    assert sb.check_permission("write", "/session/a.txt").allowed
+    count = len(sb.audit_entries())
+    for op, path in (
+        ("read", "/session/b.txt"),
+        ("write", "/session/b.txt"),
+        ("delete", "/session/b.txt"),
+        ("write", "/session/blocked.txt"),
+    ):
+        permission = sb.check_permission(op, path)
+        assert (permission.allowed, permission.error) == (False, "PermissionDenied"), op
+        assert "the user said no" in permission.reason
+    assert len(sb.audit_entries()) == count  # the probe audits nothing
+    raises(PermissionDenied, lambda: sb.read_text("/session/b.txt"), "the user said no")
+    raises(PermissionDenied, lambda: sb.write("/session/b.txt", "x"), "the user said no")
+    raises(PermissionDenied, lambda: sb.delete("/session/b.txt"), "the user said no")
+    raises(PermissionDenied, lambda: sb.write("/session/blocked.txt", "x"), "the user said no")
+    raises(PermissionDenied, lambda: sb.mkdir("/session/bdir"), "the user said no")
+    assert sb.read_text("/session/a.txt") == "a of session\n"
+    assert sb.list("/session", pattern="b*") == ["/session/b.txt"]  # untouched
+    refused = [e for e in sb.audit_entries()[count:] if e["allowed"] is False]
+    assert [(e["op"], e["path"]) for e in refused] == [
+        ("read", "/session/b.txt"),
+        ("write", "/session/b.txt"),
+        ("delete", "/session/b.txt"),
+        ("write", "/session/blocked.txt"),
+        ("write", "/session/bdir"),
+    ]
+    assert ("list", "/session") in asked and ("read", "/session/a.txt") in asked
 
 
 def test_security_context(make: Maker) -> None:

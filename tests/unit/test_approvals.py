@@ -359,3 +359,28 @@ def test_an_approver_that_refuses_fails_or_is_late_refuses(tmp_path: Path, answe
     with sb, pytest.raises(ApprovalRequired, match="refused by the user"):
         sb.delete("/repo/b/one")
     assert (project / "b" / "one").exists()
+
+
+def test_the_permission_probe_judges_approvals_without_asking(tmp_path: Path) -> None:
+    """check_permission is the gate run without effect: an `ask` with no grant is "not
+    allowed, needs approval", and nobody is asked, nothing is pending, nothing is audited;
+    once a directory grant exists the probe says allowed there and still asks nobody."""
+    project = api_project(tmp_path)
+    asked: list[dict[str, object]] = []
+
+    def approver(request: dict[str, object]) -> str:
+        asked.append(request)
+        return "dir"
+
+    with Sandbox.open(project, trust="full", approver=approver) as sb:
+        before = len(sb.audit_entries())
+        probe = sb.check_permission("delete", "/repo/a/one")
+        assert not probe.allowed and probe.error == "ApprovalRequired"
+        assert "needs the user's approval (rule repo-delete)" in probe.reason
+        assert asked == [] and len(sb.audit_entries()) == before
+        sb.delete("/repo/a/one")  # asks: the approver grants /repo/a/
+        assert len(asked) == 1
+        assert sb.check_permission("delete", "/repo/a/two").allowed
+        assert not sb.check_permission("delete", "/repo/b/one").allowed
+        assert len(asked) == 1
+    assert (project / "a" / "two").exists() and (project / "b" / "one").exists()
