@@ -55,6 +55,7 @@ from .netproxy import (
     rule_text,
 )
 from .project import CONFINED_HOME, HOME_ZONE, audit_path
+from .spawn import start_daemon
 from .toolchain import Toolchain
 
 EXIT_SETUP = 125  # as `docker run`: the sandbox could not be set up, CMD never ran
@@ -780,26 +781,11 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         command=req.command,
     )
     try:
-        from .daemon import spawn_daemon  # pyfuse3 and trio: only where a mount is made
-
-        daemon = spawn_daemon(mount, lifeline_r, after=lambda: remove_run_dir(run_dir))
-    except UserError as exc:
-        os.close(lifeline_w)
-        raise SetupError(exc.message) from None
+        # The daemon loads pyfuse3 and trio and mounts while the sandbox is prepared here.
+        starting = start_daemon(mount, lifeline_r, after=lambda: remove_run_dir(run_dir))
     finally:
         os.close(lifeline_r)
-    _record_process(run_dir / "daemon", daemon)  # the sweep clears the mount if it dies
-    started = datetime.now(UTC)
-    status: int | None = None
-    ran = False  # CMD was started (the launcher ran inside)
-    lost: str | None = None  # how the daemon ended while the program ran (the mount was lost)
-    network: _Network | None = None
-    terminal: _Terminal | None = None
     try:
-        if not (mnt / cwd.removeprefix(confine.SANDBOX).lstrip("/")).is_dir():
-            raise SetupError(
-                f"--cwd {cwd}: not a directory the program may enter at this trust level"
-            )
         home_inside = CONFINED_HOME  # the workspace's home at this level (project.with_home)
         if HOME_ZONE not in req.config.zones:
             home_inside = f"{confine.SANDBOX}/session/home"
@@ -813,13 +799,36 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
             extra={**project_identity(req.project), **gitdir.environment(req.config), **req.env},
             proxy=req.net == "allow",
         )
-        terminal = _Terminal.of_stdio()  # never the terminal itself: run's pty or pipes
-        interactive = terminal is not None and terminal.controlling
         # The git directory of a worktree project, at the path its .git file names (gitdir).
         binds = gitdir.bwrap_binds(req.config, req.trust, mnt)
         options = confine.bwrap_args(
             mountpoint=mnt, cwd=cwd, net=req.net, tools=[*binds, *req.tools.bwrap_args()]
         )
+    except BaseException:  # stopped as after a run: it unmounts, and audits that it did
+        try:
+            _stop_daemon(starting.ready(), lifeline_w, mnt)
+        except UserError:
+            os.close(lifeline_w)
+        raise
+    try:
+        daemon = starting.ready()
+    except UserError as exc:
+        os.close(lifeline_w)
+        raise SetupError(exc.message) from None
+    _record_process(run_dir / "daemon", daemon)  # the sweep clears the mount if it dies
+    started = datetime.now(UTC)
+    status: int | None = None
+    ran = False  # CMD was started (the launcher ran inside)
+    lost: str | None = None  # how the daemon ended while the program ran (the mount was lost)
+    network: _Network | None = None
+    terminal: _Terminal | None = None
+    try:
+        if not (mnt / cwd.removeprefix(confine.SANDBOX).lstrip("/")).is_dir():
+            raise SetupError(
+                f"--cwd {cwd}: not a directory the program may enter at this trust level"
+            )
+        terminal = _Terminal.of_stdio()  # never the terminal itself: run's pty or pipes
+        interactive = terminal is not None and terminal.controlling
         argv = [bwrap, "--args", str(confine.ARGS_FD), "--"]
         argv += confine.launcher_argv(interactive, req.command)
         audit.record(
