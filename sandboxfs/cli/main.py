@@ -6,7 +6,6 @@ Every user error is one line on stderr and exit code 2; nothing is left mounted.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import pwd
@@ -76,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sandboxfs",
         description="A FUSE sandbox for AI agents: zones, trust levels, audit log.",
     )
-    parser.add_argument("--version", action="version", version=f"sandboxfs {_version()}")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     mount = sub.add_parser(
@@ -278,7 +277,23 @@ MOUNT_OPTIONS = {
 }
 
 
+class _VersionAction(argparse.Action):
+    """--version, looked up only when asked for (importlib.metadata is start-up time of every
+    command otherwise)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(
+            option_strings, dest, nargs=0, help="show program's version number and exit"
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(f"sandboxfs {_version()}")
+        parser.exit()
+
+
 def _version() -> str:
+    import importlib.metadata
+
     try:
         return importlib.metadata.version("sandboxfs")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import fnmatch
-import functools
 import re
 import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
@@ -211,6 +210,8 @@ class Patterns:
         self._paths = [t for t in parsed if "/" in t[0] or t[2].startswith("/")]
         self._name_re = _compile(t[0] for t in self._names)
         self._path_re = _compile(t[0] for t in self._paths)
+        # Each path pattern's glob split into tokens once, for match_below.
+        self._path_tokens = [(_glob_tokens(t[0]), t[2]) for t in self._paths]
         # One regex each for "something above relpath matches" and "relpath itself matches"
         # (files; directories), so match_within costs one search, not one per component.
         name_part, path_part = r"(?:.*/)?", ""
@@ -292,8 +293,8 @@ class Patterns:
         """A path pattern that could match something inside the directory at `relpath`: moving
         that directory would carry such an entry out from under its pattern."""
         prefix = fold(relpath) + "/"
-        for glob, _dir_only, written in self._paths:
-            if _glob_prefix(glob, prefix):
+        for tokens, written in self._path_tokens:
+            if _glob_prefix(tokens, prefix):
                 return written
         return None
 
@@ -687,7 +688,7 @@ def _union(parts: Iterable[str]) -> re.Pattern[str] | None:
     return re.compile("|".join(f"(?:{p})" for p in alternatives)) if alternatives else None
 
 
-def _glob_tokens(glob: str) -> list[str]:
+def _glob_tokens(glob: str) -> tuple[str, ...]:
     """A glob split as fnmatch reads it: "*", "?", "[...]" classes and single characters."""
     tokens: list[str] = []
     i = 0
@@ -708,30 +709,38 @@ def _glob_tokens(glob: str) -> list[str]:
         if c != "*" or not tokens or tokens[-1] != "*":
             tokens.append(c)
         i += 1
-    return tokens
+    return tuple(tokens)
 
 
-def _glob_prefix(glob: str, text: str) -> bool:
-    """Whether some string that starts with `text` matches `glob` (fnmatch rules: "*" also
-    matches "/")."""
-    tokens = _glob_tokens(glob)
+def _glob_prefix(tokens: Sequence[str], text: str) -> bool:
+    """Whether some string that starts with `text` matches the glob split into `tokens`
+    (_glob_tokens; fnmatch rules: "*" also matches "/"). Runs the glob as a set of positions,
+    one character at a time: no recursion, nothing built per call but the sets."""
+    end = len(tokens)
 
-    @functools.cache
-    def step(t: int, i: int) -> bool:
-        if i == len(text):
-            return True  # the rest of the glob can match what follows
-        if t == len(tokens):
+    def closure(positions: set[int]) -> set[int]:
+        # A "*" may match nothing: a position before one also stands after it.
+        for t in sorted(positions):
+            while t < end and tokens[t] == "*":
+                t += 1
+                positions.add(t)
+        return positions
+
+    positions = closure({0})
+    for char in text:
+        following: set[int] = set()
+        for t in positions:
+            if t == end:
+                continue
+            token = tokens[t]
+            if token == "*":
+                following.add(t)
+            elif token in ("?", char) or (len(token) > 1 and fnmatch.fnmatchcase(char, token)):
+                following.add(t + 1)
+        if not following:
             return False
-        token = tokens[t]
-        if token == "*":
-            return step(t + 1, i) or step(t, i + 1)
-        if token == "?":
-            return step(t + 1, i + 1)
-        if len(token) > 1:
-            return fnmatch.fnmatchcase(text[i], token) and step(t + 1, i + 1)
-        return token == text[i] and step(t + 1, i + 1)
-
-    return step(0, 0)
+        positions = closure(following)
+    return True  # the rest of the glob can match what follows
 
 
 ZONE_ROOT_REASON = "zone roots and / cannot be removed, renamed or changed"

@@ -169,10 +169,10 @@ class Node:
     # every earlier node that had the number (0 for the fixed and spare numbers, given once).
     generation: int = 0
     # For a directory: whether a protect pattern could match inside it, as of the given count
-    # of path changes (Store.moves; see SandboxOperations._may_protect).
+    # of directory path changes (Store.moves; see Guard._may_protect).
     protect_memo: tuple[int, bool] = (-1, False)
     # For a directory: the deny pattern that it or a directory above it matches (None: none),
-    # as of the given count of path changes (see Guard.denied_pattern).
+    # as of the given count of directory path changes (see Guard.denied_pattern).
     deny_memo: tuple[int, str | None] = (-1, None)
 
     def relpath(self) -> bytes:
@@ -222,8 +222,10 @@ class Store:
         self.layer_fds: list[int] = []
         self._fd_cache: OrderedDict[int, Node] = OrderedDict()
         self.fd_cache_size = fd_cache_size()
-        # Counts every change of a known node's parent or name (renames through the mount,
-        # names found moved): what is remembered about a path is valid until it changes.
+        # Counts every change of a known directory's parent or name (renames through the
+        # mount, names found moved): what is remembered about a directory's path (the memos on
+        # Node) is valid until it changes. A file's names (hard links, renames) are no
+        # directory's path, so they leave it alone: `git commit` links thousands of objects.
         self.moves = 0
         self._next_spare = SPARE_INO_BASE
         # The generation of nodes given a backing number now: one more after each node dropped,
@@ -313,7 +315,7 @@ class Store:
             self.nodes[node.ino] = node
             self.by_key[key] = node
         elif node.parent is not parent or node.name != name:
-            self.moves += 1
+            self.moves += 1 if is_dir else 0
             _forget_link(node, parent, name)
             if not is_dir and node.parent is not None:
                 node.links = (*node.links, (node.parent, node.name))
@@ -359,6 +361,7 @@ class Store:
             if node.links and remaining > 0:
                 node.parent, node.name = node.links[-1]
                 node.links = node.links[:-1]
+                self.moves += 1 if node.is_dir else 0
             else:
                 node.last_vpath = node.vpath()
                 node.parent, node.name = None, b""
@@ -370,7 +373,7 @@ class Store:
         self, node: Node, old_parent: Node, old_name: bytes, parent: Node, name: bytes
     ) -> None:
         """Record that old_parent/old_name is now parent/name (children follow a directory)."""
-        self.moves += 1
+        self.moves += 1 if node.is_dir else 0
         _forget_link(node, parent, name)
         if node.parent is old_parent and node.name == old_name:
             node.parent, node.name = parent, name

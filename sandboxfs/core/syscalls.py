@@ -10,12 +10,13 @@ dropping one capability from the effective set, and `prctl(PR_SET_DUMPABLE)`.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import struct
 from typing import Any
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+# The C library the interpreter runs on (dlopen(NULL)), as run.py and seccomp.py take it:
+# ctypes.util.find_library would run `ldconfig -p` in a subprocess at every start-up.
+_libc = ctypes.CDLL(None, use_errno=True)
 
 # Without argtypes ctypes converts int and bytes arguments itself, which is cheaper per call.
 _statx: Any = _libc.statx

@@ -13,7 +13,6 @@ import faulthandler
 import inspect
 import logging
 import os
-import select
 import signal
 import socket
 import time
@@ -39,12 +38,13 @@ from sandboxfs.core.store import (
     ensure_dirs,
 )
 from sandboxfs.core.syscalls import CAP_SYS_RESOURCE, drop_effective_capability, make_undumpable
-from sandboxfs.errors import KINDS, Failure, SandboxfsError
+from sandboxfs.errors import Failure, SandboxfsError
 from sandboxfs.fuse import request_wait
 from sandboxfs.fuse.operations import SandboxOperations
+from sandboxfs.fuse.spawn import start_daemon
 from sandboxfs.layout import audit_path, logs_parts, session_dir
 from sandboxfs.project import control
-from sandboxfs.project.mounts import MountRequest, lazy_unmount
+from sandboxfs.project.mounts import MountRequest
 from sandboxfs.project.state import hold
 from sandboxfs.project.zones import (
     approval_broker,
@@ -444,60 +444,12 @@ async def _report_ready(mountpoint: Path, ready: Callable[[], None]) -> None:
     ready()
 
 
-MOUNT_TIMEOUT = 20.0
-
-
 def spawn_daemon(
     req: MountRequest, lifeline: int | None = None, after: Callable[[], None] | None = None
 ) -> int:
-    """Fork the daemon (already validated and imported: no second interpreter start-up) and
-    wait until it reports that the mount answers; its pid, or UserError saying why not.
-
-    The daemon keeps no descriptor of its parent's but `lifeline` (see `serve`): a program's
-    terminal, pipes or the write end of that very lifeline would otherwise live on in it.
-    """
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the daemon: its own session, no terminal, never returns into the caller
-        code = 1
-        try:
-            os.setsid()
-            devnull = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):
-                os.dup2(devnull, fd)
-            keep = sorted({0, 1, 2, write_end, *(() if lifeline is None else (lifeline,))})
-            for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")], strict=True):
-                os.closerange(low + 1, high)
-            code = _run_daemon(req, write_end, lifeline, after)
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    message = _read_status(read_end, MOUNT_TIMEOUT)
-    os.close(read_end)
-    if message.startswith("READY"):
-        return pid
-    if not message:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        lazy_unmount(req.mountpoint)
-        raise Failure(f"the daemon did not report a working mount within {MOUNT_TIMEOUT:.0f} s")
-    os.waitpid(pid, 0)
-    kind, _, text = message.partition(" ")[2].partition(" ")
-    raise KINDS.get(kind, Failure)(text.strip())
-
-
-def _read_status(fd: int, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    data = b""
-    while b"\n" not in data:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-            return ""
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            break
-        data += chunk
-    return data.decode("utf-8", "replace").strip()
+    """Fork the daemon and wait until it reports that the mount answers
+    (sandboxfs.fuse.spawn); its pid, or the error saying why not."""
+    return start_daemon(req, lifeline, after).ready()
 
 
 def _run_daemon(

@@ -39,6 +39,7 @@ from sandboxfs.config.model import Config
 from sandboxfs.core.policy import Op, Policy, Trust, Zone
 from sandboxfs.core.syscalls import make_undumpable, set_dumpable, write_all
 from sandboxfs.errors import SandboxfsError, SetupError, UserError
+from sandboxfs.fuse.spawn import start_daemon
 from sandboxfs.layout import audit_path
 from sandboxfs.project import control, gitdir, prompt
 from sandboxfs.project.identity import project_identity
@@ -814,9 +815,8 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         approvals=req.approvals,
     )
     try:
-        from sandboxfs.fuse.daemon import spawn_daemon
-
-        daemon = spawn_daemon(mount, lifeline_r, after=lambda: remove_run_dir(run_dir))
+        # The forked daemon imports pyfuse3 and trio; this process never does.
+        daemon = start_daemon(mount, lifeline_r, after=lambda: remove_run_dir(run_dir)).ready()
     except SandboxfsError as exc:
         os.close(lifeline_w)
         raise SetupError(exc.message) from None

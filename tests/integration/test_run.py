@@ -610,6 +610,27 @@ def test_exit_status(project: Path, command: list[str], status: int) -> None:
     assert result.returncode == status, result.stderr
 
 
+def test_run_itself_loads_neither_pyfuse3_nor_trio(project: Path) -> None:
+    """The daemon is forked first and loads them while `run` prepares the sandbox: `run`'s own
+    process, whose imports are start-up time of every run, never does, nor the in-process API."""
+    probe = (
+        "import sys\n"
+        "from sandboxfs.cli import main\n"
+        f"code = main(['run', '--project', {str(project)!r}, '-q', '--', 'true'])\n"
+        "heavy = ('pyfuse3', 'trio', 'sandboxfs.daemon', 'sandboxfs.operations', 'sandboxfs.api')\n"
+        "print(code, sorted(m for m in sys.modules if m.startswith(heavy)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "0 []", result.stdout
+
+
 def test_setup_errors_exit_125_with_one_line(project: Path) -> None:
     for args in (
         ["--cwd", "/no/such/dir"],

@@ -923,6 +923,24 @@ async def test_link_same_zone(make: Callable[[str], Harness]) -> None:
     assert await h.read_file(await h.ino("/session/outputs/copy.txt")) == b"session notes\n"
 
 
+async def test_file_names_leave_directory_memos_valid(make: Callable[[str], Harness]) -> None:
+    """What is remembered about a directory's path (deny and protect memos) lasts until a
+    directory's path changes: a file's new names (git links every object it writes) do not
+    change one, a directory's rename does."""
+    h = make("session")
+    working = await h.ino("/session/working")
+    outputs = await h.ino("/session/outputs")
+    notes = await h.ino("/session/working/notes.txt")
+    moves = h.store.moves
+    await h.ops.link(notes, outputs, b"copy.txt", CTX)
+    await h.ops.rename(outputs, b"copy.txt", working, b"moved.txt", 0, CTX)
+    await h.ops.unlink(working, b"moved.txt", CTX)
+    assert h.store.moves == moves
+    session = ZONE_INO[Zone.SESSION]
+    await h.ops.rename(session, b"outputs", session, b"done", 0, CTX)
+    assert h.store.moves > moves
+
+
 async def test_link_audit_entry_names_source_and_dest(make: Callable[[str], Harness]) -> None:
     h = make("session")
     notes = await h.ino("/session/working/notes.txt")
