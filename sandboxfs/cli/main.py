@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     # The ceiling of a child worker started from inside a run (sandboxfs.run.nest): that run's
     # supervisor passes its own zones here. Not for people; a program inside never reaches it.
     run.add_argument("--within", help=argparse.SUPPRESS)
+    # A nested child's: where its parent's supervisor reads this run's control socket from, to
+    # ask its approval requests in the parent's terminal. Not for people either.
+    run.add_argument("--report-control", type=int, help=argparse.SUPPRESS)
     run.add_argument(
         "argv",
         nargs=argparse.REMAINDER,
@@ -633,6 +636,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         tools=tools,
         approvals=_approvals_mode(args, "ask" if sys.stdin.isatty() else "none"),
+        report_control=args.report_control,
     )
     try:
         return run_mod.run(req)

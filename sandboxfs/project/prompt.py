@@ -156,13 +156,22 @@ class RelayPrompt:
     sent SIGWINCH, so a full-screen program draws its screen again.
     """
 
-    def __init__(self, path: Path, write: Callable[[bytes], None]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        write: Callable[[bytes], None],
+        children: Callable[[], list[tuple[Path, str]]] = list,
+    ) -> None:
         self.path = path
         self.write = write
+        # The control sockets of child workers started inside this run (sandboxfs.run.nest),
+        # each with its label: their requests are asked here too, labelled.
+        self.children = children
+        self.source: tuple[Path, str] = (path, "")  # where the shown request came from
         self.request: dict[str, Any] | None = None
         self.choice: Answer | None = None
         self.next_poll = 0.0
-        self.skipped: set[int] = set()  # left with Ctrl-C: not shown here again
+        self.skipped: set[tuple[str, int]] = set()  # left with Ctrl-C: not shown here again
 
     def _say(self, *lines: str) -> None:
         self.write(("\r\n" + "\r\n".join(lines) + "\r\n").encode("utf-8", "replace"))
@@ -174,16 +183,22 @@ class RelayPrompt:
         if now < self.next_poll:
             return False
         self.next_poll = now + POLL
-        try:
-            reply = control.request(self.path, {"op": "approvals"}, timeout=2.0)
-        except SandboxfsError:
+        for source in [(self.path, ""), *self.children()]:
+            path = source[0]
+            try:
+                reply = control.request(path, {"op": "approvals"}, timeout=2.0)
+            except SandboxfsError:
+                continue
+            pending = reply.get("pending") if reply.get("ok") else None
+            pending = [r for r in pending or [] if (str(path), r["id"]) not in self.skipped]
+            if pending:
+                break
+        else:
             return False
-        pending = reply.get("pending") if reply.get("ok") else None
-        pending = [r for r in pending or [] if r["id"] not in self.skipped]
-        if not pending:
-            return False
-        self.request = pending[0]
+        self.request, self.source = pending[0], source
+        label = source[1]
         self._say(
+            *([f"sandboxfs: from {safe(label)}"] if label else []),
             *describe(pending[0]),
             "  (the program waits; its output resumes after this; Ctrl-C leaves it pending)",
         )
@@ -195,7 +210,7 @@ class RelayPrompt:
         assert self.request is not None
         for ch in data.decode("latin-1"):
             if ch == "\x03":
-                self.skipped.add(self.request["id"])
+                self.skipped.add((str(self.source[0]), self.request["id"]))
                 self._say(f"  left pending: sandboxfs approve {self.request['id']} answers it")
                 self.request, self.choice = None, None
                 return True
@@ -213,7 +228,7 @@ class RelayPrompt:
                 continue
             message = {"op": "answer", "id": self.request["id"], "answer": self.choice.value}
             try:
-                reply = control.request(self.path, {**message, "channel": "run"}, timeout=5.0)
+                reply = control.request(self.source[0], {**message, "channel": "run"}, timeout=5.0)
             except SandboxfsError as exc:
                 reply = {"ok": False, "error": exc.message}
             if reply.get("ok"):

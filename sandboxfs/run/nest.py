@@ -149,7 +149,7 @@ class NestServer:
         project: Path,
         config: Config,
         trust: Trust,
-        child_argv: Callable[[str, Trust, list[str], list[str]], list[str]],
+        child_argv: Callable[[str, Trust, list[str], list[str], int | None], list[str]],
         live_trust: Callable[[], Trust | None],
         record: Callable[..., None],
     ) -> None:
@@ -169,9 +169,37 @@ class NestServer:
         self._listener.bind(str(self.host_dir / SOCKET_NAME))
         self._listener.listen(8)
         self._children: set[subprocess.Popen[bytes]] = set()
+        # Whether this run prompts in its terminal: a child's requests are then asked there
+        # (`prompts`: each live child's control socket and label), else the child refuses
+        # what would ask at once, never waiting on nobody.
+        self.prompt_here = False  # set by the supervisor once its terminal prompts
+        self._prompts: dict[Path, str] = {}
         self._lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._serve, name="nest", daemon=True).start()
+
+    def prompts(self) -> list[tuple[Path, str]]:
+        """The control sockets of the children whose approval requests this run's terminal
+        asks, each with the label the prompt shows."""
+        with self._lock:
+            return list(self._prompts.items())
+
+    def _learn_control(self, report: int, label: str) -> Path | None:
+        """The child's control socket, as its `run` reports it once its mount answers."""
+        data = b""
+        with contextlib.suppress(OSError):
+            while chunk := os.read(report, 4096):
+                data += chunk
+                if len(data) > 4096:
+                    return None
+        os.close(report)
+        text = data.decode("utf-8", "replace").strip()
+        if not text.startswith("/"):
+            return None
+        path = Path(text)
+        with self._lock:
+            self._prompts[path] = label
+        return path
 
     def bwrap_args(self) -> list[str]:
         return ["--ro-bind", str(self.host_dir), NEST_DIR]
@@ -263,19 +291,36 @@ class NestServer:
                 comm="sandboxfs",
                 detail=f"nested worker {name} started: {shlex.join(argv)}",
             )
-            child = subprocess.Popen(
-                self._child_argv(name, trust, argv, attach),
-                stdin=fds[0],
-                stdout=fds[1],
-                stderr=fds[2],
-                start_new_session=True,
-            )
+            report, report_w = os.pipe() if self.prompt_here else (-1, -1)
+            try:
+                child = subprocess.Popen(
+                    self._child_argv(name, trust, argv, attach, report_w if report >= 0 else None),
+                    stdin=fds[0],
+                    stdout=fds[1],
+                    stderr=fds[2],
+                    start_new_session=True,
+                    pass_fds=(report_w,) if report >= 0 else (),
+                )
+            except BaseException:
+                if report >= 0:
+                    os.close(report)
+                raise
+            finally:
+                if report_w >= 0:
+                    os.close(report_w)
             self._children.add(child)
+        learned: Path | None = None
         try:
+            if report >= 0:
+                parent = self._config.worker.name if self._config.worker else "this run"
+                label = f"worker {name}, started inside {parent} (pid {child.pid})"
+                learned = self._learn_control(report, label)
             status = child.wait()
         finally:
             with self._lock:
                 self._children.discard(child)
+                if learned is not None:
+                    self._prompts.pop(learned, None)
         return {"status": status if status >= 0 else 128 - status}
 
 
@@ -335,15 +380,22 @@ def child_argv(
     workspace: str,
     config_file: Path | None,
     scope: WorkerScope | None,
-) -> Callable[[str, Trust, list[str], list[str]], list[str]]:
-    """How the supervisor starts a nested child: `sandboxfs run` outside, as the user."""
+) -> Callable[[str, Trust, list[str], list[str], int | None], list[str]]:
+    """How the supervisor starts a nested child: `sandboxfs run` outside, as the user.
+    `report`: a descriptor the child writes its control socket's path to, for the parent's
+    terminal to ask its approval requests (None: the parent has no prompt)."""
 
-    def build(name: str, trust: Trust, argv: list[str], attach: list[str]) -> list[str]:
+    def build(
+        name: str, trust: Trust, argv: list[str], attach: list[str], report: int | None
+    ) -> list[str]:
         args = [sys.executable, "-m", "sandboxfs", "run", "--project", str(project)]
         args += ["--workspace", workspace, "--trust", trust.value, "--net", "none"]
-        # What would ask is refused at once with the reason: the child's requests do not
-        # reach the parent's prompt, and a child must never wait on nobody.
-        args += ["--approvals", "none"]
+        # The child's requests are asked in the parent's terminal; where the parent has no
+        # prompt, what would ask is refused at once: a child never waits on nobody.
+        if report is None:
+            args += ["--approvals", "none"]
+        else:
+            args += ["--approvals", "ask", "--report-control", str(report)]
         if config_file is not None:
             args += ["--config", str(config_file)]
         if scope is not None:

@@ -90,6 +90,9 @@ class RunRequest:
     # What CMD needs of the host, read-only (sandboxfs.run.toolchain): its trees and the PATH.
     tools: Toolchain = field(default_factory=Toolchain)
     approvals: str = "ask"  # how `ask` rules are answered (MountRequest.approvals)
+    # A nested child's: the descriptor its parent reads this mount's control socket from, to
+    # ask this run's approval requests in the parent's terminal (sandboxfs.run.nest).
+    report_control: int | None = None
 
 
 # ----- the run directory: where the private mount lives, and how a dead one is cleaned ------
@@ -823,6 +826,11 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
     finally:
         os.close(lifeline_r)
     _record_process(run_dir / "daemon", daemon)  # the sweep clears the mount if it dies
+    if req.report_control is not None:  # a nested child: its parent's terminal asks for it
+        with contextlib.suppress(OSError):
+            write_all(req.report_control, str(control.socket_path(daemon)).encode())
+        with contextlib.suppress(OSError):
+            os.close(req.report_control)
     started = datetime.now(UTC)
     status: int | None = None
     ran = False  # CMD was started (the launcher ran inside)
@@ -882,10 +890,12 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
             network = _Network(req, audit, child, control.socket_path(daemon))
         supervisor = Supervisor(child, terminal)
         screen = terminal.screen if terminal is not None and terminal.keyboard else None
-        if screen is not None and req.approvals == "ask":  # the prompt in this very terminal
+        if screen is not None and req.approvals == "ask" and req.report_control is None:
+            # the prompt in this very terminal, for this run and the children started inside
             supervisor.prompt = prompt.RelayPrompt(
-                control.socket_path(daemon), lambda data: _write_all(screen, data)
+                control.socket_path(daemon), lambda data: _write_all(screen, data), nest.prompts
             )
+            nest.prompt_here = True
         if not req.quiet:  # said once the sandbox is up: a setup error stays one line
             policy = Policy(req.config.matrix(), req.config.deny, req.trust, req.config.protect)
             supervisor.on_ready = lambda: _notify(start_line(req, policy, cwd))

@@ -652,3 +652,50 @@ def test_a_client_that_goes_away_ends_its_wait(project: Path) -> None:
     entries = sandboxfs("audit", "--project", project, "--json", "--op", "net").stdout
     refused = [json.loads(line) for line in entries.splitlines()]
     assert [(e["host"], e["allowed"]) for e in refused] == [("gone.example", False)]
+
+
+CLEANER = """\
+---
+name: cleaner
+sandbox:
+  zones:
+    - name: repo
+      mode: rw
+      approval: {delete: ask}
+---
+Removes what is not needed.
+"""
+
+
+@needs_bwrap
+def test_a_child_workers_request_is_asked_in_the_parents_terminal(project: Path) -> None:
+    """A worker started inside `run` asks through the parent's prompt, labelled with the
+    worker and the run it was started in; the answer lets the child's retry pass."""
+    configure(project)
+    (project / ".workers").mkdir(exist_ok=True)
+    (project / ".workers" / "cleaner.worker").write_text(CLEANER)
+    child = "until rm /sandbox/repo/a/one 2>/dev/null; do sleep 0.2; done; echo CHILD-OK"
+    term = UserTerminal()
+    term.start(
+        "run", "--project", project, "--trust", "full", "--quiet", "--",
+        "sh", "-c", f"sandboxfs run --worker cleaner -- sh -c '{child}'",
+    )  # fmt: skip
+    try:
+        term.read_until(b"from worker cleaner, started inside this run")
+        term.read_until(b"delete of /repo/a/one")
+        term.read_until(b"s: deny and stop asking")
+        term.send(b"y")
+        term.read_until(b"allow delete of /repo/a/one, once")
+        term.send(b"\r")
+        term.read_until(b"saved: grant")
+        term.read_until(b"CHILD-OK")
+        assert term.wait() == 0
+    finally:
+        if term.proc is not None and term.proc.poll() is None:
+            term.proc.kill()
+    assert not (project / "a" / "one").exists()
+    entries = sandboxfs("audit", "--project", project, "--json", "--op", "approval").stdout
+    answers = [json.loads(line) for line in entries.splitlines()]
+    assert any(
+        e["approval"].get("answer") == "once" and e.get("worker") == "cleaner" for e in answers
+    ), answers
