@@ -159,7 +159,7 @@ def bind(path: Path) -> socket.socket:
         path.unlink(missing_ok=True)
         old = os.umask(0o177)
         try:
-            _at(path, sock.bind)
+            socket_at(path, sock.bind)
         finally:
             os.umask(old)
         sock.listen(8)
@@ -219,7 +219,7 @@ def _answered(path: Path) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
         sock.setblocking(False)
         try:
-            _at(path, sock.connect)
+            socket_at(path, sock.connect)
         except (ConnectionRefusedError, FileNotFoundError):
             return False
         except OSError:
@@ -232,7 +232,7 @@ def request(path: Path, message: dict[str, Any], timeout: float = 30.0) -> dict[
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(timeout)
         try:
-            _at(path, sock.connect)
+            socket_at(path, sock.connect)
             sock.sendall((json.dumps({"v": VERSION, **message}) + "\n").encode())
             data = b""
             while not data.endswith(b"\n"):
@@ -253,7 +253,7 @@ def request(path: Path, message: dict[str, Any], timeout: float = 30.0) -> dict[
     return answer
 
 
-def _at(path: Path, call: Any) -> None:
+def socket_at(path: Path, call: Any) -> None:
     """bind/connect to `path`, through its directory's descriptor when the path is longer
     than a socket address can hold."""
     if len(os.fsencode(path)) <= _SUN_PATH_MAX:

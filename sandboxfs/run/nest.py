@@ -41,6 +41,7 @@ from typing import Any
 from sandboxfs.config.model import Config, WorkerScope
 from sandboxfs.core.policy import Trust
 from sandboxfs.errors import UserError
+from sandboxfs.project import control
 
 NEST_DIR = "/sandboxfs"  # inside: nest.sock and bin/sandboxfs, the client
 SOCKET_NAME = "nest.sock"
@@ -166,7 +167,7 @@ class NestServer:
         client.write_text(CLIENT)
         client.chmod(0o755)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self._listener.bind(str(self.host_dir / SOCKET_NAME))
+        control.socket_at(self.host_dir / SOCKET_NAME, self._listener.bind)  # a long path too
         self._listener.listen(8)
         self._children: set[subprocess.Popen[bytes]] = set()
         # Whether this run prompts in its terminal: a child's requests are then asked there
