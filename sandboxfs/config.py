@@ -30,6 +30,7 @@ from pydantic import (
 )
 
 from . import inputs
+from .audit import MIN_ROTATE_BYTES, ROTATE_BYTES
 from .core.limits import Quota, ZoneLimits
 from .core.policy import BUILTIN_ZONES, Matrix, Trust, Zone, ZoneAccess, in_git_dir
 from .errors import UserError
@@ -141,8 +142,19 @@ class CacheConfig(_Strict):
 
 
 class AuditConfig(_Strict):
+    """`rotate_bytes`: past this size the log goes on in a new file (0: never; see
+    sandboxfs.audit.Segment)."""
+
     sync: bool = False
     flush_interval: float = Field(default=0.05, gt=0)
+    rotate_bytes: int = Field(default=ROTATE_BYTES, ge=0)
+
+    @field_validator("rotate_bytes")
+    @classmethod
+    def _rotate_size(cls, value: int) -> int:
+        if 0 < value < MIN_ROTATE_BYTES:
+            raise ValueError(f"must be 0 (never rotate) or at least {MIN_ROTATE_BYTES} bytes")
+        return value
 
 
 class DaemonConfig(_Strict):

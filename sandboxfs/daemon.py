@@ -112,7 +112,11 @@ def serve(
         store.close()
         raise
     _setup_logging(req)
-    audit = AuditLog(audit_path(req.project), sync=req.audit_sync or req.config.audit.sync)
+    audit = AuditLog(
+        audit_path(req.project),
+        sync=req.audit_sync or req.config.audit.sync,
+        rotate=req.config.audit.rotate_bytes,
+    )
     pid = os.getpid()
     control_path = control.socket_path(pid)
     info = MountInfo(

@@ -25,7 +25,7 @@ from typing import TypeVar
 
 from . import state, subcommands
 from .mounts import live_contexts
-from .project import audit_path, check_id, state_dir, validate_project
+from .project import check_id, state_dir, validate_project
 
 P = TypeVar("P", bound=argparse.ArgumentParser)
 
@@ -141,7 +141,7 @@ def _list(args: argparse.Namespace, project: Path) -> int:
         print(f"no sessions{where} in {project}")
     total = sum(s.bytes for s in found)
     used = sum(1 for s in found if s.in_use)
-    log = state.usage(audit_path(project)).bytes + state.usage(state.audit_reserve(project)).bytes
+    log = state.audit_bytes(project)
     print(
         f"{len(found)} session{'' if len(found) == 1 else 's'}{where}, {used} in use, "
         f"{state.format_size(total)}; the state dir {state_dir(project)} takes "

@@ -1,12 +1,12 @@
 """What a project's state dir (`<project>/.sandbox/`) holds, and trimming it.
 
 The state dir (laid out by sandboxfs.project) holds the audit log (`audit.jsonl`, with its
-`.lock` and `.reserve`), the daemon logs (`logs/<session>.log`), the quota tallies
-(`quota/<zone>-<dev>-<ino>`), and per workspace (`workspaces/<ws>/`) the /workspace zone
-(`workspace/`), every session's /session zone (`sessions/<id>/`), the /staged zone (`staged/`)
-and the reviews of staged commits (`review/<id>/`). Nothing removes any of it by itself:
-`sandboxfs sessions prune`, `sandboxfs staged prune` (sandboxfs.staging.prune) and
-`sandboxfs audit prune` do, when asked.
+`.lock` and `.reserve`, and its rotated segments `audit.<first id>-<last id>.jsonl`), the
+daemon logs (`logs/<session>.log`), the quota tallies (`quota/<zone>-<dev>-<ino>`), and per
+workspace (`workspaces/<ws>/`) the /workspace zone (`workspace/`), every session's /session
+zone (`sessions/<id>/`), the /staged zone (`staged/`) and the reviews of staged commits
+(`review/<id>/`). Nothing removes any of it by itself: `sandboxfs sessions prune`, `sandboxfs
+staged prune` (sandboxfs.staging.prune) and `sandboxfs audit prune` do, when asked.
 
 A session is *in use* while a mount, a `sandboxfs run` or an API sandbox has it: each holds a
 shared `flock` on the session's directory for as long as it uses it (`hold`), and pruning takes
@@ -36,7 +36,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from .audit import record_now
+from .audit import log_files, record_now
 from .core.syscalls import fstat
 from .errors import UserError
 from .project import audit_path, check_id, state_dir
@@ -137,6 +137,12 @@ def usage(path: Path) -> Usage:
 def audit_reserve(project: Path) -> Path:
     """The space the audit log keeps preallocated for a full disk (sandboxfs.audit)."""
     return audit_path(project).with_suffix(".reserve")
+
+
+def audit_bytes(project: Path) -> int:
+    """What the audit log takes on disk: every segment, the log, and its reserve."""
+    files = [*log_files(audit_path(project)), audit_reserve(project)]
+    return sum(usage(path).bytes for path in files)
 
 
 def state_dir_bytes(project: Path) -> int:
