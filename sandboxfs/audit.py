@@ -1476,6 +1476,12 @@ def verify(path: Path) -> VerifyResult:
                             " (entries were removed from the start without the key)",
                         )
                     return bad(line_no, f"{problem} (the chain was rebuilt without the key)")
+                if link is not None and _is_header(entry):
+                    return bad(
+                        line_no,
+                        "a prune header after older entries (an interrupted prune?"
+                        " `sandboxfs audit prune` again finishes it)",
+                    )
                 if first_in_file and not is_header:
                     first_in_file = False
                     gap = _segment_start_problem(
@@ -1500,12 +1506,6 @@ def verify(path: Path) -> VerifyResult:
                             "the first entry is not id 1 chained to GENESIS"
                             " (lines were removed from the start)",
                         )
-                elif _is_header(entry):
-                    return bad(
-                        line_no,
-                        "a prune header after older entries (an interrupted prune?"
-                        " `sandboxfs audit prune` again finishes it)",
-                    )
                 elif entry["prev"] != link:
                     return bad(
                         line_no,
@@ -1545,6 +1545,8 @@ def verify(path: Path) -> VerifyResult:
                 )
     finally:
         files.close()
+        if snap.stream is not None:
+            snap.stream.close()
     if unexplained:
         if unexplained != [line_no]:
             return bad(unexplained[0], "unparsable line that no recover entry names")
@@ -1666,7 +1668,7 @@ def _prune_locked(path: Path, cutoff: str, dry_run: bool) -> int:
         return 0
     files.append(path)  # the log itself last, even if a rotation left none yet
     dropped = 0
-    last: dict[str, Any] | None = None
+    last: tuple[int, str] | None = None  # the id and hash the kept entries chain to
     keep = len(files) - 1  # the file where the kept entries begin
     keep_from = 0  # the offset in it just past the last entry dropped
     for index, name in enumerate(files):
@@ -1681,15 +1683,16 @@ def _prune_locked(path: Path, cutoff: str, dry_run: bool) -> int:
             for line_no, line in enumerate(_lines_upto(stream, size)):
                 offset += len(line)
                 entry = _parse_entry(line)
-                if line_no == 0 and _is_header(entry):
-                    continue
                 if entry is None:
+                    continue
+                if line_no == 0 and _is_header(entry):  # an earlier prune's, which this replaces
+                    last = entry["id"], entry["anchor"]
                     continue
                 if str(entry.get("ts", "")) >= cutoff:
                     newer = True
                     break
                 dropped += 1
-                last = entry
+                last = entry["id"], entry["hash"]
         keep, keep_from = index, (offset - len(line) if newer else offset)
         if newer:
             break
@@ -1701,11 +1704,11 @@ def _prune_locked(path: Path, cutoff: str, dry_run: bool) -> int:
             "op": "prune",
             "before": cutoff,
             "dropped": dropped,
-            "anchor": last["hash"],
+            "anchor": last[1],
             "ts": _now(),
             "allowed": True,
         },
-        last["id"],
+        last[0],
         GENESIS,
         Key(anchor.key) if anchor is not None else None,
     )
