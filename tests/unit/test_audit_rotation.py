@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import multiprocessing
 import threading
 import time
 from collections.abc import Callable
@@ -100,6 +101,36 @@ def test_a_new_writer_continues_the_chain_and_two_writers_agree(tmp_path: Path) 
     ranges = [(s.first, s.last) for s in segments(path)]
     assert all(a[1] + 1 == b[0] for a, b in pairwise(ranges)), ranges
     assert verify(path).ok, verify(path).message
+
+
+def _rotating_writer(path: str, name: str, count: int) -> None:
+    log = AuditLog(Path(path), batch_size=7, rotate=ROTATE)
+    for i in range(count):
+        log.record(_entry(comm=name, path=f"/{name}/{i}", allowed=i % 50 != 0))
+    log.close()
+
+
+def test_four_processes_rotate_one_log_and_agree(tmp_path: Path) -> None:
+    """Processes sharing the log under its lock: one rotates at a time, none writes into a
+    segment, and the ids stay consecutive across every file."""
+    path = tmp_path / "audit.jsonl"
+    ctx = multiprocessing.get_context("fork")
+    workers = [
+        ctx.Process(target=_rotating_writer, args=(str(path), f"mount{n}", 300)) for n in range(4)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+        assert worker.exitcode == 0
+    result = verify(path)
+    assert result.ok, result.message
+    assert result.entries == 1200 and len(segments(path)) > 20
+    entries = list(read_entries(path))
+    assert [e["id"] for e in entries] == list(range(1, 1201))
+    for n in range(4):
+        mine = [e["path"] for e in entries if e["comm"] == f"mount{n}"]
+        assert mine == [f"/mount{n}/{i}" for i in range(300)]
 
 
 def test_rotation_right_before_a_crash_leaves_an_empty_log_the_next_writer_chains_from(
