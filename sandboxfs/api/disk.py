@@ -229,7 +229,11 @@ def open_disk(
         store.close()
         raise
     try:
-        audit = AuditLog(audit_path(project), sync=audit_sync or config.audit.sync)
+        audit = AuditLog(
+            audit_path(project),
+            sync=audit_sync or config.audit.sync,
+            rotate=config.audit.rotate_bytes,
+        )
     except BaseException:
         store.close()
         os.close(in_use)

@@ -26,13 +26,14 @@ import errno
 import fcntl
 import hashlib
 import heapq
+import itertools
 import json
 import logging
 import os
 import re
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -78,6 +79,9 @@ UNCLEAN_OP = "audit-unclean"  # written for a writer that ended without closing 
 _WRITER_PREFIX = ".writer."  # a live writer's marker beside the log, locked for its life
 _READ_BLOCK = 1 << 20
 _REORDER = 4096  # entries `iter_query` holds to put concurrent writers' entries in time order
+# Past this size the log is renamed to a segment and a new file continues the chain (0: never).
+ROTATE_BYTES = 64 << 20
+MIN_ROTATE_BYTES = 4096  # a smaller setting would make a file of a few entries
 
 
 def _format_ts(moment: datetime) -> str:
@@ -196,6 +200,66 @@ def _same_file(fd: int, path: Path | str, dir_fd: int | None = None) -> bool:
         return False
 
 
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A rotated part of the log: `audit.<first id>-<last id>.jsonl` beside `audit.jsonl`.
+
+    The ids in the name are the ones it was written with, so `verify` can tell a deleted
+    segment (ids that no file holds) from a truncated one (a file that ends before its name).
+    """
+
+    path: Path
+    first: int
+    last: int
+
+
+def segment_name(log_name: str, first: int, last: int) -> str:
+    """The name a log file holding ids `first` to `last` takes when it is rotated."""
+    stem, suffix = os.path.splitext(log_name)
+    return f"{stem}.{first:012d}-{last:012d}{suffix}"
+
+
+def segments(path: Path, dir_fd: int | None = None) -> list[Segment]:
+    """The rotated segments of the log at `path`, oldest first (none if there is no directory).
+
+    With `dir_fd` (the log's directory, open) the directory is listed through it.
+    """
+    stem, suffix = os.path.splitext(path.name)
+    pattern = re.compile(rf"{re.escape(stem)}\.([0-9]+)-([0-9]+){re.escape(suffix)}")
+    try:
+        names = os.listdir(dir_fd if dir_fd is not None else path.parent)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for name in names:
+        if (match := pattern.fullmatch(name)) is not None:
+            found.append(Segment(path.with_name(name), int(match[1]), int(match[2])))
+    return sorted(found, key=lambda seg: (seg.first, seg.last))
+
+
+def log_files(path: Path) -> list[Path]:
+    """Every file of the log, oldest first: its segments, then `path` (if it exists)."""
+    files = [seg.path for seg in segments(path)]
+    return [*files, path] if path.exists() else files
+
+
+def _first_id(fd: int, end: int) -> int | None:
+    """The id of the first entry (not a prune header) in the first `end` bytes of `fd`."""
+    offset = 0
+    carry = b""
+    while offset < end:
+        data = carry + os.pread(fd, min(_READ_BLOCK, end - offset), offset)
+        if len(data) == len(carry):
+            return None
+        offset += len(data) - len(carry)
+        *lines, carry = data.split(b"\n")
+        for line in lines:
+            entry = _parse_entry(line)
+            if entry is not None and not _is_header(entry):
+                return int(entry["id"])
+    return None
+
+
 @dataclass(slots=True)
 class _Repeats:
     """Refusals identical to one written in full (`entry`) in the current window."""
@@ -288,7 +352,10 @@ class AuditLog:
     Entries are queued and written in batches, except denials (which must be on disk before the
     caller sees its errno) and everything in sync mode. One instance is used from one thread.
     `reserve` bytes are kept preallocated beside the log for when its file system fills up.
-    `fold_refusals=False` writes every refusal in full (see `record`): for tests and imports.
+    Past `rotate` bytes the log is renamed to a segment (see `Segment`) and a new file continues
+    the chain; whichever writer flushes first past it rotates, under the lock all writers share,
+    and the others follow it to the new file. `fold_refusals=False` writes every refusal in
+    full (see `record`): for tests and imports.
     """
 
     def __init__(
@@ -298,9 +365,11 @@ class AuditLog:
         sync: bool = False,
         batch_size: int = 512,
         reserve: int = RESERVE_BYTES,
+        rotate: int = ROTATE_BYTES,
         fold_refusals: bool = True,
     ) -> None:
         self._path = path
+        self._rotate = rotate
         self._fold_refusals = fold_refusals
         self._sync = sync
         self._batch_size = batch_size
@@ -499,11 +568,14 @@ class AuditLog:
         tail = self._tail
         pending = self._queue
         if tail is None or tail.size != size or anchor_changed:  # another process wrote
-            tail = _scan_tail(self._fd, size)
+            tail = self._chain_tail(size)
             problem = self._tail_problem(tail)
             if problem is not None:
                 log.error("audit log %s: %s", self._path, problem["reason"])
                 pending = [problem, *pending]
+        if 0 < self._rotate <= size and tail.valid_end == size and self._rotate_file(tail):
+            size = 0
+            tail = replace(tail, size=0, valid_end=0)
         if self._dropped:
             lost = {
                 "op": "audit-dropped",
@@ -539,6 +611,50 @@ class AuditLog:
                 log.error("audit log %s: cannot update its anchor: %s", self._path, exc.strerror)
         if self._reserve_short and time.monotonic() - self._reserve_tried >= _REFILL_EVERY:
             self._fill_reserve()
+
+    def _chain_tail(self, size: int) -> _Tail:
+        """Where the chain stands at the end of the log file of `size` bytes: in it, or, when
+        it holds no entry yet (just rotated), at the end of the newest segment."""
+        tail = _scan_tail(self._fd, size)
+        if tail.last_id or tail.last_hash != GENESIS:
+            return tail
+        newest = segments(self._path, self._dir_fd)
+        if not newest:
+            return tail
+        fd = os.open(newest[-1].path.name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self._dir_fd)
+        try:
+            before = _scan_tail(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        return replace(before, size=size, valid_end=tail.valid_end)
+
+    def _rotate_file(self, tail: _Tail) -> bool:
+        """Rename the log (ending at `tail`, no torn line) to its segment and open a new one,
+        in which the next entry chains to `tail`; False (and the log kept) if it cannot."""
+        first = _first_id(self._fd, tail.valid_end)
+        if first is None or first > tail.last_id:
+            return False
+        name = segment_name(self._name, first, tail.last_id)
+        try:
+            os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+            log.error("audit log %s: not rotated: %s already exists", self._path, name)
+            return False
+        except FileNotFoundError:
+            pass
+        try:
+            os.fsync(self._fd)  # the segment is whole on disk before it takes its name
+            os.rename(self._name, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        except OSError as exc:
+            log.error("audit log %s: not rotated: %s", self._path, exc.strerror)
+            return False
+        self._tail = None
+        # Raises if no new file can be made: the flush fails and is retried, and the next one
+        # finds the name free (`_follow_replacement`) rather than appending to the segment.
+        fd = _open_log(self._name, self._dir_fd)
+        os.close(self._fd)
+        self._fd = fd
+        os.fsync(self._dir_fd)
+        return True
 
     def _tail_problem(self, tail: _Tail) -> dict[str, Any] | None:
         """An entry saying how the log was cut or forged, if its end disagrees with the anchor.
@@ -657,7 +773,8 @@ class AuditLog:
             os.close(fd)
 
     def _follow_replacement(self) -> int:
-        """Reopen the log if prune replaced it since we opened it; return its size."""
+        """Reopen the log if prune replaced it, or another writer rotated it, since we opened
+        it; return its size."""
         if not _same_file(self._fd, self._name, self._dir_fd):
             fd = _open_log(self._name, self._dir_fd)
             os.close(self._fd)
@@ -676,10 +793,9 @@ class AuditLog:
             self._anchor.close()
             self._anchor = None
         try:
-            fd = self._fd
 
             def tail() -> tuple[int, str]:
-                found = _scan_tail(fd, size)
+                found = self._chain_tail(size)
                 return found.last_id, found.last_hash
 
             self._anchor = AnchorFile.open(self._anchor_path, self._path, tail)
@@ -810,13 +926,38 @@ def _sweep_writers(dir_fd: int, log_name: str) -> list[dict[str, Any]]:
     return entries
 
 
-def read_entries(path: Path) -> Iterator[dict[str, Any]]:
-    """Every entry in file order, skipping torn lines; nothing if there is no log."""
-    try:
-        stream = path.open("rb")
-    except FileNotFoundError:
+def _open_files(path: Path) -> Iterator[BinaryIO]:
+    """The log's files open, oldest first, a segment at a time, then the log itself; a rotation
+    meanwhile is followed (the renamed file is read as the segment it became), and a segment
+    pruned meanwhile is skipped. Nothing if there is no log."""
+    after = 0  # the last id of the segments read so far
+    while True:
+        pending = [seg for seg in segments(path) if seg.last > after]
+        if pending:
+            after = pending[0].last
+            try:
+                segment = pending[0].path.open("rb")
+            except FileNotFoundError:
+                continue
+            with segment:
+                yield segment
+            continue
+        stream = _open_or_none(path)
+        if stream is None:
+            if any(seg.last > after for seg in segments(path)):
+                continue  # rotated between the listing and the open
+            return
+        with stream:
+            if any(seg.last > after for seg in segments(path)):
+                continue  # rotated meanwhile: what was opened is a segment now
+            yield stream
         return
-    with stream:
+
+
+def read_entries(path: Path) -> Iterator[dict[str, Any]]:
+    """Every entry in file order (its segments first), skipping torn lines; nothing if there
+    is no log."""
+    for stream in _open_files(path):
         for line in stream:
             entry = _parse_entry(line)
             if entry is not None:
@@ -887,12 +1028,12 @@ def iter_query(path: Path, q: AuditQuery) -> Iterator[dict[str, Any]]:
     """`query`, streamed: the log is read a block at a time and memory stays bounded whatever
     its size (with `limit`, the last `limit` matches; without, a reorder buffer of _REORDER
     entries, so entries further out of time order than that come in file order)."""
-    try:
-        stream = path.open("rb")
-    except FileNotFoundError:
-        return
-    with stream:
-        yield from _select(stream, os.fstat(stream.fileno()).st_size, q)
+    blocks = (
+        block
+        for stream in _open_files(path)
+        for block in _blocks(stream, os.fstat(stream.fileno()).st_size)
+    )
+    yield from _select(blocks, q)
 
 
 def _blocks(stream: BinaryIO, end: int) -> Iterator[bytes]:
@@ -915,12 +1056,13 @@ def _blocks(stream: BinaryIO, end: int) -> Iterator[bytes]:
         yield carry
 
 
-def _select(stream: BinaryIO, end: int, q: AuditQuery) -> Iterator[dict[str, Any]]:
-    """`query` on an open log up to `end`, so that `follow` can use what it has opened."""
+def _select(blocks: Iterable[bytes], q: AuditQuery) -> Iterator[dict[str, Any]]:
+    """`query` on the log's `blocks` (of whole lines), so that `follow` can use what it has
+    opened."""
     matches = _Filter(q)
     held: list[tuple[str, int, dict[str, Any]]] = []  # a heap, by time then file order
     seq = 0
-    for block in _blocks(stream, end):
+    for block in blocks:
         for line in matches.candidate_lines(block):
             entry = _parse_entry(line)
             if entry is None or not matches(entry):
@@ -1082,17 +1224,41 @@ def follow(
     them, read from the same open file so that none is missed or shown twice.
 
     Entries are recognised as new by id, so re-reading a log that prune replaced prints nothing
-    twice. Table rows (times per `clock`) come without a header. `resume` = (file offset, last id
-    already shown) continues a `query` without a gap: pass the log's size from before the query
-    and the largest id it printed.
+    twice; when the log is rotated, the rest of the old file is read, then any segment rotated
+    since, then the new file. Table rows (times per `clock`) come without a header. `resume` =
+    (file offset, last id already shown) continues a `query` without a gap: pass the log's size
+    from before the query and the largest id it printed.
     """
-    last_id = 0
-    pending = b""
     matches = _Filter(q)
     stream = _open_or_none(path)
+    # Where the log was rotated and no new file holds an entry yet, now is the newest segment's end.
+    last_id = max((seg.last for seg in segments(path)), default=0)
 
     def show(entry: dict[str, Any]) -> None:
         out.write((_canonical(entry).decode() if as_json else _table_row(entry, clock)) + "\n")
+
+    def read_new(source: BinaryIO) -> None:
+        """Show the matching entries of `source` from where it stands past `last_id`."""
+        nonlocal last_id
+        pending = b""
+        while data := source.read(_READ_BLOCK):
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                entry = _parse_entry(line)
+                if entry is None or entry["id"] <= last_id:
+                    continue
+                last_id = entry["id"]
+                if matches(entry):
+                    show(entry)
+            out.flush()
+        source.seek(-len(pending), os.SEEK_CUR)  # a line still being written: read it again
+
+    def read_segments() -> None:
+        """Read the segments that hold entries past `last_id` (rotated since it was shown)."""
+        for seg in segments(path):
+            if seg.last > last_id:
+                with contextlib.suppress(FileNotFoundError), seg.path.open("rb") as source:
+                    read_new(source)
 
     try:
         if stream is not None and resume is not None:
@@ -1101,30 +1267,36 @@ def follow(
         elif stream is not None:
             tail = _scan_tail(stream.fileno(), os.fstat(stream.fileno()).st_size)
             if last > 0:  # up to the last complete line: one being written is still to come
-                for known in _select(stream, tail.valid_end, replace(q, limit=last)):
+                earlier = (block for seg in segments(path) for block in _segment_blocks(seg.path))
+                blocks = itertools.chain(earlier, _blocks(stream, tail.valid_end))
+                for known in _select(blocks, replace(q, limit=last)):
                     show(known)
                 out.flush()
             stream.seek(tail.valid_end)
-            last_id = tail.last_id
+            last_id = max(last_id, tail.last_id)
         while not stop():
             if stream is None or not _same_file(stream.fileno(), path):
-                if stream is not None:
+                if stream is not None:  # replaced (pruned) or rotated: finish it first
+                    read_new(stream)
                     stream.close()
-                stream, pending = _open_or_none(path), b""
-            while stream is not None and (data := stream.read(_READ_BLOCK)):
-                *lines, pending = (pending + data).split(b"\n")
-                for line in lines:
-                    entry = _parse_entry(line)
-                    if entry is None or entry["id"] <= last_id:
-                        continue
-                    last_id = entry["id"]
-                    if matches(entry):
-                        show(entry)
-                out.flush()
+                stream = _open_or_none(path)
+                read_segments()
+            if stream is not None:
+                read_new(stream)
             time.sleep(poll)
     finally:
         if stream is not None:
             stream.close()
+
+
+def _segment_blocks(segment: Path) -> Iterator[bytes]:
+    """The blocks of a segment's lines; nothing if it was pruned meanwhile."""
+    try:
+        stream = segment.open("rb")
+    except FileNotFoundError:
+        return
+    with stream:
+        yield from _blocks(stream, os.fstat(stream.fileno()).st_size)
 
 
 def _open_or_none(path: Path) -> BinaryIO | None:
@@ -1156,10 +1328,21 @@ class VerifyResult:
     unclean_pids: tuple[int, ...] = ()
 
 
-def _snapshot(path: Path) -> tuple[BinaryIO | None, int, Anchor | None, str, list[int]]:
-    """The log (open, or None if there is none, and its size), its anchor (or None and why
-    not) and the pids of writers that ended without closing it, taken under the writers' lock
-    so that they agree with each other."""
+@dataclass
+class _Snapshot:
+    """What `verify` checks, taken under the writers' lock so that its parts agree: the log's
+    segments, the log itself (open, or None if there is none) and its size, its anchor (or
+    None and why not) and the pids of writers that ended without closing it."""
+
+    segments: list[Segment]
+    stream: BinaryIO | None
+    size: int
+    anchor: Anchor | None
+    no_anchor: str
+    dead: list[int]
+
+
+def _snapshot(path: Path) -> _Snapshot:
     where, why = locate_anchor(path)
     try:
         lock_fd = os.open(_lock_path(path), os.O_RDONLY | os.O_CLOEXEC)
@@ -1177,11 +1360,10 @@ def _snapshot(path: Path) -> tuple[BinaryIO | None, int, Anchor | None, str, lis
             finally:
                 os.close(dir_fd)
             dead = [p if isinstance(p := s.get("pid"), int) else 0 for s in said]
-        try:
-            stream = path.open("rb")
-        except FileNotFoundError:
-            return None, 0, anchor, why, dead
-        return stream, os.fstat(stream.fileno()).st_size, anchor, why, dead
+        found = segments(path)
+        stream = _open_or_none(path)
+        size = 0 if stream is None else os.fstat(stream.fileno()).st_size
+        return _Snapshot(found, stream, size, anchor, why, dead)
     finally:
         if lock_fd >= 0:
             os.close(lock_fd)  # and with it the lock
@@ -1199,20 +1381,41 @@ def _lines_upto(stream: BinaryIO, size: int) -> Iterator[bytes]:
         yield line
 
 
+def _snapshot_files(
+    snap: _Snapshot,
+) -> Generator[tuple[Segment | None, BinaryIO | None, int]]:
+    """Each file of the snapshot, oldest first, open (None if a segment is gone since), with
+    the size to read: the segments (which no writer appends to), then the log itself."""
+    for seg in snap.segments:
+        try:
+            source = seg.path.open("rb")
+        except FileNotFoundError:
+            yield seg, None, 0
+            continue
+        with source:
+            yield seg, source, os.fstat(source.fileno()).st_size
+    if snap.stream is not None:
+        with snap.stream:
+            yield None, snap.stream, snap.size
+
+
 def verify(path: Path) -> VerifyResult:
-    """Check every hash, link and mac of the chain, and that its end is where the anchor says;
-    line numbers are 1-based lines of the file.
+    """Check every hash, link and mac of the chain, across its segments, and that its end is
+    where the anchor says; line numbers are 1-based lines of the file, which is named when the
+    log has segments.
 
     An unparsable line is accepted as torn (a writer died mid-write) only if it is the last line,
     or if the entry right after it (and any torn lines that follow it) is the "recover" entry
     that names it. Entries from the anchor's `keyed_from` on must carry a valid mac. Without an
     anchor (another user, a moved project, a deleted anchor) only the unkeyed chain is checked,
-    and the message says so.
+    and the message says so. A segment's name gives the first and last id it was written
+    with: one that ends early was truncated, ids that no file holds were in a deleted segment.
     """
-    stream, size, anchor, no_anchor, dead = _snapshot(path)
+    snap = _snapshot(path)
+    anchor, dead = snap.anchor, snap.dead
     unclean: list[int] = []
     keyed = anchor is not None
-    if stream is None:
+    if snap.stream is None and not snap.segments:
         if anchor is not None and anchor.head_id > 0:
             message = f"no audit log at {path}, but its anchor says id {anchor.head_id} was written"
             return VerifyResult(False, 0, None, message, keyed=True)
@@ -1228,79 +1431,128 @@ def verify(path: Path) -> VerifyResult:
     link_source = ""
     last_id = 0
     line_no = 0
+    where = ""  # the file being read, named when there are several
 
     def bad(line: int | None, problem: str) -> VerifyResult:
-        message = problem if line is None else f"line {line}: {problem}"
+        message = f"{where}{problem}" if line is None else f"{where}line {line}: {problem}"
         return VerifyResult(
             False, entries, line, message, tuple(torn), keyed, unkeyed, tuple(unclean), tuple(dead)
         )
 
-    with stream:
-        for line_no, line in enumerate(_lines_upto(stream, size), 1):
-            entry = _parse_entry(line)
-            if entry is None:
-                unexplained.append(line_no)
-                continue
-            if unexplained:
-                if entry.get("op") != "recover" or entry.get("torn_line") != unexplained[0]:
-                    return bad(unexplained[0], "unparsable line that no recover entry names")
-                torn += unexplained
-                unexplained = []
-            if _digest(entry) != entry["hash"]:
-                return bad(line_no, "hash mismatch (entry edited)")
-            is_header = link is None and line_no == 1 and _is_header(entry)
-            with_mac += "mac" in entry
-            if (
-                anchor is not None
-                and key is not None
-                and entry["id"] >= anchor.keyed_from
-                and not key.valid(entry["hash"], entry.get("mac"))
-            ):
-                problem = "mac missing" if "mac" not in entry else "mac mismatch"
+    files = _snapshot_files(snap)
+    try:
+        for seg, source, end in files:
+            name = path.name if seg is None else seg.path.name
+            where = f"{name} " if snap.segments else ""
+            if source is None:
+                return bad(None, "vanished while it was verified (pruned meanwhile?): verify again")
+            first_in_file = True
+            pruned = False  # whether this file begins with a prune header
+            line_no = 0
+            for line_no, line in enumerate(_lines_upto(source, end), 1):
+                entry = _parse_entry(line)
+                if entry is None:
+                    unexplained.append(line_no)
+                    continue
+                if unexplained:
+                    if entry.get("op") != "recover" or entry.get("torn_line") != unexplained[0]:
+                        return bad(unexplained[0], "unparsable line that no recover entry names")
+                    torn += unexplained
+                    unexplained = []
+                if _digest(entry) != entry["hash"]:
+                    return bad(line_no, "hash mismatch (entry edited)")
+                is_header = link is None and line_no == 1 and _is_header(entry)
+                with_mac += "mac" in entry
+                if (
+                    anchor is not None
+                    and key is not None
+                    and entry["id"] >= anchor.keyed_from
+                    and not key.valid(entry["hash"], entry.get("mac"))
+                ):
+                    problem = "mac missing" if "mac" not in entry else "mac mismatch"
+                    if is_header:
+                        return bad(
+                            line_no,
+                            f"{problem} on the prune header"
+                            " (entries were removed from the start without the key)",
+                        )
+                    return bad(line_no, f"{problem} (the chain was rebuilt without the key)")
+                if link is not None and _is_header(entry):
+                    return bad(
+                        line_no,
+                        "a prune header after older entries (an interrupted prune?"
+                        " `sandboxfs audit prune` again finishes it)",
+                    )
+                if first_in_file and not is_header:
+                    first_in_file = False
+                    gap = _segment_start_problem(
+                        seg, entry["id"], last_id, chained=link is not None, named=not pruned
+                    )
+                    if gap is not None:
+                        return bad(line_no, gap)
                 if is_header:
+                    header, pruned = entry, True
+                    link, link_source = entry["anchor"], "the prune header's anchor"
+                elif link is None:
+                    if entry["id"] > 1 and snap.segments:
+                        return bad(
+                            line_no,
+                            f"the first entry is id {entry['id']}, not id 1 chained to GENESIS"
+                            f" (ids 1 to {entry['id'] - 1} are in no file: segments or lines"
+                            " were removed from the start)",
+                        )
+                    if entry["id"] != 1 or entry["prev"] != GENESIS:
+                        return bad(
+                            line_no,
+                            "the first entry is not id 1 chained to GENESIS"
+                            " (lines were removed from the start)",
+                        )
+                elif entry["prev"] != link:
                     return bad(
                         line_no,
-                        f"{problem} on the prune header"
-                        " (entries were removed from the start without the key)",
+                        f"prev does not match {link_source} (a line was inserted or removed)",
                     )
-                return bad(line_no, f"{problem} (the chain was rebuilt without the key)")
-            if is_header:
-                header = entry
-                link, link_source = entry["anchor"], "the prune header's anchor"
-            elif link is None:
-                if entry["id"] != 1 or entry["prev"] != GENESIS:
+                elif entry["id"] != last_id + 1:
+                    problem = f"id {entry['id']} does not follow id {last_id}"
+                    return bad(line_no, problem + " (a line was inserted or removed)")
+                if not is_header:
+                    link, link_source = entry["hash"], f"{where}line {line_no}'s hash"
+                    entries += 1
+                    unkeyed += anchor is not None and entry["id"] < anchor.keyed_from
+                last_id = entry["id"]
+                if anchor is not None and last_id == anchor.head_id and link != anchor.head_hash:
                     return bad(
                         line_no,
-                        "the first entry is not id 1 chained to GENESIS"
-                        " (lines were removed from the start)",
+                        f"id {last_id} is not the entry its anchor records (the chain was rebuilt)",
                     )
-            elif entry["prev"] != link:
+                if entry.get("op") == UNCLEAN_OP:
+                    unclean.append(entry["id"])
+                if entry.get("op") == TAMPER_OP:
+                    return bad(
+                        line_no,
+                        f"a writer found the log tampered with: {_text(entry.get('reason'))}",
+                    )
+            if seg is not None and unexplained:  # only the log itself may end in a torn line
+                return bad(unexplained[0], "unparsable line that no recover entry names")
+            if seg is not None and last_id != seg.last:
                 return bad(
-                    line_no, f"prev does not match {link_source} (a line was inserted or removed)"
+                    None,
+                    f"ends at id {last_id} but its name says id {seg.last}: "
+                    + (
+                        "entries were removed from its end (truncated)"
+                        if last_id < seg.last
+                        else "it holds entries its name does not (renamed?)"
+                    ),
                 )
-            elif entry["id"] != last_id + 1:
-                problem = f"id {entry['id']} does not follow id {last_id}"
-                return bad(line_no, problem + " (a line was inserted or removed)")
-            if not is_header:
-                link, link_source = entry["hash"], f"line {line_no}'s hash"
-                entries += 1
-                unkeyed += anchor is not None and entry["id"] < anchor.keyed_from
-            last_id = entry["id"]
-            if anchor is not None and last_id == anchor.head_id and link != anchor.head_hash:
-                return bad(
-                    line_no,
-                    f"id {last_id} is not the entry its anchor records (the chain was rebuilt)",
-                )
-            if entry.get("op") == UNCLEAN_OP:
-                unclean.append(entry["id"])
-            if entry.get("op") == TAMPER_OP:
-                return bad(
-                    line_no, f"a writer found the log tampered with: {_text(entry.get('reason'))}"
-                )
+    finally:
+        files.close()
+        if snap.stream is not None:
+            snap.stream.close()
     if unexplained:
         if unexplained != [line_no]:
             return bad(unexplained[0], "unparsable line that no recover entry names")
         torn += unexplained
+    where = ""
     if anchor is not None and last_id < anchor.head_id:
         return bad(
             None,
@@ -1308,6 +1560,9 @@ def verify(path: Path) -> VerifyResult:
             " entries were removed from the end",
         )
     message = f"ok: {entries} entries, chain intact"
+    if snap.segments:
+        message = f"ok: {entries} entries in {len(snap.segments) + (snap.stream is not None)}"
+        message += " files, chain intact across them"
     if header is not None:
         message += f" from the prune header (entries up to id {header['id']} pruned)"
     if anchor is not None:
@@ -1318,7 +1573,7 @@ def verify(path: Path) -> VerifyResult:
                 " (written before this anchor existed)"
             )
     else:
-        message += f"; unkeyed check only ({no_anchor}"
+        message += f"; unkeyed check only ({snap.no_anchor}"
         if with_mac:
             message += f", though {with_mac} entries carry a mac: moved project? deleted anchor?"
         message += "): a cut end or a rebuilt chain would not show"
@@ -1329,6 +1584,28 @@ def verify(path: Path) -> VerifyResult:
     return VerifyResult(
         True, entries, None, message, tuple(torn), keyed, unkeyed, tuple(unclean), tuple(dead)
     )
+
+
+def _segment_start_problem(
+    seg: Segment | None, first: int, last_id: int, *, chained: bool, named: bool
+) -> str | None:
+    """What is wrong where a file's first entry (id `first`, after any prune header) meets the
+    end of the file before it (at `last_id`; `chained` unless it is the first file): a segment
+    that does not begin at the id its name says (unless `named` is False: a pruned first
+    file), or ids that no file holds."""
+    if seg is not None and named and first != seg.first:
+        if first > seg.first:
+            return (
+                f"begins at id {first} but its name says id {seg.first}:"
+                " lines were removed from its start"
+            )
+        return f"begins at id {first} but its name says id {seg.first} (renamed?)"
+    if chained and first > last_id + 1:
+        return (
+            f"ids {last_id + 1} to {first - 1} are in no file: a segment was deleted"
+            f" (the file before this one ends at id {last_id})"
+        )
+    return None
 
 
 def _unclean_note(recorded: list[int], dead: list[int]) -> str:
@@ -1364,13 +1641,15 @@ def prune(path: Path, before: datetime, *, dry_run: bool = False) -> int:
     """Drop the leading entries older than `before`, keeping the rest verifiable.
 
     Only a leading run can go, or the chain would break: an older entry that follows a newer one
-    (mounts flush batches at different times) stays. The kept entries are unchanged; torn lines
-    are not carried over (their recover entries are). The header that replaces the dropped
-    entries is keyed with the anchor's key if this user has it: without a mac, a header could
-    be made up by anyone to hide entries removed from the start. The anchor's head stays
-    right, since the last entry is always kept (or, when all go, the header takes its id).
-    Returns how many entries were dropped, or with `dry_run` how many would be (and drops none),
-    so that a user can be asked first. Streams: memory stays bounded whatever the log's size.
+    (mounts flush batches at different times) stays. Segments all of whose entries go are
+    deleted; the file where the kept entries begin (a segment, or the log itself) is rewritten
+    with a header in place of the dropped entries, under its own name. The kept entries are
+    unchanged; torn lines are not carried over (their recover entries are). The header is keyed
+    with the anchor's key if this user has it: without a mac, a header could be made up by
+    anyone to hide entries removed from the start. The anchor's head stays right, since the
+    last entry is always kept (or, when all go, the header takes its id). Returns how many
+    entries were dropped, or with `dry_run` how many would be (and drops none), so that a user
+    can be asked first. Streams: memory stays bounded whatever the log's size.
     """
     cutoff = _format_ts(before)
     try:
@@ -1379,34 +1658,45 @@ def prune(path: Path, before: datetime, *, dry_run: bool = False) -> int:
         return 0
     try:
         with _exclusive(lock_fd):
-            try:
-                stream = path.open("rb")
-            except FileNotFoundError:
-                return 0
-            with stream:
-                return _prune_locked(path, stream, cutoff, dry_run)
+            return _prune_locked(path, cutoff, dry_run)
     finally:
         os.close(lock_fd)
 
 
-def _prune_locked(path: Path, stream: BinaryIO, cutoff: str, dry_run: bool) -> int:
-    size = os.fstat(stream.fileno()).st_size
+def _prune_locked(path: Path, cutoff: str, dry_run: bool) -> int:
+    files = [seg.path for seg in segments(path)]
+    if not files and not path.exists():
+        return 0
+    files.append(path)  # the log itself last, even if a rotation left none yet
     dropped = 0
-    last: dict[str, Any] | None = None
-    keep_from = 0  # the offset just past the last entry dropped
-    offset = 0
-    for line_no, line in enumerate(_lines_upto(stream, size)):
-        offset += len(line)
-        entry = _parse_entry(line)
-        if line_no == 0 and _is_header(entry):
-            keep_from = offset
+    last: tuple[int, str] | None = None  # the id and hash the kept entries chain to
+    keep = len(files) - 1  # the file where the kept entries begin
+    keep_from = 0  # the offset in it just past the last entry dropped
+    for index, name in enumerate(files):
+        offset = 0
+        newer = False
+        try:
+            stream = name.open("rb")
+        except FileNotFoundError:
             continue
-        if entry is None:
-            continue
-        if str(entry.get("ts", "")) >= cutoff:
+        with stream:
+            size = os.fstat(stream.fileno()).st_size
+            for line_no, line in enumerate(_lines_upto(stream, size)):
+                offset += len(line)
+                entry = _parse_entry(line)
+                if entry is None:
+                    continue
+                if line_no == 0 and _is_header(entry):  # an earlier prune's, which this replaces
+                    last = entry["id"], entry["anchor"]
+                    continue
+                if str(entry.get("ts", "")) >= cutoff:
+                    newer = True
+                    break
+                dropped += 1
+                last = entry["id"], entry["hash"]
+        keep, keep_from = index, (offset - len(line) if newer else offset)
+        if newer:
             break
-        dropped += 1
-        last, keep_from = entry, offset
     if dropped == 0 or dry_run or last is None:
         return dropped
     anchor, _ = read_anchor(*locate_anchor(path))
@@ -1415,26 +1705,39 @@ def _prune_locked(path: Path, stream: BinaryIO, cutoff: str, dry_run: bool) -> i
             "op": "prune",
             "before": cutoff,
             "dropped": dropped,
-            "anchor": last["hash"],
+            "anchor": last[1],
             "ts": _now(),
             "allowed": True,
         },
-        last["id"],
+        last[0],
         GENESIS,
         Key(anchor.key) if anchor is not None else None,
     )
-    stream.seek(keep_from)
+    _rewrite(files[keep], header, keep_from)
+    # Only then the files before it: a prune cut short leaves them before a file that begins
+    # with a header, which `verify` names and the next prune deletes.
+    for name in files[:keep]:
+        with contextlib.suppress(FileNotFoundError):
+            name.unlink()
+    fsync_dir(path.parent)
+    return dropped
+
+
+def _rewrite(path: Path, header: bytes, keep_from: int) -> None:
+    """Replace the file at `path` with `header` and its complete lines from `keep_from` on."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         try:
             with os.fdopen(os.dup(fd), "wb", buffering=_READ_BLOCK) as out:
                 out.write(header)
-                for block in _blocks(stream, size):
-                    lines = block.split(b"\n")
-                    if not lines[-1]:
-                        lines.pop()
-                    kept = (ln for ln in lines if _complete(ln) or _parse_entry(ln) is not None)
-                    out.write(b"".join(ln + b"\n" for ln in kept))
+                with contextlib.suppress(FileNotFoundError), path.open("rb") as stream:
+                    stream.seek(keep_from)
+                    for block in _blocks(stream, os.fstat(stream.fileno()).st_size):
+                        lines = block.split(b"\n")
+                        if not lines[-1]:
+                            lines.pop()
+                        kept = (ln for ln in lines if _complete(ln) or _parse_entry(ln) is not None)
+                        out.write(b"".join(ln + b"\n" for ln in kept))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -1442,8 +1745,6 @@ def _prune_locked(path: Path, stream: BinaryIO, cutoff: str, dry_run: bool) -> i
     except BaseException:
         os.unlink(tmp)
         raise
-    fsync_dir(path.parent)
-    return dropped
 
 
 def record_now(

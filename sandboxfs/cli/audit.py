@@ -225,7 +225,7 @@ def _show(args: argparse.Namespace, path: Path) -> int:
     )
     clock = audit_mod.Clock(local=args.local)
     if args.follow:
-        if not path.exists():
+        if not audit_mod.log_files(path):
             _note(f"no audit log yet at {path}; waiting for entries")
         if not args.json:
             print(audit_mod.format_table([], clock), flush=True)
@@ -234,7 +234,7 @@ def _show(args: argparse.Namespace, path: Path) -> int:
                 path, q, sys.stdout, as_json=args.json, last=args.lines or 0, clock=clock
             )
         return 0
-    if not path.exists():
+    if not audit_mod.log_files(path):
         _note(_no_log(path))
         return 0
     # Streamed: one entry at a time, so memory stays flat whatever the log's size.
@@ -256,14 +256,14 @@ def _show(args: argparse.Namespace, path: Path) -> int:
 def _verify(args: argparse.Namespace, path: Path) -> int:
     result = audit_mod.verify(path)
     # No log and no anchor that says otherwise: nothing was ever written, so nothing to verify.
-    if not result.ok and not result.keyed and not path.exists():
+    if not result.ok and not result.keyed and not audit_mod.log_files(path):
         raise Failure(_no_log(path))
     print(result.message)
     return 0 if result.ok else 1
 
 
 def _prune(args: argparse.Namespace, path: Path) -> int:
-    if not path.exists():
+    if not audit_mod.log_files(path):
         _note(_no_log(path))
         return 0
     before = args.before.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from sandboxfs.cli import subcommands
-from sandboxfs.layout import audit_path, audit_reserve, state_dir
+from sandboxfs.layout import state_dir
 from sandboxfs.project import state
 from sandboxfs.project.mounts import live_contexts
 from sandboxfs.project.zones import check_id, validate_project
@@ -143,7 +143,7 @@ def _list(args: argparse.Namespace, project: Path) -> int:
         print(f"no sessions{where} in {project}")
     total = sum(s.bytes for s in found)
     used = sum(1 for s in found if s.in_use)
-    log = state.usage(audit_path(project)).bytes + state.usage(audit_reserve(project)).bytes
+    log = state.audit_bytes(project)
     print(
         f"{len(found)} session{'' if len(found) == 1 else 's'}{where}, {used} in use, "
         f"{state.format_size(total)}; the state dir {state_dir(project)} takes "

@@ -29,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from sandboxfs.audit.log import MIN_ROTATE_BYTES, ROTATE_BYTES
 from sandboxfs.config import inputs
 from sandboxfs.config.inputs import cut, shown
 from sandboxfs.core import approvals
@@ -142,8 +143,19 @@ class CacheConfig(_Strict):
 
 
 class AuditConfig(_Strict):
+    """`rotate_bytes`: past this size the log goes on in a new file (0: never; see
+    sandboxfs.audit.Segment)."""
+
     sync: bool = False
     flush_interval: float = Field(default=0.05, gt=0)
+    rotate_bytes: int = Field(default=ROTATE_BYTES, ge=0)
+
+    @field_validator("rotate_bytes")
+    @classmethod
+    def _rotate_size(cls, value: int) -> int:
+        if 0 < value < MIN_ROTATE_BYTES:
+            raise ValueError(f"must be 0 (never rotate) or at least {MIN_ROTATE_BYTES} bytes")
+        return value
 
 
 class DaemonConfig(_Strict):

@@ -132,7 +132,11 @@ def serve(
         _setup_logging(req)
         audit = stack.enter_context(
             contextlib.closing(
-                AuditLog(audit_path(req.project), sync=req.audit_sync or req.config.audit.sync)
+                AuditLog(
+                    audit_path(req.project),
+                    sync=req.audit_sync or req.config.audit.sync,
+                    rotate=req.config.audit.rotate_bytes,
+                )
             )
         )
         pid = os.getpid()

@@ -1,7 +1,8 @@
 """What a project's state dir (`<project>/.sandbox/`) holds, and trimming it.
 
-The state dir (laid out by sandboxfs.project.zones) holds the audit log (`audit.jsonl`, with its
-`.lock` and `.reserve`), the daemon logs (`logs/<session>.log`), the quota tallies
+The state dir (laid out by sandboxfs.project.zones, its paths named by sandboxfs.layout) holds
+the audit log (`audit.jsonl`, with its `.lock` and `.reserve`, and its rotated segments
+`audit.<first id>-<last id>.jsonl`), the daemon logs (`logs/<session>.log`), the quota tallies
 (`quota/<zone>-<dev>-<ino>`), and per workspace (`workspaces/<ws>/`) the /workspace zone
 (`workspace/`), every session's /session zone (`sessions/<id>/`), the /staged zone (`staged/`)
 and the reviews of staged commits (`review/<id>/`). Nothing removes any of it by itself:
@@ -36,11 +37,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sandboxfs.audit.log import record_now
+from sandboxfs.audit.log import log_files, record_now
 from sandboxfs.core.syscalls import fstat
 from sandboxfs.errors import Failure, SandboxfsError
 from sandboxfs.layout import (
     audit_path,
+    audit_reserve,
     log_path,
     pruning_dir,
     quota_parts,
@@ -139,6 +141,12 @@ def usage(path: Path) -> Usage:
                 if stat.S_ISDIR(st.st_mode):
                     pending.append(entry.path)
     return found
+
+
+def audit_bytes(project: Path) -> int:
+    """What the audit log takes on disk: every segment, the log, and its reserve."""
+    files = [*log_files(audit_path(project)), audit_reserve(project)]
+    return sum(usage(path).bytes for path in files)
 
 
 def state_dir_bytes(project: Path) -> int:

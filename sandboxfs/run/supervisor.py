@@ -200,7 +200,9 @@ class RunAudit:
     """The supervisor's own entries (`run` start and end, `net`), safe from proxy threads."""
 
     def __init__(self, req: RunRequest) -> None:
-        self._log = AuditLog(audit_path(req.project), sync=req.audit_sync)
+        self._log = AuditLog(
+            audit_path(req.project), sync=req.audit_sync, rotate=req.config.audit.rotate_bytes
+        )
         self._lock = threading.Lock()
         self._base = {
             "session": req.session,

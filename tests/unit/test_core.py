@@ -50,7 +50,7 @@ LAYERS: dict[str, set[str]] = {
     "gitquery": set(),
     "layout": {"core"},
     "audit": {"core", "errors", "layout"},
-    "config": {"core", "errors", "layout", "gitquery"},
+    "config": {"core", "errors", "layout", "audit", "gitquery"},
     "project": {"core", "errors", "layout", "gitquery", "audit", "config"},
     "staging": {"core", "errors", "layout", "audit", "project"},
     "api": {"core", "errors", "layout", "audit", "config", "project", "staging"},
