@@ -83,9 +83,7 @@ class MountInfo:
     command: tuple[str, ...] | None = None  # what `sandboxfs run` started on this mount
     via: str | None = None  # "api" for the Python API; absent for the mount
     control: str | None = None  # the mount's control socket (see sandboxfs.project.control)
-    worker: str | None = (
-        None  # the worker whose declaration narrowed it (sandboxfs.project.workers)
-    )
+    worker: str | None = None  # whose declaration narrowed it (sandboxfs.project.workers)
 
 
 class Guard:
