@@ -615,9 +615,10 @@ def test_run_itself_loads_neither_pyfuse3_nor_trio(project: Path) -> None:
     process, whose imports are start-up time of every run, never does, nor the in-process API."""
     probe = (
         "import sys\n"
-        "from sandboxfs.cli import main\n"
+        "from sandboxfs.cli.main import main\n"
         f"code = main(['run', '--project', {str(project)!r}, '-q', '--', 'true'])\n"
-        "heavy = ('pyfuse3', 'trio', 'sandboxfs.daemon', 'sandboxfs.operations', 'sandboxfs.api')\n"
+        "heavy = ('pyfuse3', 'trio', 'sandboxfs.fuse.daemon', 'sandboxfs.fuse.operations',"
+        " 'sandboxfs.api')\n"
         "print(code, sorted(m for m in sys.modules if m.startswith(heavy)))\n"
     )
     result = subprocess.run(
