@@ -344,6 +344,26 @@ def _for_worker(
     return workers.narrow(cfg, trust, workers.find(project, args.worker, cfg))
 
 
+def _session_with_attachments(
+    args: argparse.Namespace,
+    project: Path,
+    workspace: str,
+    parent: config_mod.Config,
+    cfg: config_mod.Config,
+    trust: Trust,
+) -> tuple[config_mod.Config, str, bool]:
+    """The session chosen by --session/--new-session and `cfg` with the --attach files: (the
+    config, the session, whether it is resumed). A new session is discarded if attaching
+    fails."""
+    session, resumed = choose_session(project, workspace, args.session, args.new_session)
+    try:
+        return _attach(args, project, parent, cfg, trust, workspace, session), session, resumed
+    except UserError:
+        if not resumed:
+            discard_new_session(project, workspace, session)
+        raise
+
+
 def _attach(
     args: argparse.Namespace,
     project: Path,
@@ -469,13 +489,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     trust = args.trust or cfg.default_trust
     parent = cfg
     cfg = _for_worker(args, project, cfg, trust)
-    session, resumed = choose_session(project, workspace, args.session, args.new_session)
-    try:
-        cfg = _attach(args, project, parent, cfg, trust, workspace, session)
-    except UserError:
-        if not resumed:
-            discard_new_session(project, workspace, session)
-        raise
+    cfg, session, resumed = _session_with_attachments(args, project, workspace, parent, cfg, trust)
     req = MountRequest(
         mountpoint=mountpoint,
         project=project,
@@ -613,13 +627,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UserError("--within: not a worker scope") from None
     narrowed = _for_worker(args, project, full, trust)
     tools = _run_toolchain(args, project, command, env, user, profile)
-    session, resumed = choose_session(project, workspace, args.session, args.new_session)
-    try:
-        narrowed = _attach(args, project, full, narrowed, trust, workspace, session)
-    except UserError:
-        if not resumed:
-            discard_new_session(project, workspace, session)
-        raise
+    narrowed, session, _ = _session_with_attachments(
+        args, project, workspace, full, narrowed, trust
+    )
     req = run_mod.RunRequest(
         project=project,
         trust=trust,
