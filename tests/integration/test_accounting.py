@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import mounted
+from tests.support.mounts import mounted
 
 UID = 4242
 

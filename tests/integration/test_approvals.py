@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from sandboxfs.project import control
-from tests.conftest import SANDBOXFS, Mount, mounted, sandboxfs, sh, wait_until
-from tests.integration.test_run_terminal import UserTerminal
-from tests.integration.test_trust_live import PY, needs_bwrap
+from tests.support.cli import SANDBOXFS, sandboxfs, sh, wait_until
+from tests.support.mounts import Mount, mounted
+from tests.support.run import PY, UserTerminal, needs_bwrap
 
 ASK_DELETES = """\
 approvals:

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Mount, make_project, sandboxfs, sh
+from tests.support.cli import sandboxfs, sh
+from tests.support.mounts import Mount, denial, make_project
 
 ZONES = ("session", "workspace", "repo", "staged", "workers")
 
@@ -77,30 +78,6 @@ def backing(m: Mount, zone: str) -> Path:
         "staged": ws / "staged",
         "workers": m.project / ".workers",
     }[zone]
-
-
-def denial(
-    m: Mount,
-    path: str,
-    op: str | None = None,
-    entries: list[dict[str, Any]] | None = None,
-    **fields: Any,
-) -> dict[str, Any]:
-    """The denial audited for virtual `path` (denials are written before the errno returns);
-    `entries` are the mount's denials read once, to save running the CLI for each check."""
-    entries = [
-        e
-        for e in (entries if entries is not None else m.audit("--denied"))
-        if e["path"] == path
-        and (op is None or e["op"] == op)
-        and all(e.get(k) == v for k, v in fields.items())
-    ]
-    assert entries, f"no denial audited for {path} (op {op}, {fields})"
-    entry = entries[-1]
-    assert entry["allowed"] is False
-    assert entry["reason"], entry
-    assert entry["session"] == m.session
-    return entry
 
 
 def crossing(

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from sandboxfs.audit.anchor import anchor_path
-from tests.conftest import SANDBOXFS, assert_one_line_error, make_project, mounted, sandboxfs, sh
+from tests.support.cli import SANDBOXFS, assert_one_line_error, sandboxfs, sh
+from tests.support.mounts import make_project, mounted
 
 SPEC_FIELDS = (
     "id",

@@ -10,20 +10,20 @@ from __future__ import annotations
 import json
 import os
 import pty
-import queue
 import select
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 
 from sandboxfs.audit.log import AuditLog
-from tests.conftest import SANDBOXFS, assert_one_line_error
+from tests.support.audit import Follower, audit, follow
+from tests.support.cli import SANDBOXFS, assert_one_line_error
+
+__all__ = ["follow"]  # a fixture of tests.support.audit, used here
 
 OLD = ("2020-01-01T00:00:00.000000Z", "2020-06-01T12:00:00.000000Z")
 RECENT = "2026-01-15T08:00:00.000000Z"  # 17:00 in Tokyo
@@ -62,22 +62,6 @@ def project(tmp_path: Path) -> Path:
         entry("/repo/now"),
     )
     return project
-
-
-def audit(
-    *args: str | Path, cwd: Path | None = None, **env: str
-) -> subprocess.CompletedProcess[str]:
-    """The CLI with stdin that is no terminal, whatever runs the tests."""
-    return subprocess.run(
-        [*SANDBOXFS, "audit", *map(str, args)],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env={**os.environ, **env},
-        timeout=30,
-        check=False,
-    )
 
 
 # ----- subcommands, help and options -------------------------------------------------------------
@@ -234,50 +218,6 @@ def test_table_times_name_their_zone(project: Path) -> None:
 
 
 # ----- follow ------------------------------------------------------------------------------------
-
-
-class Follower:
-    """`sandboxfs audit --follow ...` in the background, its output read line by line."""
-
-    def __init__(self, project: Path, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [*SANDBOXFS, "audit", "--project", str(project), "--follow", *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        self.stdout = self._pump(self.proc.stdout)
-        self.stderr = self._pump(self.proc.stderr)
-
-    @staticmethod
-    def _pump(stream: IO[str]) -> queue.Queue[str]:
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
-        return lines
-
-    @staticmethod
-    def line(lines: queue.Queue[str], timeout: float = 10) -> str:
-        try:
-            return lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError("no line in time") from None
-
-
-@pytest.fixture
-def follow() -> Iterator[Callable[..., Follower]]:
-    """`follow(project, *args)` starts a Follower; all are killed at the end of the test."""
-    started: list[Follower] = []
-
-    def start(project: Path, *args: str) -> Follower:
-        started.append(Follower(project, *args))
-        return started[-1]
-
-    yield start
-    for follower in started:
-        follower.proc.kill()
-        follower.proc.communicate(timeout=10)
 
 
 def test_follow_starts_at_the_end(project: Path, follow: Callable[..., Follower]) -> None:

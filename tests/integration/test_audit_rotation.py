@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from sandboxfs.audit.log import segments
-from tests.conftest import sh, wait_until
-from tests.integration.test_audit_commands import Follower, audit, follow
+from tests.support.audit import Follower, audit, follow
+from tests.support.cli import sh, wait_until
 
 __all__ = ["follow"]  # the audit commands' --follow fixture, used here too
 

@@ -22,7 +22,8 @@ import pytest
 from sandboxfs.cli import main as cli
 from sandboxfs.errors import Failure
 from sandboxfs.layout import session_dir
-from tests.conftest import SANDBOXFS, force_unmount, make_project
+from tests.support.cli import SANDBOXFS
+from tests.support.mounts import force_unmount, make_project
 
 TIME_LIMIT = 10.0  # seconds: each answer comes in well under one
 

@@ -25,8 +25,7 @@ from typing import Any
 import pytest
 
 from sandboxfs.core.syscalls import lstat_at
-from tests.conftest import SANDBOXFS
-from tests.integration.test_isolation import (
+from tests.support.bounded import (
     EACCES_TEXT,
     ENOENT_TEXT,
     Hang,
@@ -36,6 +35,7 @@ from tests.integration.test_isolation import (
     sandbox_mount,
     wait_or_kill,
 )
+from tests.support.cli import SANDBOXFS
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (FUSE mounts of the test's own)"),

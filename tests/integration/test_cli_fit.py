@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SANDBOXFS, assert_one_line_error, force_unmount, sandboxfs, sh
+from tests.support.cli import SANDBOXFS, assert_one_line_error, sandboxfs, sh
+from tests.support.mounts import force_unmount
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
 

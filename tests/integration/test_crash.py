@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import sandboxfs
+from tests.support.cli import sandboxfs
 
 WRITER = r"""
 import hashlib, os, sys

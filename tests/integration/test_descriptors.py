@@ -23,16 +23,8 @@ from pathlib import Path
 import pytest
 
 from sandboxfs.project import control
-from tests.conftest import (
-    SANDBOXFS,
-    Mount,
-    force_unmount,
-    make_project,
-    mounted,
-    sandboxfs,
-    sh,
-    wait_until,
-)
+from tests.support.cli import SANDBOXFS, sandboxfs, sh, wait_until
+from tests.support.mounts import Mount, force_unmount, make_project, mounted
 
 pytestmark = pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit")
 

@@ -28,7 +28,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from tests.conftest import Mount, make_project, mounted, sh
+from tests.support.cli import sh
+from tests.support.mounts import Mount, make_project, mounted
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.renameat2.argtypes = [

@@ -21,7 +21,7 @@ import pytest
 
 from sandboxfs.api import Sandbox, SandboxAPIError
 from sandboxfs.layout import audit_path
-from tests.conftest import make_project, mounted
+from tests.support.mounts import make_project, mounted
 
 Compared = tuple[Any, ...]
 T = TypeVar("T")

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Mount, sh
-from tests.integration.test_git_surface import GIT_ENV, READ_ONLY, fsmonitor, git, user_repo
+from tests.support.cli import sh
+from tests.support.git import GIT_ENV, READ_ONLY, fsmonitor, git, user_repo
+from tests.support.mounts import Mount
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import sh
+from tests.support.cli import sh
 
 GIT_ENV = {
     "GIT_AUTHOR_NAME": "Index Test",

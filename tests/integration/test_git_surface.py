@@ -9,57 +9,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import Mount, sh
-from tests.integration.test_attacks import denial
-from tests.integration.test_run import audit, sbx
-
-GIT_ENV = {
-    "GIT_AUTHOR_NAME": "User",
-    "GIT_AUTHOR_EMAIL": "user@example.invalid",
-    "GIT_COMMITTER_NAME": "User",
-    "GIT_COMMITTER_EMAIL": "user@example.invalid",
-    "GIT_CONFIG_GLOBAL": "/dev/null",
-    "GIT_CONFIG_NOSYSTEM": "1",
-}
-READ_ONLY = "Read-only file system"
+from tests.support.cli import sh
+from tests.support.git import GIT_ENV, READ_ONLY, fsmonitor, git, user_repo
+from tests.support.mounts import Mount, denial
+from tests.support.run import audit, sbx
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
-
-
-def git(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """The user's git, outside the mount, as it would run in a terminal."""
-    return subprocess.run(
-        ["git", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env={**os.environ, **GIT_ENV},
-    )
-
-
-def fsmonitor(marker: Path) -> str:
-    """A config that runs code as git's fsmonitor: it appends to `marker`."""
-    return f'[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "echo ran >> {marker}; false"\n'
-
-
-def user_repo(project: Path) -> None:
-    """The user's repository, made natively before any agent runs."""
-    for cmd in (
-        ["init", "-q", "-b", "main"],
-        ["add", "README.md", "src"],
-        ["commit", "-qm", "initial"],
-    ):
-        result = git(project, *cmd)
-        assert result.returncode == 0, result.stderr
 
 
 def steps(m: Mount, script: list[tuple[str, str]], cwd: Path) -> dict[str, str]:

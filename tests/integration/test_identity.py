@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SANDBOXFS
-from tests.integration.test_run import nothing_left_behind, sbx
+from tests.support.cli import SANDBOXFS
+from tests.support.run import nothing_left_behind, sbx
 
 __all__ = ["nothing_left_behind"]  # the run tests' check that no mount is left, used here too
 

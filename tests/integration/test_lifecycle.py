@@ -18,16 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import (
-    SANDBOXFS,
-    assert_one_line_error,
-    force_unmount,
-    make_project,
-    mounted,
-    sandboxfs,
-    sh,
-    wait_until,
-)
+from tests.support.cli import SANDBOXFS, assert_one_line_error, sandboxfs, sh, wait_until
+from tests.support.mounts import force_unmount, make_project, mounted
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 ENOTCONN_TEXT = "Transport endpoint is not connected"

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Mount
+from tests.support.mounts import Mount
 
 OK = "ok"
 EROFS = "EROFS"  # "Read-only file system": a denied write/delete in a zone the level can read

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Mount, make_project, mounted, sh
+from tests.support.cli import sh
+from tests.support.mounts import Mount, make_project, mounted
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 AT_FDCWD = -100

@@ -26,8 +26,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Mount, sh
-from tests.integration.test_git_surface import GIT_ENV, git
+from tests.support.cli import sh
+from tests.support.git import GIT_ENV, git
+from tests.support.mounts import Mount
 
 OPENSSL = shutil.which("openssl")
 pytestmark = [

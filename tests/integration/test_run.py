@@ -9,11 +9,8 @@ mounted may be left behind (checked after each test).
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
-import pty
-import select
 import shutil
 import signal
 import socket
@@ -22,111 +19,38 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import SANDBOXFS, make_project, wait_until
+from tests.support.cli import SANDBOXFS, wait_until
+from tests.support.run import (
+    NOBODY,
+    NOBODY_UID,
+    PY,
+    TIMEOUT,
+    audit,
+    fuse_mounts,
+    http_server,
+    lines,
+    nobody_env,
+    nobody_home,
+    nothing_left_behind,
+    on_pty,
+    project,
+    run_dirs,
+    sbx,
+)
 
-NOBODY_UID = 65534
-NOBODY = ["setpriv", f"--reuid={NOBODY_UID}", f"--regid={NOBODY_UID}", "--clear-groups", "--"]
-TIMEOUT = 60.0
-PY = "/usr/bin/python3"  # the system's, which the sandbox's read-only /usr holds
+__all__ = ["nobody_home", "nothing_left_behind", "project"]  # fixtures, used by name
+
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists("/usr/bin/bwrap"), reason="bubblewrap is installed by .ci/setup"
 )
-
-
-# ----- running sandboxfs run ---------------------------------------------------------------------
-
-
-def sbx(
-    *args: str | Path,
-    prefix: Sequence[str] = (),
-    env: dict[str, str] | None = None,
-    timeout: float = TIMEOUT,
-    pass_fds: Sequence[int] = (),
-) -> subprocess.CompletedProcess[str]:
-    """The sandboxfs CLI, stdin from /dev/null, its own process group (killed on a timeout)."""
-    proc = subprocess.Popen(
-        [*prefix, *SANDBOXFS, *map(str, args)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-        pass_fds=pass_fds,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise AssertionError(f"sandboxfs {' '.join(map(str, args))} hung") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def audit(project: Path, *filters: str) -> list[dict[str, Any]]:
-    result = subprocess.run(
-        [*SANDBOXFS, "audit", "--project", str(project), "--json", *filters],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return [json.loads(line) for line in result.stdout.splitlines()]
-
-
-def run_dirs() -> list[Path]:
-    root = Path(os.environ["SANDBOXFS_STATE_DIR"]) / "run"
-    return sorted(root.iterdir()) if root.is_dir() else []
-
-
-def fuse_mounts() -> list[str]:
-    text = Path("/proc/self/mounts").read_text()
-    return [line.split()[1] for line in text.splitlines() if " fuse.sandboxfs " in line]
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """No mount of this test session's (below its base temporary directory, where its state
-    dir and projects are) outlives a test: another session's mounts are not ours to judge."""
-    ours = f"{tmp_path_factory.getbasetemp()}/"
-
-    def mounts() -> set[str]:
-        return {mnt for mnt in fuse_mounts() if mnt.startswith(ours)}
-
-    before = mounts()
-    yield
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (mounts() - before or run_dirs()):
-        time.sleep(0.05)
-    left = mounts() - before
-    for mnt in left:
-        subprocess.run(["fusermount3", "-u", "-z", mnt], check=False)
-    assert not left, f"mounts left behind: {left}"
-    assert not run_dirs(), f"run directories left behind: {run_dirs()}"
-
-
-@pytest.fixture
-def project(tmp_path: Path) -> Path:
-    proj = make_project(tmp_path)
-    (proj / "README.md").write_text("the project readme\n")
-    return proj
-
-
-def lines(result: subprocess.CompletedProcess[str]) -> dict[str, str]:
-    """`name: outcome` lines printed by a probe script."""
-    found = {}
-    for line in result.stdout.splitlines():
-        name, sep, outcome = line.partition(": ")
-        if sep:
-            found[name.strip()] = outcome.strip()
-    return found
 
 
 # ----- the trust matrix, through run -------------------------------------------------------------
@@ -488,71 +412,6 @@ def test_escapes_fail(project: Path, tmp_path: Path) -> None:
 # ----- a terminal: job control, Ctrl-C, TIOCSTI -------------------------------------------------
 
 
-class Pty:
-    """`sandboxfs run` on a pty of the test's own, driven like a user at a keyboard."""
-
-    def __init__(self, *args: str | Path, prefix: Sequence[str] = ()) -> None:
-        self.pid, self.fd = pty.fork()
-        if self.pid == 0:  # pragma: no cover - the child
-            os.environ["TERM"] = "dumb"
-            argv = [*prefix, *SANDBOXFS, *map(str, args)]
-            os.execvp(argv[0], argv)
-        self.output = b""
-        self.status: int | None = None
-
-    def read_until(self, needle: bytes, timeout: float = 15) -> bytes:
-        deadline = time.monotonic() + timeout
-        while needle not in self.output:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
-                raise AssertionError(f"{needle!r} not seen; output: {self.output[-2000:]!r}")
-            try:
-                data = os.read(self.fd, 65536)
-            except OSError:
-                data = b""
-            if not data:
-                raise AssertionError(f"{needle!r} not seen before EOF: {self.output[-2000:]!r}")
-            self.output += data
-        return self.output
-
-    def send(self, data: bytes) -> None:
-        os.write(self.fd, data)
-
-    def wait(self, timeout: float = 30) -> int:
-        deadline = time.monotonic() + timeout
-        while self.status is None:
-            with suppress(OSError):
-                if select.select([self.fd], [], [], 0.05)[0]:
-                    self.output += os.read(self.fd, 65536)
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.status = os.waitstatus_to_exitcode(status)
-            elif time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError(f"run did not end; output: {self.output[-2000:]!r}")
-        return self.status
-
-    def kill(self) -> None:
-        if self.status is None:
-            with suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
-            self.status = -9
-
-    def close(self) -> None:
-        self.kill()
-        os.close(self.fd)
-
-
-@contextmanager
-def on_pty(*args: str | Path, prefix: Sequence[str] = ()) -> Iterator[Pty]:
-    term = Pty(*args, prefix=prefix)
-    try:
-        yield term
-    finally:
-        term.close()
-
-
 def test_interactive_bash_with_job_control(project: Path) -> None:
     args = ["run", "--project", project, "--trust", "session", "--env", "PS1=sbx> "]
     with on_pty(*args, "--", "bash", "--norc") as t:
@@ -797,30 +656,6 @@ def test_run_is_audited_and_shown_by_status(project: Path) -> None:
 # ----- the network: --net allow ------------------------------------------------------------------
 
 
-@contextmanager
-def http_server(text: str) -> Iterator[int]:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = text.encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
-
-
 NET_PROBE = r"""
 code() { curl -sS -m 10 -o /dev/null -w '%{http_code}' "$@" 2>/dev/null || echo "fail-$?"; }
 echo "allowed: $(curl -sS -m 10 --noproxy '' http://127.0.0.1:$1/)"
@@ -885,39 +720,6 @@ def test_net_none_is_loopback_only(project: Path) -> None:
 
 
 # ----- as an ordinary user -----------------------------------------------------------------------
-
-
-@pytest.fixture
-def nobody_home() -> Iterator[Path]:
-    """A home, state dir and project owned by nobody, in a directory everyone can traverse."""
-    if os.geteuid() != 0:
-        pytest.skip("the ordinary-user tests switch to nobody, which needs root")
-    root = Path(tempfile.mkdtemp(prefix="sandboxfs-run-", dir="/tmp"))
-    try:
-        root.chmod(0o755)
-        make_project(root)
-        (root / "project" / "README.md").write_text("the project readme\n")
-        (root / "home").mkdir()
-        subprocess.run(["chown", "-R", f"{NOBODY_UID}:{NOBODY_UID}", str(root)], check=True)
-        usable = subprocess.run(
-            [*NOBODY, sys.executable, "-c", "import sandboxfs.cli.main"], capture_output=True
-        )
-        assert usable.returncode == 0, f"nobody cannot run sandboxfs: {usable.stderr!r}"
-        yield root
-    finally:
-        for line in Path("/proc/self/mounts").read_text().splitlines():
-            if str(root) in line.split()[1]:
-                subprocess.run(["fusermount3", "-u", "-z", line.split()[1]], check=False)
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def nobody_env(root: Path) -> dict[str, str]:
-    return {
-        "HOME": str(root / "home"),
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
-        "SANDBOXFS_STATE_DIR": str(root / "home" / "state"),
-        "SECRET_TOKEN": "sekrit",
-    }
 
 
 def test_ordinary_user_matrix_and_escapes(nobody_home: Path) -> None:

@@ -22,16 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_project
-from tests.integration.test_run import (
-    NOBODY,
-    NOBODY_UID,
-    audit,
-    fuse_mounts,
-    nobody_env,
-    nobody_home,
-    sbx,
-)
+from tests.support.mounts import make_project
+from tests.support.run import NOBODY, NOBODY_UID, audit, fuse_mounts, nobody_env, nobody_home, sbx
 
 __all__ = ["nobody_home"]  # a fixture used here, from test_run
 

@@ -16,8 +16,8 @@ import pytest
 from sandboxfs.api import Sandbox, SandboxAPIError
 from sandboxfs.layout import state_dir
 from sandboxfs.project.zones import find_project
-from tests.conftest import SANDBOXFS
-from tests.integration.test_run import TIMEOUT, nothing_left_behind, sbx  # noqa: F401
+from tests.support.cli import SANDBOXFS
+from tests.support.run import TIMEOUT, nothing_left_behind, sbx  # noqa: F401
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists("/usr/bin/bwrap"), reason="bubblewrap is installed by .ci/setup"

@@ -29,8 +29,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import SANDBOXFS, wait_until
-from tests.integration.test_run import (
+from tests.support.cli import SANDBOXFS, wait_until
+from tests.support.run import (
     NOBODY,
     PY,
     TIMEOUT,

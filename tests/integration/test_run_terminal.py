@@ -11,13 +11,10 @@ may be left mounted (checked after each test).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import select
 import signal
 import subprocess
-import termios
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -27,8 +24,8 @@ from typing import IO, Any
 import pytest
 
 from sandboxfs.run import supervisor as run_mod
-from tests.conftest import SANDBOXFS, wait_until
-from tests.integration.test_run import fuse_mounts, nothing_left_behind, run_dirs
+from tests.support.cli import SANDBOXFS, wait_until
+from tests.support.run import UserTerminal, fuse_mounts, nothing_left_behind, run_dirs
 
 __all__ = ["nothing_left_behind"]  # the run tests' check that no mount is left, used here too
 
@@ -42,84 +39,6 @@ pytestmark = pytest.mark.skipif(
 
 
 # ----- the user's terminal: a pty of the test's own ----------------------------------------------
-
-
-class UserTerminal:
-    """A pty standing for the user's terminal; `start` runs `sandboxfs run` with it as its
-    controlling terminal and each of 0, 1, 2 either on it or redirected."""
-
-    def __init__(self) -> None:
-        self.master, self.slave = os.openpty()
-        os.set_blocking(self.master, False)
-        fcntl.ioctl(self.master, termios.TIOCSWINSZ, b"\x18\x00\x50\x00\x00\x00\x00\x00")
-        self.output = b""
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def modes(self) -> list[Any]:
-        return termios.tcgetattr(self.slave)
-
-    def start(
-        self, *args: str | Path, stdin: Any = "tty", stdout: Any = "tty", stderr: Any = "tty"
-    ) -> subprocess.Popen[bytes]:
-        slave = self.slave
-
-        def controlling_terminal() -> None:  # after setsid (start_new_session), in the child
-            fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
-
-        streams = [slave if s == "tty" else s for s in (stdin, stdout, stderr)]
-        self.proc = subprocess.Popen(
-            [*SANDBOXFS, *map(str, args)],
-            stdin=streams[0],
-            stdout=streams[1],
-            stderr=streams[2],
-            start_new_session=True,
-            pass_fds=(slave,),
-            preexec_fn=controlling_terminal,  # the test runs no threads here
-        )
-        return self.proc
-
-    def read_until(self, needle: bytes, timeout: float = 20) -> bytes:
-        deadline = time.monotonic() + timeout
-        while needle not in self.output:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"{needle!r} not seen; output: {self.output[-2000:]!r}")
-            if select.select([self.master], [], [], min(left, 0.1))[0]:
-                with suppress(BlockingIOError, OSError):
-                    self.output += os.read(self.master, 65536)
-        return self.output
-
-    def collect(self) -> bytes:
-        with suppress(BlockingIOError, OSError):
-            while data := os.read(self.master, 65536):
-                self.output += data
-        return self.output
-
-    def send(self, data: bytes) -> None:
-        os.write(self.master, data)
-
-    def wait(self, timeout: float = TIMEOUT) -> int:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while self.proc.poll() is None:
-            if time.monotonic() > deadline:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-                raise AssertionError(f"run did not end; terminal: {self.collect()[-2000:]!r}")
-            self.collect()
-            time.sleep(0.05)
-        self.collect()
-        return self.proc.returncode
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        if self.proc is not None and self.proc.stdout is not None:
-            self.proc.stdout.close()
-        for fd in (self.master, self.slave):
-            os.close(fd)
 
 
 @contextmanager

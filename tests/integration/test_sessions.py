@@ -11,7 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import Mount, assert_one_line_error, sandboxfs
+from tests.support.cli import assert_one_line_error, sandboxfs
+from tests.support.mounts import Mount
 
 
 def session_path(m: Mount) -> Path:

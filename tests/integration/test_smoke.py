@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tests.conftest import sh
+from tests.support.cli import sh
 
 
 def test_untrusted_first_look(mount_at: Callable[..., Any]) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_run import (
+from tests.support.run import (
     NOBODY,
     PY,
     lines,

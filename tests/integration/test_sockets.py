@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Mount, sh
+from tests.support.cli import sh
+from tests.support.mounts import Mount
 
 # A client process: connect to argv[1], send a line, print what comes back.
 _CLIENT = """

@@ -22,16 +22,10 @@ import pytest
 
 from sandboxfs.api import PermissionDenied, Sandbox
 from sandboxfs.core.policy import Trust, Zone
-from tests.conftest import Mount, mounted, wait_until
-from tests.integration.test_staged import (
-    SOURCE,
-    audit_entries,
-    git,
-    make_repo,
-    staged,
-    staged_dir,
-)
-from tests.unit.test_operations import CTX, Harness, fails
+from tests.support.adapter import CTX, Harness, fails
+from tests.support.cli import wait_until
+from tests.support.mounts import Mount, mounted
+from tests.support.staging import SOURCE, audit_entries, git, make_repo, staged, staged_dir
 
 ORIGINAL = b"original\n"
 MESSAGE = b"Agent change\n"

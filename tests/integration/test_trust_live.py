@@ -22,18 +22,14 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from sandboxfs.layout import control_dir
-from tests.conftest import SANDBOXFS, Mount, assert_one_line_error, sandboxfs, sh, wait_until
+from tests.support.cli import SANDBOXFS, assert_one_line_error, sandboxfs, sh, wait_until
+from tests.support.mounts import Mount
+from tests.support.run import needs_bwrap
 
 PY = "/usr/bin/python3"  # the system's: readable by nobody and present inside a run sandbox
 TIMEOUT = 30.0
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-
-needs_bwrap = pytest.mark.skipif(
-    not os.path.exists("/usr/bin/bwrap"), reason="bubblewrap is installed by .ci/setup"
-)
 
 
 # ----- helpers -----------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_one_line_error, make_project, mounted, sandboxfs, wait_until
-from tests.integration.test_run import audit, fuse_mounts, run_dirs, sbx
+from tests.support.cli import assert_one_line_error, sandboxfs, wait_until
+from tests.support.mounts import make_project, mounted
+from tests.support.run import audit, fuse_mounts, run_dirs, sbx
 
 WORKERS = {
     "formatter": (

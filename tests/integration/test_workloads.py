@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import sh
+from tests.support.cli import sh
 
 VIM = shutil.which("vim") or shutil.which("vim.tiny") or shutil.which("vi") or "vi"
 

@@ -16,8 +16,8 @@ import pytest
 
 from sandboxfs.config.model import Config
 from sandboxfs.core.policy import Policy, Trust, Zone
-from tests.integration.test_git_surface import READ_ONLY, git
-from tests.integration.test_run import audit, sbx
+from tests.support.git import READ_ONLY, git
+from tests.support.run import audit, sbx
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed"),

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from sandboxfs.core.syscalls import renameat2
-from tests.conftest import assert_one_line_error, make_project, mounted, sandboxfs, sh
-from tests.integration.test_zones_limits import denial, failed, is_mounted, ok
+from tests.support.cli import assert_one_line_error, sandboxfs, sh
+from tests.support.mounts import make_project, mounted
+from tests.support.zones import denial, failed, is_mounted, ok
 
 CONFIG = """\
 zones:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,14 +26,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import (
-    Mount,
-    assert_one_line_error,
-    make_project,
-    mounted,
-    sandboxfs,
-    sh,
-)
+from tests.support.cli import assert_one_line_error, sandboxfs, sh
+from tests.support.mounts import Mount, make_project, mounted
+from tests.support.zones import denial, failed, is_mounted, ok
 
 BUILTIN = ["session", "workspace", "repo", "staged", "workers"]
 
@@ -146,36 +140,6 @@ def session_dir(m: Mount) -> Path:
 def context(m: Mount) -> dict[str, Any]:
     result: dict[str, Any] = json.loads((m.mnt / ".sandboxfs" / "context.json").read_text())
     return result
-
-
-def denial(m: Mount, path: str, errno: str, op: str | None = None) -> dict[str, Any]:
-    """The refusal of `path` with `errno` by this mount (refusals are written before the
-    error is returned, so no waiting)."""
-    for entry in m.audit("--denied"):
-        if (
-            entry["session"] == m.session
-            and entry["path"] == path
-            and entry["errno"] == errno
-            and (op is None or entry["op"] == op)
-        ):
-            assert entry["allowed"] is False, entry
-            return entry
-    raise AssertionError(f"no {errno} denial of {path} in session {m.session}")
-
-
-def failed(result: subprocess.CompletedProcess[str], message: str) -> None:
-    assert result.returncode != 0, (result.returncode, result.stdout, result.stderr)
-    assert message in result.stderr, result.stderr
-
-
-def ok(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 0, (result.returncode, result.stderr)
-    return result.stdout
-
-
-def is_mounted(mnt: Path) -> bool:
-    text = Path("/proc/self/mounts").read_text()
-    return any(line.split()[1] == str(mnt) for line in text.splitlines())
 
 
 def entries_below(path: Path) -> int:

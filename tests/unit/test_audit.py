@@ -45,34 +45,7 @@ from sandboxfs.audit.log import (
 )
 from sandboxfs.fuse import daemon
 from sandboxfs.layout import state_root
-
-T0 = datetime(2026, 11, 22, 8, 0, tzinfo=UTC)
-
-
-def _ts(minutes: float) -> str:
-    moment = T0 + timedelta(minutes=minutes)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _entry(**fields: Any) -> dict[str, Any]:
-    """An entry shaped like the ones the FUSE adapter records."""
-    base: dict[str, Any] = {
-        "op": "read",
-        "path": "/session/working/a.txt",
-        "dest": None,
-        "zone": "session",
-        "session": "s1",
-        "workspace": "default",
-        "trust": "untrusted",
-        "allowed": True,
-        "reason": None,
-        "errno": None,
-        "pid": 4242,
-        "uid": 1000,
-        "comm": "cat",
-        "bytes": None,
-    }
-    return base | fields
+from tests.support.audit import T0, _entry, _ts
 
 
 def _write_log(path: Path, count: int, per_flush: int = 2) -> None:

@@ -31,7 +31,7 @@ from sandboxfs.audit.log import (
     verify,
 )
 from sandboxfs.config.model import AuditConfig
-from tests.unit.test_audit import T0, _entry, _ts
+from tests.support.audit import T0, _entry, _ts
 
 ROTATE = MIN_ROTATE_BYTES  # about ten entries a file
 

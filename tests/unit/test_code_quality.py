@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -45,3 +46,18 @@ def test_public_api() -> None:
         "Zone",
         "ZoneAccess",
     ]
+
+
+def test_test_modules_share_helpers_only_through_tests_support() -> None:
+    """Test modules that import each other are tied together (renaming one breaks another, an
+    imported fixture silently joins the importer): shared helpers live in tests/support."""
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            module = "." * node.level + (node.module or "")
+            stem = module.rsplit(".", 1)[-1]
+            if node.level or stem.startswith("test_"):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: from {module}")
+    assert not offenders, offenders

@@ -27,8 +27,7 @@ from sandboxfs.core.policy import (
 from sandboxfs.core.store import ZONE_INO
 from sandboxfs.project.zones import protected_patterns
 from sandboxfs.staging.paths import path_problem
-
-from .test_operations import CTX, Harness, fails, make, no_mounts_left_behind
+from tests.support.adapter import CTX, Harness, fails, make, no_mounts_left_behind
 
 __all__ = ["make", "no_mounts_left_behind"]
 

@@ -27,8 +27,7 @@ from sandboxfs.core.gitconfig import (
 )
 from sandboxfs.core.policy import Policy, Trust, Zone
 from sandboxfs.core.store import ZONE_INO
-
-from .test_operations import CTX, Harness, fails, make, no_mounts_left_behind
+from tests.support.adapter import CTX, Harness, fails, make, no_mounts_left_behind
 
 __all__ = ["make", "no_mounts_left_behind"]
 

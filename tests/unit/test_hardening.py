@@ -16,8 +16,7 @@ import pytest
 from sandboxfs.config.model import ALWAYS_PROTECTED, ProjectConfig, _merge, defaults
 from sandboxfs.core.policy import Patterns, Policy, Trust, Zone, fold
 from sandboxfs.core.store import ZONE_INO
-
-from .test_operations import CTX, Ctx, Harness, fails, make, no_mounts_left_behind
+from tests.support.adapter import CTX, Ctx, Harness, fails, make, no_mounts_left_behind
 
 __all__ = ["make", "no_mounts_left_behind"]
 
