@@ -37,7 +37,7 @@ def test_the_matrix_ops_are_audited_under_their_own_spelling() -> None:
 
 
 def test_audit_op_choices_are_the_enum() -> None:
-    assert OPS == tuple(op.value for op in AuditOp)
+    assert tuple(op.value for op in AuditOp) == OPS
     assert len(set(OPS)) == len(OPS)
 
 
