@@ -206,6 +206,7 @@ class RunAudit:
         )
         self._lock = threading.Lock()
         self._req = req
+        self._uid = os.getuid()
         self._worker = req.config.worker.name if req.config.worker is not None else None
 
     def record(
@@ -233,7 +234,7 @@ class RunAudit:
             reason=reason,
             err=err,
             pid=pid,
-            uid=os.getuid(),
+            uid=self._uid,
             comm=comm,
             detail=detail,
             extra=extra,
