@@ -29,6 +29,7 @@ from typing import Any
 
 from sandboxfs.config.model import Config, defaults, load
 from sandboxfs.core.approvals import Answer, Mode
+from sandboxfs.core.entry import AuditOp
 from sandboxfs.project.zones import approval_broker, new_session_id, validate_project
 
 from ..core.context import context
@@ -507,7 +508,7 @@ class Sandbox:
     # ----- resolving --------------------------------------------------------------------------
 
     def _refuse_closed_zone(
-        self, g: Gate, p: VirtualPath, op: Op, audited: Op | str | None = None
+        self, g: Gate, p: VirtualPath, op: Op, audited: AuditOp | Op | None = None
     ) -> None:
         """A path below the root of a zone this trust level may not access at all is refused
         as the zone is (PermissionDenied: "repo is not writable at trust level ..."), for the
@@ -885,7 +886,7 @@ class Sandbox:
                 if parents:
                     return
                 raise SandboxError(errno.EEXIST, f"{p.text} already exists")
-            self._refuse_closed_zone(self._gate, p, Op.WRITE, "mkdir")
+            self._refuse_closed_zone(self._gate, p, Op.WRITE, AuditOp.MKDIR)
             node = self._backend.zone_roots[p.zone]
             for name in p.parts[:-1]:
                 node = self._ensure_dir(node, name, create=parents, last=False)
@@ -925,7 +926,7 @@ class Sandbox:
                 raise SandboxError(errno.EACCES, reason)
             g, caller = self._gate, self._caller
             for end in (ps, pd):
-                self._refuse_closed_zone(g, end, Op.WRITE, "rename")
+                self._refuse_closed_zone(g, end, Op.WRITE, AuditOp.RENAME)
             old_parent, old_name = self._seen_parent(g, ps)
             new_parent, new_name = self._parent(g, pd)
 

@@ -48,6 +48,7 @@ from sandboxfs.audit.anchor import (
     make_private_dirs,
     read_anchor,
 )
+from sandboxfs.core.entry import AuditOp, audit_entry
 from sandboxfs.core.syscalls import write_all
 from sandboxfs.errors import Failure
 
@@ -57,7 +58,7 @@ GENESIS: str = "0" * 64
 
 _CHUNK = 1 << 16
 _SEALS = ("hash", "mac")  # what an entry's hash does not cover
-TAMPER_OP = "audit-tamper"  # written by a writer that finds the log cut or forged
+TAMPER_OP = AuditOp.AUDIT_TAMPER  # the entry of a writer that finds the log cut or forged
 RESERVE_BYTES = 4 << 20  # room kept for the log on its file system; ~7k distinct denials
 _RELEASE_STEP = 1 << 16  # the reserve is given back in slices of at least this
 _REFILL_EVERY = 1.0  # seconds between attempts to fill a short reserve again
@@ -75,7 +76,7 @@ ITEMISED_BYTES = 512 << 10
 ITEMISED_PER_SECOND = 20
 ITEMISED_BYTES_PER_SECOND = 12 << 10
 _RETRY_EVERY = 0.25  # seconds between attempts to write while the log is failing
-UNCLEAN_OP = "audit-unclean"  # written for a writer that ended without closing the log
+UNCLEAN_OP = AuditOp.AUDIT_UNCLEAN  # the entry of a writer that ended without closing it
 _WRITER_PREFIX = ".writer."  # a live writer's marker beside the log, locked for its life
 _READ_BLOCK = 1 << 20
 _REORDER = 4096  # entries `iter_query` holds to put concurrent writers' entries in time order
@@ -160,7 +161,7 @@ def _is_header(entry: dict[str, Any] | None) -> bool:
     """Whether `entry` is the header `prune` puts first, which links the chain to its anchor."""
     return (
         entry is not None
-        and entry.get("op") == "prune"
+        and entry.get("op") == AuditOp.PRUNE
         and isinstance(entry.get("anchor"), str)
         and entry["prev"] == GENESIS
     )
@@ -577,20 +578,20 @@ class AuditLog:
             size = 0
             tail = replace(tail, size=0, valid_end=0)
         if self._dropped:
-            lost = {
-                "op": "audit-dropped",
-                "dropped": self._dropped,
-                "allowed": True,
-                "ts": _now(),
-                "reason": "entries dropped while the log could not be written",
-            }
+            lost = audit_entry(
+                AuditOp.AUDIT_DROPPED,
+                True,
+                ts=_now(),
+                reason="entries dropped while the log could not be written",
+                extra={"dropped": self._dropped},
+            )
             pending = [lost, *pending]
         out = bytearray()
         if tail.valid_end < size:  # a writer died mid-line: close that line, say so
             if os.pread(self._fd, 1, size - 1) != b"\n":
                 out += b"\n"
             torn_line = _count_lines(self._fd, tail.valid_end) + 1
-            recover = {"op": "recover", "torn_line": torn_line, "allowed": True, "ts": _now()}
+            recover = audit_entry(AuditOp.RECOVER, True, ts=_now(), extra={"torn_line": torn_line})
             pending = [recover, *pending]
         key = self._anchor.key if self._anchor is not None else None
         last_id, last_hash = tail.last_id, tail.last_hash
@@ -685,14 +686,13 @@ class AuditLog:
             )
         else:
             return None
-        return {
-            "op": TAMPER_OP,
-            "allowed": True,
-            "ts": _now(),
-            "reason": reason,
-            "found_id": tail.last_id,
-            "anchor_id": head_id,
-        }
+        return audit_entry(
+            AuditOp.AUDIT_TAMPER,
+            True,
+            ts=_now(),
+            reason=reason,
+            extra={"found_id": tail.last_id, "anchor_id": head_id},
+        )
 
     def _append(self, data: bytes | bytearray, size: int) -> None:
         """Append `data` to the log that ends at `size`; when the disk is full, give back
@@ -914,14 +914,13 @@ def _sweep_writers(dir_fd: int, log_name: str) -> list[dict[str, Any]]:
             " last flush interval) are lost without a trace"
         )
         entries.append(
-            {
-                "op": UNCLEAN_OP,
-                "allowed": True,
-                "ts": _now(),
-                "writer_pid": said.get("pid"),
-                "started": said.get("started"),
-                "reason": "a writer ended without closing the log (killed?): " + reason,
-            }
+            audit_entry(
+                AuditOp.AUDIT_UNCLEAN,
+                True,
+                ts=_now(),
+                reason="a writer ended without closing the log (killed?): " + reason,
+                extra={"writer_pid": said.get("pid"), "started": said.get("started")},
+            )
         )
     return entries
 
@@ -1455,7 +1454,10 @@ def verify(path: Path) -> VerifyResult:
                     unexplained.append(line_no)
                     continue
                 if unexplained:
-                    if entry.get("op") != "recover" or entry.get("torn_line") != unexplained[0]:
+                    if (
+                        entry.get("op") != AuditOp.RECOVER
+                        or entry.get("torn_line") != unexplained[0]
+                    ):
                         return bad(unexplained[0], "unparsable line that no recover entry names")
                     torn += unexplained
                     unexplained = []
@@ -1525,9 +1527,9 @@ def verify(path: Path) -> VerifyResult:
                         line_no,
                         f"id {last_id} is not the entry its anchor records (the chain was rebuilt)",
                     )
-                if entry.get("op") == UNCLEAN_OP:
+                if entry.get("op") == AuditOp.AUDIT_UNCLEAN:
                     unclean.append(entry["id"])
-                if entry.get("op") == TAMPER_OP:
+                if entry.get("op") == AuditOp.AUDIT_TAMPER:
                     return bad(
                         line_no,
                         f"a writer found the log tampered with: {_text(entry.get('reason'))}",
@@ -1614,7 +1616,7 @@ def _unclean_note(recorded: list[int], dead: list[int]) -> str:
     parts = []
     if recorded:
         shown = ", ".join(map(str, recorded[:10])) + (", ..." if len(recorded) > 10 else "")
-        parts.append(f"{len(recorded)} recorded (ids {shown}; audit --op {UNCLEAN_OP})")
+        parts.append(f"{len(recorded)} recorded (ids {shown}; audit --op {AuditOp.AUDIT_UNCLEAN})")
     if dead:
         pids = ", ".join(map(str, dead[:10])) + (", ..." if len(dead) > 10 else "")
         parts.append(f"{len(dead)} not yet recorded (pid {pids})")
@@ -1701,14 +1703,12 @@ def _prune_locked(path: Path, cutoff: str, dry_run: bool) -> int:
         return dropped
     anchor, _ = read_anchor(*locate_anchor(path))
     header, _ = _sealed_line(
-        {
-            "op": "prune",
-            "before": cutoff,
-            "dropped": dropped,
-            "anchor": last[1],
-            "ts": _now(),
-            "allowed": True,
-        },
+        audit_entry(
+            AuditOp.PRUNE,
+            True,
+            ts=_now(),
+            extra={"before": cutoff, "dropped": dropped, "anchor": last[1]},
+        ),
         last[0],
         GENESIS,
         Key(anchor.key) if anchor is not None else None,
@@ -1749,7 +1749,7 @@ def _rewrite(path: Path, header: bytes, keep_from: int) -> None:
 
 def record_now(
     path: Path,
-    op: str,
+    op: AuditOp,
     *,
     zone: str | None,
     workspace: str | None,
@@ -1763,22 +1763,22 @@ def record_now(
     """One entry of a command of sandboxfs's own (`staged`, `sessions prune`, `home`), written
     durably before the command acts; a log that cannot be written is a UserError (exit 1)
     saying so, plus `nothing_done`."""
-    entry = {
-        "op": op,
-        "path": vpath,
-        "zone": zone,
-        "session": session,
-        "workspace": workspace,
-        "trust": None,
-        "allowed": allowed,
-        "reason": reason,
-        "errno": None,
-        "pid": os.getpid(),
-        "uid": os.getuid(),
-        "comm": "sandboxfs",
-        "bytes": None,
-        "detail": detail,
-    }
+    entry = audit_entry(
+        op,
+        allowed,
+        path=vpath,
+        zone=zone,
+        session=session,
+        workspace=workspace,
+        trust=None,
+        reason=reason,
+        err=None,
+        pid=os.getpid(),
+        uid=os.getuid(),
+        comm="sandboxfs",
+        nbytes=None,
+        detail=detail,
+    )
     try:
         log = AuditLog(path)
         try:

@@ -42,32 +42,15 @@ from typing import Any, TypeVar
 
 from sandboxfs.audit import log as audit_mod
 from sandboxfs.cli import subcommands as subcommands_mod
-from sandboxfs.core.policy import BUILTIN_ZONES, Op, Trust
+from sandboxfs.core.entry import AuditOp
+from sandboxfs.core.policy import BUILTIN_ZONES, Trust
 from sandboxfs.errors import Failure
 from sandboxfs.layout import audit_path
 from sandboxfs.project.zones import validate_project
 
 P = TypeVar("P", bound=argparse.ArgumentParser)
 
-OPS = (
-    *(o.value for o in Op),
-    "rename",
-    "link",
-    "mount",
-    "unmount",
-    "run",
-    "net",
-    "error",
-    "recover",
-    "prune",
-    audit_mod.UNCLEAN_OP,
-    audit_mod.TAMPER_OP,
-    "audit-dropped",
-    "trust",
-    "stage",
-    "home",
-    "approval",
-)
+OPS = tuple(op.value for op in AuditOp)  # --op: every op an entry may have
 _AGE_HELP = "an ISO 8601 time (2026-11-22T08:00:00Z) or an age (30s, 10m, 2h, 7d)"
 
 

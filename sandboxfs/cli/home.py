@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from sandboxfs.audit.log import record_now
 from sandboxfs.cli import subcommands
 from sandboxfs.config import user as userconfig
+from sandboxfs.core.entry import AuditOp
 from sandboxfs.core.policy import Trust
 from sandboxfs.errors import UserError
 from sandboxfs.layout import audit_path, home_dir, state_dir, state_root
@@ -220,7 +221,7 @@ def _record(project: Path, workspace: str, detail: str) -> None:
     """The audit entry (op `home`) of a seed or reset, written first."""
     record_now(
         audit_path(project),
-        "home",
+        AuditOp.HOME,
         zone="home",
         workspace=workspace,
         detail=detail,

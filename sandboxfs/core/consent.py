@@ -12,9 +12,10 @@ from __future__ import annotations
 import errno
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, Concatenate, TypedDict
 
 from .approvals import NET, Answer, Broker, Grant, Kind, Outcome, Request, Verdict
+from .entry import AuditOp
 from .errors import SandboxError
 from .policy import Decision, Op, Rule, Zone
 
@@ -32,7 +33,7 @@ class Consent:
 
     def __init__(
         self,
-        record: Callable[..., None],
+        record: Callable[Concatenate[AuditOp | Op, ...], None],
         refuse: Callable[..., SandboxError],
         trust: Callable[[], str],
         comm: Callable[[int], str | None],
@@ -65,7 +66,7 @@ class Consent:
         kinds: list[Kind],
         zone: Zone,
         path: str,
-        op: Op | str,
+        op: AuditOp | Op,
         dest: str | None = None,
     ) -> None:
         """The approval rules for an operation every other check allowed: returns (allowed)
@@ -150,7 +151,7 @@ class Consent:
         assert self.broker is not None
         request, grant = self.broker.answer(request_id, answer, who)
         self._record(
-            "approval",
+            AuditOp.APPROVAL,
             request.path,
             Zone(request.zone),
             pid=pid,
@@ -185,7 +186,7 @@ class Consent:
         self.revoked_grants.add(grant.id)
         self._revoked()  # open handles are checked again (Guard.may_keep)
         self._record(
-            "approval",
+            AuditOp.APPROVAL,
             grant.directory,
             None,
             pid=pid,
@@ -208,7 +209,7 @@ class Consent:
     def _entry(self, request: Request, what: str, allowed: bool | None) -> None:
         more = f" and {request.count - 1} more" if request.count > 1 else ""
         self._record(
-            "approval",
+            AuditOp.APPROVAL,
             request.path,
             Zone(request.zone),
             pid=request.pid,
@@ -245,7 +246,7 @@ class Consent:
         if outcome.limited:
             fields["answer"] = "rate-limited"
         self._record(
-            "approval",
+            AuditOp.APPROVAL,
             path,
             zone,
             pid=caller.pid,

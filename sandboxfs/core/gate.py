@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from .entry import AuditOp
 from .errors import SandboxError
 from .guard import Caller, Guard, ReadFile
 from .policy import Decision, Op, Rule, Zone
@@ -58,7 +59,7 @@ class Storage(Protocol):
 class Request:
     """One operation as `_decide`'s steps see it, once every built-in rule allowed it."""
 
-    op: Op | str  # as audited: read, write, list, delete, rename, link
+    op: AuditOp | Op  # as audited: read, write, list, delete, rename, link
     caller: Caller
     path: str
     zone: Zone | None
@@ -404,7 +405,7 @@ class Gate:
         if record:
             path = parent.vpath(name)
             self.guard.record(
-                Op.WRITE.value,
+                Op.WRITE,
                 path,
                 zone,
                 pid=caller.pid,
@@ -443,7 +444,7 @@ class Gate:
         if st is not None:
             self.guard.created(zone, st)
         self.guard.record(
-            Op.WRITE.value, parent.vpath(name), zone, pid=caller.pid, uid=caller.uid, detail=kind
+            Op.WRITE, parent.vpath(name), zone, pid=caller.pid, uid=caller.uid, detail=kind
         )
         return made
 
@@ -458,10 +459,12 @@ class Gate:
         try:
             self.storage.target(parent, new_name)
         except HiddenEntry as exc:
-            raise g.hidden_target(caller, "link", src, parent.zone, dest, exc.reason) from None
-        self._decide(lambda: Request("link", caller, src, node.zone, dest, node))
+            raise g.hidden_target(
+                caller, AuditOp.LINK, src, parent.zone, dest, exc.reason
+            ) from None
+        self._decide(lambda: Request(AuditOp.LINK, caller, src, node.zone, dest, node))
         result = action()
-        g.did(caller, "link", node, path=src, dest=dest)
+        g.did(caller, AuditOp.LINK, node, path=src, dest=dest)
         return result
 
     # ----- removing and renaming -------------------------------------------------------------
@@ -469,7 +472,7 @@ class Gate:
     def check_remove(self, caller: Caller, parent: Node, name: bytes) -> tuple[Zone, StatLike, int]:
         """Checks for deleting parent/name; returns its zone, its lstat and its layer."""
         g = self.guard
-        op = Op.DELETE.value
+        op = Op.DELETE
         zone = g.may_remove_in(caller, parent, name, op)
         found = self.find(caller, Op.DELETE, parent, name)
         if found is None:
@@ -496,7 +499,7 @@ class Gate:
         if rmdir is None:
             rmdir = stat.S_ISDIR(st.st_mode)
         self.guard.record(
-            Op.DELETE.value,
+            Op.DELETE,
             parent.vpath(name),
             zone,
             pid=caller.pid,
@@ -532,7 +535,7 @@ class Gate:
         try:
             dst_st = self.storage.target(new_parent, name_new)
         except HiddenEntry as exc:  # never onto sandboxfs's state or another mount
-            raise g.hidden_target(caller, "rename", src, zone, dst, exc.reason) from None
+            raise g.hidden_target(caller, AuditOp.RENAME, src, zone, dst, exc.reason) from None
         moving = [(old_parent, name_old, src_st, new_parent, name_new)]
         if exchange and dst_st is not None:
             moving.append((new_parent, name_new, dst_st, old_parent, name_old))
@@ -541,11 +544,11 @@ class Gate:
             g.may_move(
                 caller, parent, name, st, to_parent, to_name, src, dst, read, replaces=replaces
             )
-        self._decide(lambda: Request("rename", caller, src, zone, dst))
+        self._decide(lambda: Request(AuditOp.RENAME, caller, src, zone, dst))
         action(zone, src_st, src_layer, dst_st)
         if dst_st is not None and not exchange and dst_st.st_ino != src_st.st_ino:
             g.removed(zone, dst_st)
-        g.record("rename", src, zone, pid=caller.pid, uid=caller.uid, dest=dst)
+        g.record(AuditOp.RENAME, src, zone, pid=caller.pid, uid=caller.uid, dest=dst)
 
     # ----- changing attributes ---------------------------------------------------------------
 

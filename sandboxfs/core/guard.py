@@ -21,6 +21,7 @@ from typing import Any, NoReturn, Protocol
 from . import gitconfig
 from .approvals import Kind
 from .consent import Consent
+from .entry import AuditOp, audit_entry, errno_name
 from .errors import SandboxError
 from .limits import Tally, ZoneLimits
 from .policy import (
@@ -118,13 +119,6 @@ class Guard:
         self._moves = moves
         # Whether the staged commit of that name is under review (frozen: see sandboxfs.staging).
         self._frozen = frozen
-        self._base_entry = {
-            "session": info.session,
-            "workspace": info.workspace,
-            "trust": policy.trust.value,
-            **({"worker": info.worker} if info.worker else {}),
-        }
-        self._via = {"via": info.via} if info.via else {}
         # Counts trust changes: what was allowed under an older level is checked again.
         self.generation = 0
         # Entries this mount created in a zone that is create-only at some level (`/staged`):
@@ -157,7 +151,6 @@ class Guard:
             old.git_dirs,
             old.worker,
         )
-        self._base_entry["trust"] = trust.value
         self.generation += 1
         return old.trust
 
@@ -170,7 +163,7 @@ class Guard:
 
     def record(
         self,
-        op: str,
+        op: AuditOp | Op,
         path: str | None,
         zone: Zone | None,
         *,
@@ -185,32 +178,35 @@ class Guard:
         detail: str | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> None:
-        """The one place an audit entry is built (`extra`: fields of its own op)."""
-        entry: dict[str, Any] = {
-            "op": op,
-            "path": path,
-            "dest": dest,
-            "zone": zone.value if zone else None,
-            **self._base_entry,
-            "allowed": allowed,
-            "reason": reason,
-            "errno": errno.errorcode.get(err, str(err)) if err else None,
-            "pid": pid,
-            "uid": uid,
-            "comm": comm if comm is not None else self.process_names.get(pid),
-            "bytes": nbytes,
-            **self._via,
-        }
-        if detail is not None:
-            entry["detail"] = detail
-        if extra:
-            entry.update(extra)
-        self.audit.record(entry)
+        """An entry of this mount or sandbox (`extra`: fields of its own op), built by
+        sandboxfs.core.entry.audit_entry with who it is for and who asked."""
+        self.audit.record(
+            audit_entry(
+                op,
+                allowed,
+                path=path,
+                dest=dest,
+                zone=zone.value if zone else None,
+                session=self.info.session,
+                workspace=self.info.workspace,
+                trust=self.policy.trust.value,
+                worker=self.info.worker or None,
+                reason=reason,
+                err=errno_name(err),
+                pid=pid,
+                uid=uid,
+                comm=comm if comm is not None else self.process_names.get(pid),
+                nbytes=nbytes,
+                via=self.info.via or None,
+                detail=detail,
+                extra=extra,
+            )
+        )
 
     def did(
         self,
         caller: Caller,
-        op: Op | str,
+        op: AuditOp | Op,
         node: Node,
         *,
         path: str | None = None,
@@ -221,7 +217,7 @@ class Guard:
     ) -> None:
         """Record an allowed operation on node (at `path`, if its name changed since)."""
         self.record(
-            str(op),
+            op,
             path if path is not None else node.vpath(),
             node.zone,
             pid=caller.pid,
@@ -235,7 +231,7 @@ class Guard:
     def refuse(
         self,
         caller: Caller,
-        op: Op | str,
+        op: AuditOp | Op,
         path: str,
         zone: Zone | None,
         decision: Decision,
@@ -243,7 +239,7 @@ class Guard:
     ) -> SandboxError:
         """Audit a denial (the entry is written before this returns) and build its error."""
         self.record(
-            str(op),
+            op,
             path,
             zone,
             pid=caller.pid,
@@ -257,7 +253,7 @@ class Guard:
 
     def internal_error(self, callback: str, exc: BaseException) -> None:
         self.record(
-            "error",
+            AuditOp.ERROR,
             None,
             None,
             pid=0,
@@ -268,13 +264,20 @@ class Guard:
         )
 
     def cross_zone(
-        self, what: str, caller: Caller, src: str, dst: str, zone: Zone | None, to: Zone | None
+        self,
+        op: AuditOp,
+        caller: Caller,
+        src: str,
+        dst: str,
+        zone: Zone | None,
+        to: Zone | None,
     ) -> NoReturn:
         """EXDEV for a rename or link across zones. Not a policy refusal (`mv` then copies
         and deletes, each checked on its own), so it is recorded without `allowed: false`."""
-        reason = cross_zone_reason(f"{what}s" if what == "rename" else "hard links", zone, to)
+        what = "renames" if op is AuditOp.RENAME else "hard links"
+        reason = cross_zone_reason(what, zone, to)
         self.record(
-            what,
+            op,
             src,
             zone,
             pid=caller.pid,
@@ -458,7 +461,7 @@ class Guard:
         parent: Node,
         name: bytes,
         is_dir: bool,
-        op: Op | str,
+        op: AuditOp | Op,
         dest: str | None = None,
         src: str | None = None,
     ) -> None:
@@ -468,7 +471,7 @@ class Guard:
             decision = self.policy.deny_list_decision(vpath, pattern)
             raise self.refuse(caller, op, src or vpath, parent.zone, decision, dest=dest)
 
-    def _reject_denied_node(self, caller: Caller, op: Op | str, node: Node) -> None:
+    def _reject_denied_node(self, caller: Caller, op: AuditOp | Op, node: Node) -> None:
         """The contents of an existing deny-listed entry (or of one inside a deny-listed
         directory) are refused: reading, writing, listing, changing."""
         if node.parent is not None and node.zone is not None and node.ino >= FIRST_DYNAMIC_INO:
@@ -487,7 +490,7 @@ class Guard:
     def _reject_private_key(
         self,
         caller: Caller,
-        op: Op | str,
+        op: AuditOp | Op,
         parent: Node,
         name: bytes,
         layer: int = 0,
@@ -513,7 +516,7 @@ class Guard:
             raise self.refuse(caller, op, src or vpath, zone, decision, dest=dest)
 
     def _reject_private_key_node(
-        self, caller: Caller, op: Op | str, node: Node, dest: str | None = None
+        self, caller: Caller, op: AuditOp | Op, node: Node, dest: str | None = None
     ) -> None:
         if node.parent is not None and not node.is_dir and node.ino >= FIRST_DYNAMIC_INO:
             self._reject_private_key(caller, op, node.parent, node.name, node.layer, dest=dest)
@@ -523,7 +526,7 @@ class Guard:
     def _reject_frozen(
         self,
         caller: Caller,
-        op: Op | str,
+        op: AuditOp | Op,
         parent: Node,
         name: bytes,
         dest: str | None = None,
@@ -540,7 +543,7 @@ class Guard:
     def _reject_frozen_commit(
         self,
         caller: Caller,
-        op: Op | str,
+        op: AuditOp | Op,
         top: str,
         vpath: str,
         dest: str | None = None,
@@ -555,7 +558,7 @@ class Guard:
             decision = Decision(False, errno.EACCES, reason)
             raise self.refuse(caller, op, src or vpath, Zone.STAGED, decision, dest=dest)
 
-    def _reject_frozen_node(self, caller: Caller, op: Op | str, node: Node) -> None:
+    def _reject_frozen_node(self, caller: Caller, op: AuditOp | Op, node: Node) -> None:
         """Every name the store knows for node (hard links stay inside one staged commit: see
         may_link); a node whose last known name was removed, by the commit of that name (an
         unknown name may still reach the inode there)."""
@@ -593,7 +596,7 @@ class Guard:
                 f"refused (each is reviewed on its own); copy the file instead"
             )
             decision = Decision(False, errno.EXDEV, reason)
-            raise self.refuse(caller, "link", src, Zone.STAGED, decision, dest=dest)
+            raise self.refuse(caller, AuditOp.LINK, src, Zone.STAGED, decision, dest=dest)
 
     # ----- project zones' directories in /repo (issue 19 §5) ----------------------------------
 
@@ -610,7 +613,7 @@ class Guard:
         self._zone_root_at = zone_root_at
 
     def _reject_zone_root(
-        self, caller: Caller, op: Op | str, parent: Node, name: bytes, dest: str | None
+        self, caller: Caller, op: AuditOp | Op, parent: Node, name: bytes, dest: str | None
     ) -> None:
         zone_root_at = self._zone_root_at
         if zone_root_at is None or parent.zone is not Zone.REPO:
@@ -630,7 +633,7 @@ class Guard:
     def _reject_protected(
         self,
         caller: Caller,
-        op: Op | str,
+        op: AuditOp | Op,
         parent: Node,
         name: bytes,
         is_dir: bool,
@@ -671,7 +674,7 @@ class Guard:
             directory.protect_memo = (moves, may)
         return may
 
-    def _reject_protected_node(self, caller: Caller, op: Op | str, node: Node) -> None:
+    def _reject_protected_node(self, caller: Caller, op: AuditOp | Op, node: Node) -> None:
         if node.parent is not None and node.zone is not None:
             self._reject_protected(caller, op, node.parent, node.name, node.is_dir)
 
@@ -711,11 +714,11 @@ class Guard:
         rule = git_rule(git_path(relpath, zone in self.policy.git_dirs))
         if rule is None or rule.rsplit("/", 1)[-1] not in gitconfig.CONFIG_NAMES:
             return False
-        self._reject_zone_root(caller, "rename", to_parent, to_name, dst)
+        self._reject_zone_root(caller, AuditOp.RENAME, to_parent, to_name, dst)
         pattern = self.policy.protect.match_within(relpath, False)
         if pattern is not None:
             decision = self.policy.protect_decision(dst, pattern)
-            raise self.refuse(caller, "rename", dst, zone, decision, dest=dst)
+            raise self.refuse(caller, AuditOp.RENAME, dst, zone, decision, dest=dst)
         problem: str | None
         if st.st_nlink != 1:
             problem = "the file renamed onto it has other names, through which it could change"
@@ -735,7 +738,7 @@ class Guard:
             f"ordinary URLs, user.* and similar settings; change others outside the sandbox)"
         )
         decision = Decision(False, errno.EROFS, reason, Rule.PROTECT)
-        raise self.refuse(caller, "rename", src, zone, decision, dest=dst)
+        raise self.refuse(caller, AuditOp.RENAME, src, zone, decision, dest=dst)
 
     # ----- reading and changing existing entries --------------------------------------------------
 
@@ -885,7 +888,7 @@ class Guard:
             self._reject_denied_node(caller, Op.LIST, node)
 
     def _check_layer(
-        self, caller: Caller, node: Node, op: Op | str, child: bytes | None = None
+        self, caller: Caller, node: Node, op: AuditOp | Op, child: bytes | None = None
     ) -> None:
         """Only the first workers directory (<project>/.workers) can be changed."""
         self._reject_layer(caller, op, node, child, node.layer)
@@ -893,7 +896,7 @@ class Guard:
     def _reject_layer(
         self,
         caller: Caller,
-        op: Op | str,
+        op: AuditOp | Op,
         node: Node,
         name: bytes | None,
         layer: int,
@@ -987,7 +990,7 @@ class Guard:
         limits: ZoneLimits,
         parent: Node,
         name: bytes,
-        op: Op | str,
+        op: AuditOp | Op,
         what: str,
         dest: str | None = None,
         src: str | None = None,
@@ -1021,28 +1024,28 @@ class Guard:
         dest = parent.vpath(new_name)
         if node.zone is None or node.ino < FIRST_DYNAMIC_INO:
             decision = Decision(False, errno.EPERM, ZONE_ROOT_REASON)
-            raise self.refuse(caller, "link", src, node.zone, decision, dest=dest)
+            raise self.refuse(caller, AuditOp.LINK, src, node.zone, decision, dest=dest)
         if parent.zone is not node.zone:
-            self.cross_zone("link", caller, src, dest, node.zone, parent.zone)
+            self.cross_zone(AuditOp.LINK, caller, src, dest, node.zone, parent.zone)
         if node.parent is None:
             raise SandboxError(errno.ENOENT, "the entry was removed")
         # The source is judged by its current path, whatever name the kernel used for it: a
         # second name for a deny-listed or protected file would carry it out from under its
         # pattern (writing through a hard link writes the protected file).
-        self._reject_denied(caller, node.parent, node.name, node.is_dir, "link", dest)
-        self._reject_private_key_node(caller, "link", node, dest)
-        self._reject_protected(caller, "link", node.parent, node.name, node.is_dir, dest=dest)
-        self._reject_denied(caller, parent, new_name, False, "link")
+        self._reject_denied(caller, node.parent, node.name, node.is_dir, AuditOp.LINK, dest)
+        self._reject_private_key_node(caller, AuditOp.LINK, node, dest)
+        self._reject_protected(caller, AuditOp.LINK, node.parent, node.name, node.is_dir, dest=dest)
+        self._reject_denied(caller, parent, new_name, False, AuditOp.LINK)
         # Inside a git directory, a second name only for a file of a git directory (git links
         # its objects into place): one from outside may be a symbolic link.
         outsider = node.zone not in self.policy.git_dirs and not in_git_dir(
             relpath_of(node.parent, node.name)
         )
-        self._reject_protected(caller, "link", parent, new_name, False, dest, outsider)
+        self._reject_protected(caller, AuditOp.LINK, parent, new_name, False, dest, outsider)
         # A new name changes the source too (its link count, and it can be written through
         # the new name): neither may be in a frozen staged commit, nor the two in different ones.
-        self._reject_frozen(caller, "link", node.parent, node.name, dest=dest)
-        self._reject_frozen(caller, "link", parent, new_name, dest=dest, src=src)
+        self._reject_frozen(caller, AuditOp.LINK, node.parent, node.name, dest=dest)
+        self._reject_frozen(caller, AuditOp.LINK, parent, new_name, dest=dest, src=src)
         self._reject_cross_commit_link(caller, node, parent, new_name, dest)
         assert parent.zone is not None
         # A second name for an existing file changes it (its link count, and every later
@@ -1052,19 +1055,21 @@ class Guard:
             self.policy.decide(node.zone, Op.WRITE),
         ):
             if not decision.allowed:
-                raise self.refuse(caller, "link", src, parent.zone, decision, dest=dest)
+                raise self.refuse(caller, AuditOp.LINK, src, parent.zone, decision, dest=dest)
         limits = self.limits.get(parent.zone)
         if limits is not None and not node.is_dir:
             # Both names: a second name with an allowed suffix would open the file the
             # first one keeps closed.
-            self._check_suffix(caller, limits, node.parent, node.name, "link", "linking", dest, src)
-            self._check_suffix(caller, limits, parent, new_name, "link", "linking", dest, src)
-        self._check_layer(caller, parent, "link", new_name)
-        self._check_layer(caller, node, "link")
-        self.consent.check(caller, [Kind.CREATE], parent.zone, dest, "link")  # approvals
+            self._check_suffix(
+                caller, limits, node.parent, node.name, AuditOp.LINK, "linking", dest, src
+            )
+            self._check_suffix(caller, limits, parent, new_name, AuditOp.LINK, "linking", dest, src)
+        self._check_layer(caller, parent, AuditOp.LINK, new_name)
+        self._check_layer(caller, node, AuditOp.LINK)
+        self.consent.check(caller, [Kind.CREATE], parent.zone, dest, AuditOp.LINK)  # approvals
 
     def hidden_target(
-        self, caller: Caller, op: str, src: str, zone: Zone | None, dest: str, why: str
+        self, caller: Caller, op: AuditOp | Op, src: str, zone: Zone | None, dest: str, why: str
     ) -> SandboxError:
         """A link or rename onto sandboxfs's state or another mount."""
         decision = Decision(False, errno.EACCES, f"{dest}: {why}")
@@ -1072,7 +1077,7 @@ class Guard:
 
     # ----- removing and renaming ------------------------------------------------------------------
 
-    def may_remove_in(self, caller: Caller, parent: Node, name: bytes, op: str) -> Zone:
+    def may_remove_in(self, caller: Caller, parent: Node, name: bytes, op: Op) -> Zone:
         """Checks on parent/name before it is looked up for deletion; returns its zone."""
         if parent.zone is None:
             reason = ZONE_ROOT_REASON if parent.ino == ROOT_INO else CONTEXT_REASON
@@ -1084,7 +1089,7 @@ class Guard:
         return parent.zone
 
     def may_remove(
-        self, caller: Caller, parent: Node, name: bytes, is_dir: bool, layer: int, op: str
+        self, caller: Caller, parent: Node, name: bytes, is_dir: bool, layer: int, op: Op
     ) -> None:
         """Checks on the entry found at parent/name (in workers layer `layer`)."""
         zone = parent.zone
@@ -1121,35 +1126,35 @@ class Guard:
             reason = ZONE_ROOT_REASON if old_parent.zone is None else self.policy.root_create_reason
             raise self.refuse(
                 caller,
-                "rename",
+                AuditOp.RENAME,
                 src,
                 old_parent.zone,
                 Decision(False, errno.EACCES, reason),
                 dest=dst,
             )
         if old_parent.zone is not new_parent.zone:
-            self.cross_zone("rename", caller, src, dst, old_parent.zone, new_parent.zone)
+            self.cross_zone(AuditOp.RENAME, caller, src, dst, old_parent.zone, new_parent.zone)
         zone = old_parent.zone
         if not flags_ok:
             reason = "only the RENAME_NOREPLACE and RENAME_EXCHANGE flags are supported"
             decision = Decision(False, errno.EINVAL, reason)
-            raise self.refuse(caller, "rename", src, zone, decision, dest=dst)
+            raise self.refuse(caller, AuditOp.RENAME, src, zone, decision, dest=dst)
         for parent, name in ((old_parent, name_old), (new_parent, name_new)):
-            self._reject_denied(caller, parent, name, True, "rename")
+            self._reject_denied(caller, parent, name, True, AuditOp.RENAME)
         for decision in (self.policy.decide(zone, Op.DELETE), self.policy.decide(zone, Op.WRITE)):
             if not decision.allowed:
-                raise self.refuse(caller, "rename", src, zone, decision, dest=dst)
+                raise self.refuse(caller, AuditOp.RENAME, src, zone, decision, dest=dst)
         return zone
 
     def may_rename_from(
         self, caller: Caller, old_parent: Node, name_old: bytes, layer: int, dest: str
     ) -> None:
-        self._reject_layer(caller, "rename", old_parent, name_old, layer, dest)
+        self._reject_layer(caller, AuditOp.RENAME, old_parent, name_old, layer, dest)
 
     def may_rename_to(self, caller: Caller, new_parent: Node, name_new: bytes) -> None:
         self._check_layer(caller, new_parent, Op.WRITE, name_new)
         # What a rename would replace there: never a file that holds a private key.
-        self._reject_private_key(caller, "rename", new_parent, name_new)
+        self._reject_private_key(caller, AuditOp.RENAME, new_parent, name_new)
 
     def may_move(
         self,
@@ -1171,7 +1176,7 @@ class Guard:
         assert parent.zone is not None
         kinds = [Kind.RENAME, Kind.OVERWRITE] if replaces else [Kind.RENAME]
         dest = to_parent.vpath(to_name)
-        self.consent.check(caller, kinds, parent.zone, parent.vpath(name), "rename", dest)
+        self.consent.check(caller, kinds, parent.zone, parent.vpath(name), AuditOp.RENAME, dest)
 
     def _may_move(
         self,
@@ -1194,25 +1199,27 @@ class Guard:
         config files is judged by what it changes (`read`: see _judge_config)."""
         is_dir = stat.S_ISDIR(st.st_mode)
         link = stat.S_ISLNK(st.st_mode)
-        self._reject_protected(caller, "rename", parent, name, is_dir, dest=dst)
+        self._reject_protected(caller, AuditOp.RENAME, parent, name, is_dir, dest=dst)
         if not self._judge_config(caller, parent, name, st, to_parent, to_name, src, dst, read):
-            self._reject_protected(caller, "rename", to_parent, to_name, is_dir, dst, link)
-        self._reject_frozen(caller, "rename", parent, name, dest=dst)
-        self._reject_frozen(caller, "rename", to_parent, to_name, dest=dst, src=src)
+            self._reject_protected(caller, AuditOp.RENAME, to_parent, to_name, is_dir, dst, link)
+        self._reject_frozen(caller, AuditOp.RENAME, parent, name, dest=dst)
+        self._reject_frozen(caller, AuditOp.RENAME, to_parent, to_name, dest=dst, src=src)
         if stat.S_ISREG(st.st_mode):  # a private key never leaves its name
-            self._reject_private_key(caller, "rename", parent, name, 0, st, dst, src)
+            self._reject_private_key(caller, AuditOp.RENAME, parent, name, 0, st, dst, src)
         if not is_dir:
             limits = self.limits.get(parent.zone) if parent.zone is not None else None
             if limits is not None:
-                self._check_suffix(caller, limits, parent, name, "rename", "renaming", dst, src)
                 self._check_suffix(
-                    caller, limits, to_parent, to_name, "rename", "renaming to", dst, src
+                    caller, limits, parent, name, AuditOp.RENAME, "renaming", dst, src
+                )
+                self._check_suffix(
+                    caller, limits, to_parent, to_name, AuditOp.RENAME, "renaming to", dst, src
                 )
             return
         pattern = self.policy.deny.match_below(relpath_of(parent, name))
         if pattern is not None:
             decision = self.policy.deny_list_decision(f"{parent.vpath(name)}/...", pattern)
-            raise self.refuse(caller, "rename", src, parent.zone, decision, dest=dst)
+            raise self.refuse(caller, AuditOp.RENAME, src, parent.zone, decision, dest=dst)
         # Protect patterns and git's rules that depend on where a directory is (what is inside
         # .git/modules/, say): neither from under them nor under them.
         for at, at_name in ((parent, name), (to_parent, to_name)):
@@ -1223,7 +1230,7 @@ class Guard:
                 at.zone in self.policy.git_dirs,
             )
             if found is not None:
-                raise self.refuse(caller, "rename", src, parent.zone, found, dest=dst)
+                raise self.refuse(caller, AuditOp.RENAME, src, parent.zone, found, dest=dst)
 
 
 def _absent(decision: Decision) -> Decision:

@@ -28,6 +28,7 @@ from sandboxfs.audit.log import AuditLog
 from sandboxfs.core.approvals import ApprovalError, Mode
 from sandboxfs.core.consent import Consent
 from sandboxfs.core.context import context_document
+from sandboxfs.core.entry import AuditOp
 from sandboxfs.core.guard import MountInfo
 from sandboxfs.core.policy import Trust, Zone
 from sandboxfs.core.store import (
@@ -168,7 +169,7 @@ def serve(
             _log_requests(ops)
         comm = guard.process_names.get(pid)
 
-        def lifecycle(op: str) -> None:
+        def lifecycle(op: AuditOp) -> None:
             guard.record(
                 op, "/", None, pid=pid, uid=os.getuid(), comm=comm, detail=str(req.mountpoint)
             )
@@ -178,14 +179,14 @@ def serve(
         except RuntimeError as exc:
             raise Failure(f"cannot mount {req.mountpoint}: {exc}") from None
         mounted = True
-        stack.callback(lifecycle, "unmount")
+        stack.callback(lifecycle, AuditOp.UNMOUNT)
         stack.callback(ops.release_all)
         stack.callback(_close_session, ops)
         ops.kernel_store = pyfuse3.notify_store
-        lifecycle("mount")
+        lifecycle(AuditOp.MOUNT)
         if approvals.mode is Mode.OFF and approvals.asks:  # --no-approvals: loudly, audited
             guard.record(
-                "approval",
+                AuditOp.APPROVAL,
                 "/",
                 None,
                 pid=pid,

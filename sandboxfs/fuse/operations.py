@@ -27,6 +27,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import pyfuse3
 
 from sandboxfs.core.context import confined_context, guide
+from sandboxfs.core.entry import AuditOp
 from sandboxfs.core.errors import SandboxError
 from sandboxfs.core.gate import Gate
 from sandboxfs.core.gitconfig import read_bounded
@@ -59,22 +60,23 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 _KERNEL_STORE_LIMIT = 256 << 10
 _OPEN_STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_DIRECT
 
-# Callbacks that write an audit entry when they succeed: refused while the log is failing.
+# Callbacks that write an audit entry when they succeed: refused while the log is failing,
+# audited then under the callback's own name.
 _AUDITED_CALLBACKS = frozenset(
     {
-        "open",
-        "opendir",
-        "create",
-        "mkdir",
-        "symlink",
-        "mknod",
-        "link",
-        "unlink",
-        "rmdir",
-        "rename",
-        "setattr",
-        "setxattr",
-        "removexattr",
+        AuditOp.OPEN,
+        AuditOp.OPENDIR,
+        AuditOp.CREATE,
+        AuditOp.MKDIR,
+        AuditOp.SYMLINK,
+        AuditOp.MKNOD,
+        AuditOp.LINK,
+        AuditOp.UNLINK,
+        AuditOp.RMDIR,
+        AuditOp.RENAME,
+        AuditOp.SETATTR,
+        AuditOp.SETXATTR,
+        AuditOp.REMOVEXATTR,
     }
 )
 
@@ -126,17 +128,17 @@ def _guarded(
 ) -> Callable[Concatenate[SandboxOperations, P], Awaitable[R]]:
     """Run a synchronous handler as the async callback pyfuse3 expects, mapping every error."""
 
-    audited = fn.__name__ in _AUDITED_CALLBACKS
+    audited = AuditOp(fn.__name__) if fn.__name__ in _AUDITED_CALLBACKS else None
 
     async def wrapper(self: SandboxOperations, /, *args: P.args, **kwargs: P.kwargs) -> R:
         audit = self.guard.audit
-        if audited and audit.failing and not audit.try_flush():
+        if audited is not None and audit.failing and not audit.try_flush():
             # Fail closed: nothing that would be audited happens while the log cannot be
             # written (its refusals wait in memory; see AuditLog.failing). Each such refusal
             # is counted, at a constant cost, and the count written once the log works again.
             ctx = next((a for a in args if isinstance(a, pyfuse3.RequestContext)), None)
             self.guard.record(
-                fn.__name__,
+                audited,
                 None,
                 None,
                 pid=ctx.pid if ctx is not None else 0,
@@ -919,7 +921,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self._write_guides()
         self.replies.given.clear()
         detail = f"{old.value} -> {trust.value}"
-        self.guard.record("trust", None, None, pid=pid, uid=uid, detail=detail)
+        self.guard.record(AuditOp.TRUST, None, None, pid=pid, uid=uid, detail=detail)
         self.guard.audit.try_flush()
         return old
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from sandboxfs.audit.log import log_files, record_now
+from sandboxfs.core.entry import AuditOp
 from sandboxfs.core.syscalls import fstat
 from sandboxfs.errors import Failure, SandboxfsError
 from sandboxfs.layout import (
@@ -378,7 +379,7 @@ def _record(project: Path, session: Session) -> None:
     )
     record_now(
         audit_path(project),
-        "prune",
+        AuditOp.PRUNE,
         zone="session",
         session=session.id,
         workspace=session.workspace,

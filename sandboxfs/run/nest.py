@@ -36,9 +36,10 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate
 
 from sandboxfs.config.model import Config, WorkerScope
+from sandboxfs.core.entry import AuditOp
 from sandboxfs.core.policy import Trust
 from sandboxfs.errors import UserError
 from sandboxfs.project import control
@@ -152,7 +153,7 @@ class NestServer:
         trust: Trust,
         child_argv: Callable[[str, Trust, list[str], list[str], int | None], list[str]],
         live_trust: Callable[[], Trust | None],
-        record: Callable[..., None],
+        record: Callable[Concatenate[AuditOp, ...], None],  # RunAudit.record
     ) -> None:
         self._project = project
         self._config = config
@@ -272,12 +273,12 @@ class NestServer:
             workers.narrow(self._config, trust, worker)
         except UserError as exc:
             self._record(
-                "run",
+                AuditOp.RUN,
                 allowed=False,
                 pid=pid,
                 comm="sandboxfs",
                 reason=exc.message,
-                errno="EACCES",
+                err="EACCES",
                 detail=f"nested worker {name} refused: {shlex.join(argv)}",
             )
             return {"status": 125, "error": exc.message}
@@ -287,7 +288,7 @@ class NestServer:
             if len(self._children) >= MAX_CHILDREN:
                 return {"status": 125, "error": f"{MAX_CHILDREN} child workers run already"}
             self._record(
-                "run",
+                AuditOp.RUN,
                 pid=pid,
                 comm="sandboxfs",
                 detail=f"nested worker {name} started: {shlex.join(argv)}",

@@ -26,7 +26,7 @@ import termios
 import threading
 import time
 import tty
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,6 +36,7 @@ from sandboxfs import layout
 from sandboxfs.audit import log as audit_mod
 from sandboxfs.audit.log import AuditLog
 from sandboxfs.config.model import Config
+from sandboxfs.core.entry import UNSET, AuditOp, Unset, audit_entry
 from sandboxfs.core.policy import Op, Policy, Trust, Zone
 from sandboxfs.core.syscalls import make_undumpable, set_dumpable, write_all
 from sandboxfs.errors import SandboxfsError, SetupError, UserError
@@ -204,18 +205,40 @@ class RunAudit:
             audit_path(req.project), sync=req.audit_sync, rotate=req.config.audit.rotate_bytes
         )
         self._lock = threading.Lock()
-        self._base = {
-            "session": req.session,
-            "workspace": req.workspace,
-            "trust": req.trust.value,
-            "uid": os.getuid(),
-            **({"worker": req.config.worker.name} if req.config.worker is not None else {}),
-        }
+        self._req = req
+        self._uid = os.getuid()
+        self._worker = req.config.worker.name if req.config.worker is not None else None
 
-    def record(self, op: str, *, allowed: bool | None = True, **fields: Any) -> None:
-        entry: dict[str, Any] = {"op": op, "path": None, "zone": None, **self._base}
-        entry["allowed"] = allowed
-        entry.update(fields)
+    def record(
+        self,
+        op: AuditOp,
+        *,
+        pid: int | None,
+        comm: str | None,
+        detail: str,
+        allowed: bool | None = True,
+        reason: str | Unset | None = UNSET,
+        err: str | Unset | None = UNSET,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """An entry of this run (no path, no zone); `reason` and `errno` only where given."""
+        entry = audit_entry(
+            op,
+            allowed,
+            path=None,
+            zone=None,
+            session=self._req.session,
+            workspace=self._req.workspace,
+            trust=self._req.trust.value,
+            worker=self._worker,
+            reason=reason,
+            err=err,
+            pid=pid,
+            uid=self._uid,
+            comm=comm,
+            detail=detail,
+            extra=extra,
+        )
         with self._lock:
             self._log.record(entry)
             if not self._log.try_flush():
@@ -876,13 +899,15 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         argv = [bwrap, "--args", str(confine.ARGS_FD), "--"]
         argv += confine.launcher_argv(interactive, req.command)
         audit.record(
-            "run",
+            AuditOp.RUN,
             pid=os.getpid(),
             comm="sandboxfs",
             detail=f"start (net {req.net}): {shlex.join(req.command)}",
-            command=list(req.command),
-            net=req.net,
-            allow_hosts=[_rule_text(r) for r in req.allow],
+            extra={
+                "command": list(req.command),
+                "net": req.net,
+                "allow_hosts": [_rule_text(r) for r in req.allow],
+            },
         )
         stdio = terminal.program if terminal else (0, 1, 2)
         child = _start_child(argv, options, env, stdio, req.net)
@@ -922,14 +947,16 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
                 extra = {"mount_lost": lost, "exit": _exit_status(status, lost)}
             with contextlib.suppress(OSError):
                 audit.record(
-                    "run",
+                    AuditOp.RUN,
                     pid=os.getpid(),
                     comm="sandboxfs",
                     detail=f"{detail}: {shlex.join(req.command)}",
-                    command=list(req.command),
-                    net=req.net,
-                    status=status if ran else EXIT_SETUP,
-                    **extra,
+                    extra={
+                        "command": list(req.command),
+                        "net": req.net,
+                        "status": status if ran else EXIT_SETUP,
+                        **extra,
+                    },
                 )
         problem = _stop_daemon(daemon, lifeline_w, mnt, lost)
         if problem is not None:
@@ -1102,16 +1129,14 @@ def _start_proxy(
         # `audit` shows as `failed`. Otherwise allowed.
         allowed = None if decision.failed else decision.allowed
         audit.record(
-            "net",
+            AuditOp.NET,
             allowed=allowed,
             pid=pid,
             comm=comm,
             reason=decision.reason,
-            errno="EACCES" if not decision.allowed else decision.error,
+            err="EACCES" if not decision.allowed else decision.error,
             detail=f"{decision.method} {decision.target()}",
-            host=decision.host,
-            port=decision.port,
-            address=decision.address,
+            extra={"host": decision.host, "port": decision.port, "address": decision.address},
         )
         notices.add(decision.target(), decision.notice())
 
@@ -1167,15 +1192,13 @@ def _start_dns(req: RunRequest, audit: RunAudit, child: _Child, notices: Notices
         pid, comm = connecting_process(child.pid, lookup.client[1], "udp")
         reason = lookup_refusal(lookup.name, allowlist)
         audit.record(
-            "net",
+            AuditOp.NET,
             allowed=False,
             pid=pid,
             comm=comm,
             reason=reason,
             detail=f"lookup {printable(lookup.name, 255)}",
-            host=lookup.name,
-            port=None,
-            address=None,
+            extra={"host": lookup.name, "port": None, "address": None},
         )
         notices.add(f"lookup {lookup.name}", reason)
 
@@ -1267,9 +1290,9 @@ def _summary(req: RunRequest, started: datetime, status: int, lost: str | None =
     refused: dict[str, None] = {}  # hosts and looked-up names, in order, once each
     unreached: dict[str, None] = {}
     for entry in audit_mod.query(audit_path(req.project), query):
-        if entry.get("op") in ("run", "mount", "unmount"):
+        if entry.get("op") in (AuditOp.RUN, AuditOp.MOUNT, AuditOp.UNMOUNT):
             continue
-        if entry.get("op") == "net" and entry.get("allowed") is not True:
+        if entry.get("op") == AuditOp.NET and entry.get("allowed") is not True:
             (refused if entry.get("allowed") is False else unreached)[_net_target(entry)] = None
         if entry.get("allowed") is False:
             count = entry.get("count", 1)  # identical refusals folded into one entry
@@ -1278,7 +1301,7 @@ def _summary(req: RunRequest, started: datetime, status: int, lost: str | None =
         allowed += 1
         if (
             entry.get("zone") == Zone.STAGED.value
-            and entry.get("op") == "write"
+            and entry.get("op") == AuditOp.WRITE
             and entry.get("detail") in (None, "create")  # a file's contents, not a mkdir
         ):
             staged.add(str(entry.get("path")))

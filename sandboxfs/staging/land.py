@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandboxfs.audit.log import record_now
+from sandboxfs.core.entry import AuditOp
 from sandboxfs.layout import audit_path
 
 from .format import MODE_FILE
@@ -35,7 +36,7 @@ def record(
     """Append an entry of op `stage` to the project's audit log, durably."""
     record_now(
         audit_path(ws.project),
-        "stage",
+        AuditOp.STAGE,
         vpath=f"/staged/{commit_id}",
         zone="staged",
         session=session,

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sandboxfs.audit.log import AuditQuery, query
+from sandboxfs.core.entry import AuditOp
 from sandboxfs.layout import audit_path, review_dir, review_parts, staged_dir
 from sandboxfs.project.zones import check_id
 
@@ -236,7 +237,7 @@ class Workspace:
                 audit_path(self.project), AuditQuery(workspace=self.name, zone="staged")
             ):
                 path = entry.get("path")
-                if entry.get("op") == "stage" or not isinstance(path, str):
+                if entry.get("op") == AuditOp.STAGE or not isinstance(path, str):
                     continue
                 if not path.startswith("/staged/"):
                     continue
