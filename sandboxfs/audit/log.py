@@ -1146,12 +1146,13 @@ def _row(cells: Sequence[str]) -> str:
 
 def _result(entry: dict[str, Any]) -> str:
     """The RESULT cell: `DENIED` (refused by the policy), `failed` (not refused, yet not done:
-    a rename or link across zones, EXDEV, which `mv` answers by copying), or `ok`."""
+    a rename or link across zones, EXDEV, which `mv` answers by copying), `-` (neither allowed
+    nor refused: an approval request asking the user, a grant revoked), or `ok`."""
     allowed = entry.get("allowed")
     if allowed is False:
         return "DENIED"
-    if allowed is None and entry.get("errno") is not None:
-        return "failed"
+    if allowed is None:
+        return "failed" if entry.get("errno") is not None else "-"
     return "ok"
 
 
