@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, TypedDict
 from .approvals import NET, Answer, Broker, Grant, Kind, Outcome, Request, Verdict
 from .entry import AuditOp
 from .errors import SandboxError
-from .policy import Decision, Op, Rule, Zone
+from .policy import Decision, Op, Rule, Zone, in_git_dir
 
 if TYPE_CHECKING:
     from .guard import Caller
@@ -38,12 +38,14 @@ class Consent:
         trust: Callable[[], str],
         comm: Callable[[int], str | None],
         revoked: Callable[[], None],
+        git_dirs: Callable[[], frozenset[Zone]] = frozenset,
     ) -> None:
         self._record = record  # Guard.record
         self._refuse = refuse  # Guard.refuse
         self._trust = trust
         self._comm = comm
         self._revoked = revoked  # open handles are to be checked again
+        self.git_dirs = git_dirs  # zones that are git directories (the policy's)
         self.broker: Broker | None = None
         self.approver: Approver | None = None
         # The grant that allowed the last operation `check` judged (None: none did), for a
@@ -52,11 +54,25 @@ class Consent:
         self.revoked_grants: set[int] = set()
         self.probing = False  # answering a permission probe: decide, ask nobody, change nothing
 
+    def _git_bookkeeping(self, zone: Zone, path: str) -> bool:
+        """Whether `path` is inside a git directory (`.git/...`, or a zone that is one: a
+        worktree's main git dir). Git's own files are not the user's work, and every git
+        command locks, renames and deletes them (index.lock -> index): asking there would
+        stop git half-way and leave a stale lock in the user's repository. What in a git
+        directory runs code or may not change is judged before this (protected paths, git
+        config)."""
+        if zone in self.git_dirs():
+            return True
+        relpath = path.removeprefix(f"/{zone.value}").lstrip("/")
+        return in_git_dir(relpath)
+
     def probe(self, refuse: Callable[..., SandboxError]) -> Consent:
         """This consent as a permission probe sees it (sandboxfs.core.gate.without_effect):
         the same rules and grants, judged without making, joining or answering a request and
         without an audit entry (`refuse`: the probe's own guard's)."""
-        copy = Consent(lambda *a, **k: None, refuse, self._trust, self._comm, lambda: None)
+        copy = Consent(
+            lambda *a, **k: None, refuse, self._trust, self._comm, lambda: None, self.git_dirs
+        )
         copy.broker, copy.revoked_grants, copy.probing = self.broker, self.revoked_grants, True
         return copy
 
@@ -73,7 +89,7 @@ class Consent:
         or audits the refusal, or the new pending request and the refusal naming it."""
         self.last_grant = None
         broker = self.broker
-        if broker is None or not broker.rules or not kinds:
+        if broker is None or not broker.rules or not kinds or self._git_bookkeeping(zone, path):
             return
         if self.probing:
             outcome = broker.verdict(self._trust(), zone.value, kinds, path)

@@ -115,6 +115,7 @@ class Guard:
             lambda: self.policy.trust.value,
             self.process_names.get,
             self._recheck,
+            lambda: self.policy.git_dirs,
         )
         self._moves = moves
         # Whether the staged commit of that name is under review (frozen: see sandboxfs.staging).

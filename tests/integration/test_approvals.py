@@ -699,3 +699,28 @@ def test_a_child_workers_request_is_asked_in_the_parents_terminal(project: Path)
     assert any(
         e["approval"].get("answer") == "once" and e.get("worker") == "cleaner" for e in answers
     ), answers
+
+
+def test_git_works_under_the_agent_profile_and_its_own_files_are_never_asked(
+    tmp_path: Path, project: Path
+) -> None:
+    """git locks, renames and deletes its own files (index.lock -> index) in every command
+    that writes: those are not the user's work, so no rule asks there, and no stale lock is
+    left in the repository; deleting a tracked file still asks."""
+    subprocess.run(["git", "init", "-q", str(project)], check=True)
+    configure(project)
+    (project / "sandboxfs.yaml").write_text("approvals: {profile: agent}\n")
+    with mounted(tmp_path / "mnt", project, "full") as m:
+        repo = m.mnt / "repo"
+        env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.org"}
+        env |= {"GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.org"}
+        for args in (["add", "a", "b"], ["commit", "-q", "-m", "one"], ["status", "--short"]):
+            result = subprocess.run(
+                ["git", "-C", str(repo), *args], env=env, capture_output=True, text=True
+            )
+            assert result.returncode == 0, (args, result.stderr)
+        assert not (project / ".git" / "index.lock").exists()
+        assert pending(m) == []
+        refused = sh(f"rm {repo}/a/one")
+        assert refused.returncode != 0 and "Permission denied" in refused.stderr
+        assert [r["path"] for r in pending(m)] == ["/repo/a/one"]
