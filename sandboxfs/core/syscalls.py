@@ -169,11 +169,16 @@ def set_fs_ids(uid: int, gid: int) -> None:
 
 
 _PR_SET_DUMPABLE = 4
+_PR_GET_DUMPABLE = 3
 
 
 def make_undumpable() -> None:
     """Keep same-uid processes out of /proc/<pid>/fd, /proc/<pid>/mem and ptrace."""
     set_dumpable(False)
+
+
+def is_dumpable() -> bool:
+    return bool(_prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 1)
 
 
 def set_dumpable(dumpable: bool) -> None:

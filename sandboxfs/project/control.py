@@ -32,12 +32,15 @@ import json
 import os
 import socket
 import struct
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sandboxfs.core.approvals import Answer
 from sandboxfs.core.policy import Trust
+from sandboxfs.core.syscalls import is_dumpable, set_dumpable
 from sandboxfs.errors import Failure
 from sandboxfs.layout import control_dir
 
@@ -227,9 +230,40 @@ def _answered(path: Path) -> bool:
     return True
 
 
+_identifying = threading.Lock()
+_requests_open = 0
+_was_undumpable = False
+
+
+@contextlib.contextmanager
+def _identifiable() -> Iterator[None]:
+    """The daemon tells a requester outside every sandbox by its namespaces in /proc/<pid>/ns
+    (`refusal`), which an undumpable process (run's supervisor, which asks for its terminal's
+    prompt and its proxy's hosts) shows to root only: an ordinary user's daemon could not tell
+    and refused. Dumpable while a request is open; the process is outside the sandbox, so only
+    the user's own processes outside it could reach it meanwhile."""
+    global _requests_open, _was_undumpable
+    with _identifying:
+        if _requests_open == 0:
+            _was_undumpable = not is_dumpable()
+            if _was_undumpable:
+                set_dumpable(True)
+        _requests_open += 1
+    try:
+        yield
+    finally:
+        with _identifying:
+            _requests_open -= 1
+            if _requests_open == 0 and _was_undumpable:
+                set_dumpable(False)
+
+
 def request(path: Path, message: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
     """Send one request to the daemon at `path` and return its reply (UserError if none)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+    with (
+        _identifiable(),
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock,
+    ):
         sock.settimeout(timeout)
         try:
             socket_at(path, sock.connect)
