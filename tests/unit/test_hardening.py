@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -344,3 +346,24 @@ async def test_links_are_refused_and_audited_as_links(make: Callable[[str], Harn
     await staged.ops.release(fi.fh)
     await fails(staged.ops.link(attrs.st_ino, c1, b"g", CTX), errno.EACCES)
     assert staged.one(op="link", path="/staged/c1/f", allowed=False)["dest"] == "/staged/c1/g"
+
+
+def test_an_undumpable_requester_is_identifiable_while_its_request_is_open() -> None:
+    """run's supervisor is undumpable, and a non-root daemon refuses a requester whose
+    /proc/<pid>/ns it cannot read: control requests make it dumpable for their duration only
+    (nested ones too), then undumpable again."""
+    probe = (
+        "from sandboxfs.core.syscalls import is_dumpable, make_undumpable\n"
+        "from sandboxfs.project import control\n"
+        "make_undumpable()\n"
+        "seen = []\n"
+        "with control._identifiable():\n"
+        "    seen.append(is_dumpable())\n"
+        "    with control._identifiable():\n"
+        "        seen.append(is_dumpable())\n"
+        "    seen.append(is_dumpable())\n"
+        "seen.append(is_dumpable())\n"
+        "print(seen)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert result.stdout.strip() == "[True, True, True, False]", result.stderr
