@@ -1168,7 +1168,7 @@ def _table_row(entry: dict[str, Any], clock: Clock | None = None) -> str:
         process = f"{process or '?'}[{_text(pid)}]"
     result = _result(entry)
     reason = ""
-    if result != "ok":  # refused, or failed (EXDEV): the errno and why
+    if result in ("DENIED", "failed"):  # refused, or failed (EXDEV): the errno and why
         code = entry.get("errno")
         name = errno.errorcode.get(code, str(code)) if isinstance(code, int) else _text(code)
         reason = ": ".join(part for part in (name, _text(entry.get("reason"))) if part)

@@ -1311,3 +1311,14 @@ def test_denial_lands_on_a_really_full_file_system(
             log.close()
         result = verify(path)
         assert result.ok and result.keyed, result.message
+
+
+def test_the_table_shows_an_entry_neither_allowed_nor_refused_as_such() -> None:
+    """An approval request asking the user is neither allowed nor refused: `-`, with what it
+    asked; a cross-zone rename that failed (EXDEV) is `failed`, with the errno."""
+    asked = _entry(op="approval", allowed=None, detail="request 1: delete of /x asks the user")
+    row = audit_mod.format_row(asked)
+    assert "  -  " in row and row.rstrip().endswith("request 1: delete of /x asks the user")
+    failed = _entry(op="rename", allowed=None, errno="EXDEV", reason="across zones")
+    assert "failed" in audit_mod.format_row(failed)
+    assert "EXDEV: across zones" in audit_mod.format_row(failed)
