@@ -54,6 +54,12 @@ class Consent:
         self.revoked_grants: set[int] = set()
         self.probing = False  # answering a permission probe: decide, ask nobody, change nothing
 
+    @property
+    def active(self) -> bool:
+        """Whether any approval rule exists here: callers skip building the arguments of
+        `check` (a virtual path is a walk up the tree) on mounts without rules."""
+        return self.broker is not None and bool(self.broker.rules)
+
     def _git_bookkeeping(self, zone: Zone, path: str) -> bool:
         """Whether `path` is inside a git directory (`.git/...`, or a zone that is one: a
         worktree's main git dir). Git's own files are not the user's work, and every git

@@ -776,7 +776,8 @@ class Guard:
             kinds += [Kind.WRITE] if write else []
             kinds += [Kind.READ] if read else []
             op = Op.WRITE if write else Op.READ
-            self.consent.check(caller, kinds, node.zone, node.vpath(), op)
+            if self.consent.active:  # a virtual path costs a walk up the tree
+                self.consent.check(caller, kinds, node.zone, node.vpath(), op)
 
     def may_keep(
         self,
@@ -845,7 +846,7 @@ class Guard:
             self.check(caller, Op.WRITE, node)
             self._check_layer(caller, node, Op.WRITE)
         self._reject_private_key_node(caller, Op.WRITE, node)
-        if not node.created_here:  # approvals: a truncate, chmod or xattr changes the file
+        if not node.created_here and self.consent.active:  # approvals: truncate, chmod, xattr
             self.consent.check(caller, [Kind.WRITE], node.zone, node.vpath(), Op.WRITE)
 
     def may_write_context(self, caller: Caller, node: Node) -> NoReturn:
@@ -977,7 +978,8 @@ class Guard:
         limits = self.limits.get(zone)
         if limits is not None and kind != "mkdir":
             self._check_suffix(caller, limits, parent, name, Op.WRITE, "creating")
-        self.consent.check(caller, [Kind.CREATE], zone, parent.vpath(name), Op.WRITE)  # approvals
+        if self.consent.active:  # approvals
+            self.consent.check(caller, [Kind.CREATE], zone, parent.vpath(name), Op.WRITE)
         tally = self.tallies.get(zone)
         if tally is not None:
             refused = tally.charge(0, 1, parent.vpath(name))
@@ -1067,7 +1069,8 @@ class Guard:
             self._check_suffix(caller, limits, parent, new_name, AuditOp.LINK, "linking", dest, src)
         self._check_layer(caller, parent, AuditOp.LINK, new_name)
         self._check_layer(caller, node, AuditOp.LINK)
-        self.consent.check(caller, [Kind.CREATE], parent.zone, dest, AuditOp.LINK)  # approvals
+        if self.consent.active:  # approvals
+            self.consent.check(caller, [Kind.CREATE], parent.zone, dest, AuditOp.LINK)
 
     def hidden_target(
         self, caller: Caller, op: AuditOp | Op, src: str, zone: Zone | None, dest: str, why: str
@@ -1100,7 +1103,8 @@ class Guard:
         self._reject_layer(caller, op, parent, name, layer)
         if not is_dir:
             self._reject_private_key(caller, Op.DELETE, parent, name, layer)
-        self.consent.check(caller, [Kind.DELETE], zone, parent.vpath(name), op)  # approvals
+        if self.consent.active:  # approvals
+            self.consent.check(caller, [Kind.DELETE], zone, parent.vpath(name), op)
 
     def removed(self, zone: Zone, st: StatLike) -> None:
         """A name was unlinked or replaced: its inode's bytes and entry leave the quota when it
@@ -1175,6 +1179,8 @@ class Guard:
         an existing entry, an overwrite too)."""
         self._may_move(caller, parent, name, st, to_parent, to_name, src, dst, read)
         assert parent.zone is not None
+        if not self.consent.active:
+            return
         kinds = [Kind.RENAME, Kind.OVERWRITE] if replaces else [Kind.RENAME]
         dest = to_parent.vpath(to_name)
         self.consent.check(caller, kinds, parent.zone, parent.vpath(name), AuditOp.RENAME, dest)
