@@ -11,6 +11,7 @@ import os
 import pwd
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ from sandboxfs.config import model as config_mod
 from sandboxfs.config import user as userconfig
 from sandboxfs.config.inputs import cut
 from sandboxfs.core.policy import Trust
+from sandboxfs.core.syscalls import die_with_parent
 from sandboxfs.errors import (
     CannotExecute,
     Failure,
@@ -188,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     # A nested child's: where its parent's supervisor reads this run's control socket from, to
     # ask its approval requests in the parent's terminal. Not for people either.
     run.add_argument("--report-control", type=int, help=argparse.SUPPRESS)
+    # A nested child's: the parent run's pid; the child ends (SIGTERM: it unmounts) when that
+    # run does, even killed, so no child outlives its parent.
+    run.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     run.add_argument(
         "argv",
         nargs=argparse.REMAINDER,
@@ -590,6 +595,10 @@ def _spawn_daemon(req: MountRequest, resumed: bool) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.parent_pid is not None:  # a nested child (sandboxfs.run.nest)
+        die_with_parent(signal.SIGTERM)
+        if os.getppid() != args.parent_pid:  # the parent ended before that took effect
+            raise SetupError("the run that started this child has ended")
     command = list(args.argv)
     if command[:1] == ["--"]:
         command = command[1:]

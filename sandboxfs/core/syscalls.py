@@ -169,12 +169,20 @@ def set_fs_ids(uid: int, gid: int) -> None:
 
 
 _PR_SET_DUMPABLE = 4
+_PR_SET_PDEATHSIG = 1
 _PR_GET_DUMPABLE = 3
 
 
 def make_undumpable() -> None:
     """Keep same-uid processes out of /proc/<pid>/fd, /proc/<pid>/mem and ptrace."""
     set_dumpable(False)
+
+
+def die_with_parent(signum: int) -> None:
+    """Be sent `signum` when the thread that started this process ends (its process dying)."""
+    if _prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 def is_dumpable() -> bool:

@@ -392,6 +392,7 @@ def child_argv(
     ) -> list[str]:
         args = [sys.executable, "-m", "sandboxfs", "run", "--project", str(project)]
         args += ["--workspace", workspace, "--trust", trust.value, "--net", "none"]
+        args += ["--parent-pid", str(os.getpid())]  # it ends with this run, even killed
         # The child's requests are asked in the parent's terminal; where the parent has no
         # prompt, what would ask is refused at once: a child never waits on nobody.
         if report is None:

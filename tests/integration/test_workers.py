@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import assert_one_line_error, sandboxfs, wait_until
+from tests.support.cli import SANDBOXFS, assert_one_line_error, sandboxfs, wait_until
 from tests.support.mounts import make_project, mounted
 from tests.support.run import audit, fuse_mounts, run_dirs, sbx
 
@@ -277,3 +277,53 @@ def test_nested_worker_from_inside_run(project: Path) -> None:
     assert len(refused) == 1
     assert "Child requests 'rw' on 'data'" in refused[0]["reason"]
     assert not audit(project, "--worker", "forged")  # nothing was mounted for it
+
+
+def _children_of_run(marker: str, program: bool = False) -> list[int]:
+    """The nested child runs (`--parent-pid`) whose command line holds `marker`; with
+    `program`, the program they started instead (`sh -c ... marker`, running)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ours = marker.encode() in argv and (argv[0] == b"sh") == program
+        if ours and (program or b"--parent-pid" in argv):
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_nested_child_ends_with_its_parent_even_killed(project: Path) -> None:
+    """A child worker started inside run never outlives the run: killed with SIGKILL, the
+    parent cannot stop it, and the kernel tells the child (it ends and unmounts)."""
+    marker = f"sleep-{os.getpid()}"
+    (project / ".workers" / "reader.worker").write_text(
+        "---\nname: reader\nsandbox:\n  zones:\n    - {name: data, mode: ro}\n---\n"
+    )
+    parent = subprocess.Popen(
+        [
+            *SANDBOXFS, "run", "--project", str(project), "--quiet", "--",
+            "sh", "-c", f"sandboxfs run --worker reader -- sh -c 'sleep 300; :' {marker}",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert wait_until(lambda: bool(_children_of_run(marker, program=True)), 30)
+        assert _children_of_run(marker)
+        parent.kill()  # the supervisor: no chance to stop its children itself
+        parent.wait(10)
+        assert wait_until(lambda: not _children_of_run(marker), 20), _children_of_run(marker)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(10)
+        for pid in _children_of_run(marker):
+            os.kill(pid, 9)
+        # The killed parent's run directory goes with the next run's sweep, as after a crash.
+        assert sbx("run", "--project", project, "--quiet", "--", "true").returncode == 0
