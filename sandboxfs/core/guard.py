@@ -1175,35 +1175,14 @@ class Guard:
         *,
         replaces: bool = False,
     ) -> None:
-        """The checks of _may_move, then the approval rules (`replaces`: the rename replaces
-        an existing entry, an overwrite too)."""
-        self._may_move(caller, parent, name, st, to_parent, to_name, src, dst, read)
-        assert parent.zone is not None
-        if not self.consent.active:
-            return
-        kinds = [Kind.RENAME, Kind.OVERWRITE] if replaces else [Kind.RENAME]
-        dest = to_parent.vpath(to_name)
-        self.consent.check(caller, kinds, parent.zone, parent.vpath(name), AuditOp.RENAME, dest)
-
-    def _may_move(
-        self,
-        caller: Caller,
-        parent: Node,
-        name: bytes,
-        st: StatLike,
-        to_parent: Node,
-        to_name: bytes,
-        src: str,
-        dst: str,
-        read: ReadFile | None = None,
-    ) -> None:
         """Patterns survive renames: nothing protected is moved away or onto, and no directory
         is moved while a deny or protect path pattern, or a git rule that depends on where the
         directory is, could match something inside it (it would carry that entry out from under
         its pattern), nor onto such a place. A symbolic link is never moved into a git
         directory. Suffixes too: a file keeps an
         allowed suffix, and one without can only be deleted. A file renamed onto one of git's
-        config files is judged by what it changes (`read`: see _judge_config)."""
+        config files is judged by what it changes (`read`: see _judge_config). Last, the approval
+        rules (`replaces`: the rename replaces an existing entry, an overwrite too)."""
         is_dir = stat.S_ISDIR(st.st_mode)
         link = stat.S_ISLNK(st.st_mode)
         self._reject_protected(caller, AuditOp.RENAME, parent, name, is_dir, dest=dst)
@@ -1222,7 +1201,27 @@ class Guard:
                 self._check_suffix(
                     caller, limits, to_parent, to_name, AuditOp.RENAME, "renaming to", dst, src
                 )
-            return
+        else:
+            self._may_move_dir(caller, parent, name, to_parent, to_name, src, dst)
+        if self.consent.active:
+            assert parent.zone is not None
+            kinds = [Kind.RENAME, Kind.OVERWRITE] if replaces else [Kind.RENAME]
+            dest = to_parent.vpath(to_name)
+            path = parent.vpath(name)
+            self.consent.check(caller, kinds, parent.zone, path, AuditOp.RENAME, dest)
+
+    def _may_move_dir(
+        self,
+        caller: Caller,
+        parent: Node,
+        name: bytes,
+        to_parent: Node,
+        to_name: bytes,
+        src: str,
+        dst: str,
+    ) -> None:
+        """A directory moves only where no deny or protect pattern, nor a git rule that depends
+        on where it is, could match something inside it, before or after."""
         pattern = self.policy.deny.match_below(relpath_of(parent, name))
         if pattern is not None:
             decision = self.policy.deny_list_decision(f"{parent.vpath(name)}/...", pattern)

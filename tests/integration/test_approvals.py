@@ -478,31 +478,27 @@ for target in sys.argv[1:]:
 """
 
 
+def asking_for_hosts(project: Path) -> list[str]:
+    """`sandboxfs run --net allow` on `project` with a connect rule that asks (written to its
+    sandboxfs.yaml), up to and with `--`: a host not on the list becomes a request."""
+    (project / "sandboxfs.yaml").write_text(
+        "approvals:\n  rules:\n    - {id: hosts, ops: [connect], decision: ask}\n"
+    )
+    return [
+        *SANDBOXFS, "run", "--project", str(project), "--trust", "full", "--approvals", "ask",
+        "--net", "allow", "--allow-host", "example.invalid", "--quiet", "--",
+    ]  # fmt: skip
+
+
 @needs_bwrap
 def test_a_host_not_on_the_list_can_be_asked_about(project: Path) -> None:
     """`--net allow` with a connect rule that asks: the connection waits (in the proxy, which
     holds no kernel lock) for the user's answer; an allowed host is then admitted like a name
     rule (here localhost, whose loopback address the proxy still refuses: never a way to the
     host's own services), a denied one is refused as before."""
-    (project / "sandboxfs.yaml").write_text(
-        "approvals:\n  rules:\n    - {id: hosts, ops: [connect], decision: ask}\n"
-    )
     proc = subprocess.Popen(
         [
-            *SANDBOXFS,
-            "run",
-            "--project",
-            str(project),
-            "--trust",
-            "full",
-            "--approvals",
-            "ask",
-            "--net",
-            "allow",
-            "--allow-host",
-            "example.invalid",
-            "--quiet",
-            "--",
+            *asking_for_hosts(project),
             PY,
             "-c",
             TUNNEL,
@@ -619,25 +615,9 @@ import time; time.sleep(3)
 
 @needs_bwrap
 def test_a_client_that_goes_away_ends_its_wait(project: Path) -> None:
-    (project / "sandboxfs.yaml").write_text(
-        "approvals:\n  rules:\n    - {id: hosts, ops: [connect], decision: ask}\n"
-    )
     result = subprocess.run(
         [
-            *SANDBOXFS,
-            "run",
-            "--project",
-            str(project),
-            "--trust",
-            "full",
-            "--approvals",
-            "ask",
-            "--net",
-            "allow",
-            "--allow-host",
-            "example.invalid",
-            "--quiet",
-            "--",
+            *asking_for_hosts(project),
             PY,
             "-c",
             GIVE_UP,
