@@ -661,7 +661,13 @@ class Store:
         )
 
     def open_file(self, node: Node, flags: int) -> int:
-        """Open node's backing file by name, checked to still be node's regular file.
+        """Open node's backing file by name, checked to still be node's regular file (see
+        open_file_stat)."""
+        return self.open_file_stat(node, flags)[0]
+
+    def open_file_stat(self, node: Node, flags: int) -> tuple[int, os.stat_result]:
+        """Open node's backing file by name, checked to still be node's regular file; the
+        descriptor and the fstat that checked it (the FUSE adapter's open needs it too).
 
         The name may have been replaced outside the mount since the kernel cached it, by a
         FIFO (whose open would block the whole daemon) or by another file. O_NONBLOCK keeps
@@ -693,7 +699,7 @@ class Store:
         except BaseException:
             os.close(fd)
             raise
-        return fd
+        return fd, st
 
     def create_file(self, dir_fd: int, name: bytes, flags: int, mode: int) -> int:
         """Create (or, without O_EXCL, open) a regular file, never through a mount point."""

@@ -534,18 +534,17 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             raise SandboxError(errno.EISDIR)
         truncate = bool(flags & os.O_TRUNC)
 
-        def open_file() -> int:
+        def open_file() -> tuple[int, os.stat_result]:
             if truncate:
                 self.replies.changing(node)
-            return self.store.open_file(node, flags & ~_OPEN_STRIP)
+            return self.store.open_file_stat(node, flags & ~_OPEN_STRIP)
 
         comm = self.guard.process_names.get(ctx.pid)
         read = accmode != os.O_WRONLY
-        fd = self.gate.open(
+        fd, st = self.gate.open(
             ctx, node, open_file, read=read, write=wants_write, truncate=truncate, comm=comm
         )
         grant = self.guard.consent.last_grant  # the approval grant that let it open, if any
-        st = os.stat(fd)
         stamp = (st.st_mtime_ns, st.st_size)
         keep_cache = node.cache_stamp == stamp and not truncate
         node.cache_stamp = stamp
