@@ -649,3 +649,7 @@ class Gate:
     ) -> bool:
         """Whether a listing of parent shows name (see Guard.listed)."""
         return self.guard.listed(parent, name, is_dir, ino, own)
+
+    def lists_all(self, parent: Node) -> bool:
+        """Whether a listing of parent shows every name it holds (see Guard.lists_all)."""
+        return self.guard.lists_all(parent.zone)

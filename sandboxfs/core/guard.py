@@ -449,12 +449,20 @@ class Guard:
         create (`reads_own`), only what this mount created (`own`, or its inode number `ino`
         is one this mount created)."""
         zone = parent.zone
-        if zone is not None and self.reads_own(zone):
-            if not (own or (ino is not None and (zone, ino) in self.own_entries)):
-                return False
-        elif zone is not None and self.readable(zone):
+        if self.lists_all(zone):
             return True
+        if (
+            zone is not None
+            and self.reads_own(zone)
+            and not (own or (ino is not None and (zone, ino) in self.own_entries))
+        ):
+            return False
         return self.denied_pattern(parent, name, is_dir) is None
+
+    def lists_all(self, zone: Zone | None) -> bool:
+        """Whether listings in `zone` show every name (see listed), so that a listing need
+        not ask about each entry: the level may read or list the zone, all of it."""
+        return zone is not None and self.readable(zone) and not self.reads_own(zone)
 
     def _reject_denied(
         self,

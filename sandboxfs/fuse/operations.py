@@ -466,6 +466,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         # Names the guard leaves out (Guard.listed: deny-listed ones, only where the level may
         # not list the zone) are dropped here, before offsets are given, so that the offsets
         # do not jump where a hidden name was and reveal how many sort before a visible one.
+        if self.gate.lists_all(node):
+            return dots + self.store.list_entries(node)
         return dots + [
             entry
             for entry in self.store.list_entries(node)
