@@ -491,6 +491,40 @@ def test_run_itself_loads_neither_pyfuse3_nor_trio(project: Path) -> None:
     assert result.stdout.strip() == "0 []", result.stdout
 
 
+def test_a_failure_while_the_daemon_starts_stops_it(project: Path) -> None:
+    """run prepares the sandbox while the daemon it forked mounts: when that preparation fails,
+    the daemon is still stopped and its mount gone before run returns 125 with one line."""
+    probe = (
+        "import os, sys\n"
+        "from sandboxfs.errors import SetupError\n"
+        "from sandboxfs.run import confine\n"
+        "from sandboxfs.cli.main import main\n"
+        "def broken(**kwargs):\n"
+        "    raise SetupError('the preparation failed')\n"
+        "confine.bwrap_args = broken\n"
+        f"code = main(['run', '--project', {str(project)!r}, '-q', '--', 'true'])\n"
+        "try:\n"
+        "    os.waitpid(-1, os.WNOHANG)\n"
+        "    children = True  # the daemon, running or not reaped\n"
+        "except ChildProcessError:\n"
+        "    children = False\n"
+        "state = os.environ['SANDBOXFS_STATE_DIR']\n"
+        "mounted = any(line.split()[1].startswith(state) and ' fuse.sandboxfs ' in line\n"
+        "              for line in open('/proc/self/mounts'))\n"
+        "print(code, children, mounted)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert result.stdout.strip() == "125 False False", (result.stdout, result.stderr)
+    stderr = result.stderr.strip().splitlines()
+    assert stderr == ["sandboxfs: the preparation failed"], result.stderr
+
+
 def test_setup_errors_exit_125_with_one_line(project: Path) -> None:
     for args in (
         ["--cwd", "/no/such/dir"],
