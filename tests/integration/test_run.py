@@ -471,14 +471,16 @@ def test_exit_status(project: Path, command: list[str], status: int) -> None:
 
 def test_run_itself_loads_neither_pyfuse3_nor_trio(project: Path) -> None:
     """The daemon is forked first and loads them while `run` prepares the sandbox: `run`'s own
-    process, whose imports are start-up time of every run, never does, nor the in-process API."""
+    process, whose imports are start-up time of every run, never does, nor the in-process API,
+    nor what only other commands use (staged commits, shell completion)."""
     probe = (
         "import sys\n"
         "from sandboxfs.cli.main import main\n"
         f"code = main(['run', '--project', {str(project)!r}, '-q', '--', 'true'])\n"
         "heavy = ('pyfuse3', 'trio', 'sandboxfs.fuse.daemon', 'sandboxfs.fuse.operations',"
-        " 'sandboxfs.api')\n"
-        "print(code, sorted(m for m in sys.modules if m.startswith(heavy)))\n"
+        " 'sandboxfs.api', 'sandboxfs.staging', 'shtab')\n"
+        "print(code, sorted(m for m in sys.modules"
+        " if m.startswith(heavy) or m == 'sandboxfs.cli.staged'))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", probe],
