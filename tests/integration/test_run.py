@@ -493,17 +493,33 @@ def test_run_itself_loads_neither_pyfuse3_nor_trio(project: Path) -> None:
     assert result.stdout.strip() == "0 []", result.stdout
 
 
-def test_a_failure_while_the_daemon_starts_stops_it(project: Path) -> None:
-    """run prepares the sandbox while the daemon it forked mounts: when that preparation fails,
-    the daemon is still stopped and its mount gone before run returns 125 with one line."""
+@pytest.mark.parametrize(
+    ("preparation", "daemon", "message"),
+    [
+        (True, False, "the preparation failed"),
+        (False, True, "cannot mount: the daemon failed"),
+        (True, True, "cannot mount: the daemon failed"),  # the daemon's: it came first
+    ],
+)
+def test_a_failure_while_the_daemon_starts_stops_it(
+    project: Path, preparation: bool, daemon: bool, message: str
+) -> None:
+    """run prepares the sandbox while the daemon it forked mounts: when either fails, the
+    daemon is stopped and its mount gone before run returns 125 with one line."""
     probe = (
         "import os, sys\n"
-        "from sandboxfs.errors import SetupError\n"
+        "from sandboxfs.errors import Failure, SetupError\n"
+        "from sandboxfs.fuse import daemon\n"
         "from sandboxfs.run import confine\n"
         "from sandboxfs.cli.main import main\n"
         "def broken(**kwargs):\n"
         "    raise SetupError('the preparation failed')\n"
-        "confine.bwrap_args = broken\n"
+        "def unmountable(*args, **kwargs):\n"
+        "    raise Failure('cannot mount: the daemon failed')\n"
+        f"if {preparation}:\n"
+        "    confine.bwrap_args = broken\n"
+        f"if {daemon}:\n"
+        "    daemon.serve = unmountable  # in the daemon: it is forked from this process\n"
         f"code = main(['run', '--project', {str(project)!r}, '-q', '--', 'true'])\n"
         "try:\n"
         "    os.waitpid(-1, os.WNOHANG)\n"
@@ -523,8 +539,7 @@ def test_a_failure_while_the_daemon_starts_stops_it(project: Path) -> None:
         timeout=TIMEOUT,
     )
     assert result.stdout.strip() == "125 False False", (result.stdout, result.stderr)
-    stderr = result.stderr.strip().splitlines()
-    assert stderr == ["sandboxfs: the preparation failed"], result.stderr
+    assert result.stderr.strip().splitlines() == [f"sandboxfs: {message}"], result.stderr
 
 
 def test_setup_errors_exit_125_with_one_line(project: Path) -> None:
