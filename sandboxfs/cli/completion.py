@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import shlex
 from collections.abc import Iterator, Sequence
-
-import shtab
 
 from sandboxfs.cli.manpage import walk
 from sandboxfs.core.policy import BUILTIN_ZONES, Trust
@@ -42,24 +41,28 @@ def words(values: Sequence[str]) -> _Complete:
     }
 
 
-# What an argument completes to, by its `dest`: for every subcommand that has one, present or
-# added later, since the same name means the same thing everywhere in sandboxfs.
-COMPLETE_BY_DEST: dict[str, _Complete] = {
-    "project": shtab.DIRECTORY,
-    "mountpoint": shtab.DIRECTORY,
-    "config": shtab.FILE,
-    "trust": words([t.value for t in Trust]),
-    "zone": words([z.value for z in BUILTIN_ZONES]),  # a project's own zones are typed out
-}
+@functools.cache
+def complete_by_dest() -> dict[str, _Complete]:
+    """What an argument completes to, by its `dest`: for every subcommand that has one, present
+    or added later, since the same name means the same thing everywhere in sandboxfs."""
+    import shtab  # here, not at the top: this module is imported at every start of sandboxfs
+
+    return {
+        "project": shtab.DIRECTORY,
+        "mountpoint": shtab.DIRECTORY,
+        "config": shtab.FILE,
+        "trust": words([t.value for t in Trust]),
+        "zone": words([z.value for z in BUILTIN_ZONES]),  # a project's own zones are typed out
+    }
 
 
 def annotate(parser: argparse.ArgumentParser) -> None:
-    """Set shtab's `.complete` on every argument named in COMPLETE_BY_DEST, unless it has
+    """Set shtab's `.complete` on every argument named in complete_by_dest(), unless it has
     `choices` (shtab completes those already) or a `.complete` of its own (the parser knows
     better)."""
     for _, node, _ in walk(parser):
         for action in node._actions:
-            wanted = COMPLETE_BY_DEST.get(action.dest)
+            wanted = complete_by_dest().get(action.dest)
             if wanted is not None and not action.choices and not hasattr(action, "complete"):
                 action.complete = wanted  # type: ignore[attr-defined]
 
@@ -118,6 +121,8 @@ def script(parser: argparse.ArgumentParser, shell: str) -> str:
     """The completion script for `shell` ("bash" or "zsh") of the command `parser` parses.
 
     Adds `.complete` hints to the parser (see `annotate`); otherwise leaves it as it was."""
+    import shtab
+
     if shell not in SHELLS:
         raise ValueError(f"unsupported shell {shell!r}; supported: {', '.join(SHELLS)}")
     annotate(parser)

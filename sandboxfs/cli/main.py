@@ -20,13 +20,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
-from sandboxfs import staging
 from sandboxfs.cli import approvals as approvals_cli
 from sandboxfs.cli import audit as audit_cli
-from sandboxfs.cli import completion, manpage, subcommands
+from sandboxfs.cli import completion, manpage, staged_parser, subcommands
 from sandboxfs.cli import home as home_mod
 from sandboxfs.cli import sessions as sessions_cli
-from sandboxfs.cli import staged as staged_cli
 from sandboxfs.cli import workers as workers_cli
 from sandboxfs.config import model as config_mod
 from sandboxfs.config import user as userconfig
@@ -247,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     approvals_cli.add_parsers(sub, _approvals_target)
 
     audit_cli.add_parser(sub, trust_type=_trust, when_type=_when, positive_type=_positive)
-    staged_cli.add_parser(sub)
+    staged_parser.add_parser(sub)
     sessions_cli.add_parser(sub)
     home_mod.add_parser(sub)
     workers_cli.add_parser(sub)
@@ -908,6 +906,8 @@ def _pending_staged(context: dict[str, Any]) -> int | None:
     project, workspace = context.get("project"), context.get("workspace")
     if not isinstance(project, str) or not isinstance(workspace, str):
         return None
+    from sandboxfs import staging  # only here, not at each start of every command
+
     try:
         return len(staging.pending(Path(project), workspace))
     except (OSError, SandboxfsError):
@@ -936,6 +936,13 @@ def cmd_completion(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_staged(args: argparse.Namespace) -> int:
+    """`sandboxfs staged`: its module, and sandboxfs.staging, imported only when it runs."""
+    from sandboxfs.cli import staged as staged_cli
+
+    return staged_cli.main(args)
+
+
 def cmd_man(args: argparse.Namespace) -> int:
     print(manpage.render(build_parser(), _version()), end="")
     return 0
@@ -956,7 +963,7 @@ COMMANDS = {
     "deny": cmd_approvals,
     "grants": cmd_approvals,
     "audit": audit_cli.main,
-    "staged": staged_cli.main,
+    "staged": cmd_staged,
     "sessions": sessions_cli.main,
     "home": home_mod.main,
     "workers": workers_cli.main,

@@ -3,9 +3,9 @@ staged commits carry.
 
 Inside, git sees no global config (the program's HOME is the session's), so without this every
 `git commit` stops with "Author identity unknown". The identity is read from the config files
-as data (`git config --file`, which follows no include and runs nothing): the repository's own
-config first, then the user's global ones, as git itself would pick it. GIT_AUTHOR_* and
-GIT_COMMITTER_* in the caller's environment win, as they do for git.
+as data (`git config --file`, which follows no include and runs nothing; one per file): the
+repository's own config first, then the user's global ones, as git itself would pick it.
+GIT_AUTHOR_* and GIT_COMMITTER_* in the caller's environment win, as they do for git.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ IDENTITY_VARIABLES = (
     "GIT_COMMITTER_NAME",
     "GIT_COMMITTER_EMAIL",
 )
-_TIMEOUT = 5.0  # seconds for one `git config --get`
+_TIMEOUT = 5.0  # seconds for one `git config`
+_KEYS = ("user.name", "user.email")  # what git commits take an identity from
+_KEYS_PATTERN = r"^user\.(name|email)$"
 
 
 def global_configs(environ: Mapping[str, str]) -> list[Path]:
@@ -33,29 +35,45 @@ def global_configs(environ: Mapping[str, str]) -> list[Path]:
     return [Path(home) / ".gitconfig", Path(xdg) / "git" / "config"]
 
 
-def _get(config: Path, key: str) -> str | None:
+def _read(config: Path) -> dict[str, str]:
+    """user.name and user.email as `config` sets them, from one `git config`: for each, the
+    last value (as `--get` picks it), and only when it is one non-empty line."""
     if not config.is_file():
-        return None
+        return {}
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GIT_CONFIG_NOSYSTEM": "1"}
     env["GIT_CONFIG_GLOBAL"] = "/dev/null"
     try:
         result = subprocess.run(
-            ["git", "config", "--file", str(config), "--get", key],
+            ["git", "config", "--file", str(config), "-z", "--get-regexp", _KEYS_PATTERN],
             capture_output=True,
             env=env,
             timeout=_TIMEOUT,
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired):
-        return None
-    value = result.stdout.decode("utf-8", "replace").strip()
-    return value if result.returncode == 0 and value and "\n" not in value else None
+        return {}
+    if result.returncode != 0:  # 1: neither is set; more: not a config file git can read
+        return {}
+    last: dict[str, str] = {}
+    # -z: each entry is "key\nvalue\0", or "key\0" for a key without a value
+    for entry in result.stdout.decode("utf-8", "replace").split("\0")[:-1]:
+        key, _, value = entry.partition("\n")
+        last[key] = value.strip()
+    return {key: value for key, value in last.items() if value and "\n" not in value}
 
 
-def configured(configs: Sequence[Path], key: str) -> str | None:
-    """`key` from the first of `configs` that sets it."""
+def configured(
+    configs: Sequence[Path], key: str, read: dict[Path, dict[str, str]] | None = None
+) -> str | None:
+    """`key` (user.name or user.email) from the first of `configs` that sets it; `read` keeps
+    what each file set, so that the other key costs no second `git config`."""
+    if key not in _KEYS:
+        raise ValueError(f"not an identity key: {key}")
+    read = {} if read is None else read
     for config in configs:
-        value = _get(config, key)
+        if config not in read:
+            read[config] = _read(config)
+        value = read[config].get(key)
         if value is not None:
             return value
     return None
@@ -66,8 +84,9 @@ def identity(
 ) -> dict[str, str]:
     """GIT_AUTHOR_* and GIT_COMMITTER_* for the user, as far as known (possibly empty)."""
     configs = [*repo_configs, *global_configs(environ)]
-    name = environ.get("GIT_AUTHOR_NAME") or configured(configs, "user.name")
-    email = environ.get("GIT_AUTHOR_EMAIL") or configured(configs, "user.email")
+    read: dict[Path, dict[str, str]] = {}  # each config file is read once, for both keys
+    name = environ.get("GIT_AUTHOR_NAME") or configured(configs, "user.name", read)
+    email = environ.get("GIT_AUTHOR_EMAIL") or configured(configs, "user.email", read)
     found: dict[str, str] = {}
     if name:
         found["GIT_AUTHOR_NAME"] = name

@@ -10,10 +10,13 @@ what sandboxfs.run.toolchain shows of a home for CMD, read-only: its package or 
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import functools
 import os
+import re
 import stat
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from sandboxfs.config.inputs import ENV_NAME
@@ -112,17 +115,19 @@ def etc_args(
     to (it usually lives under /run, which is not there), for --net host.
     """
     args = ["--dir", "/etc"]
-    for rel, kind in _etc_entries(etc, "", hidden):
-        host, inside = etc / rel, f"/etc/{rel}"
+    root = str(etc)
+    for rel, kind in _EtcScan(root, tuple(hidden)).entries(""):
+        host, inside = os.path.join(root, rel), f"/etc/{rel}"
         if kind == "dir":
             args += ["--dir", inside]
         elif kind == "link":
-            if rel == "resolv.conf" and resolv_conf and _world_readable(host.resolve()):
-                args += ["--ro-bind", str(host.resolve()), inside]
+            target = Path(host).resolve() if rel == "resolv.conf" and resolv_conf else None
+            if target is not None and _world_readable(target):
+                args += ["--ro-bind", str(target), inside]
             else:
                 args += ["--symlink", os.readlink(host), inside]
         else:
-            args += ["--ro-bind", str(host), inside]
+            args += ["--ro-bind", host, inside]
     return args
 
 
@@ -132,45 +137,94 @@ def _world_readable(path: Path) -> bool:
         st = path.stat()
     except OSError:
         return False
-    if stat.S_ISDIR(st.st_mode):
-        return st.st_mode & (stat.S_IROTH | stat.S_IXOTH) == stat.S_IROTH | stat.S_IXOTH
-    return stat.S_ISREG(st.st_mode) and bool(st.st_mode & stat.S_IROTH)
+    return _mode_world_readable(st.st_mode)
 
 
-def _etc_entries(etc: Path, below: str, hidden: Sequence[str]) -> Iterable[tuple[str, str]]:
-    try:
-        names = sorted(os.listdir(etc / below))
-    except OSError:
-        return
-    for name in names:
-        rel = f"{below}{name}"
-        if any(fnmatch.fnmatchcase(rel, pattern) for pattern in hidden):
-            continue
-        path = etc / rel
-        if path.is_symlink():
-            yield rel, "link"
-        elif not _world_readable(path):
-            continue  # root-only (or a socket, fifo or device): left out
-        elif path.is_dir():
-            if _holds_private(etc, rel, hidden):
+def _mode_world_readable(mode: int) -> bool:
+    if stat.S_ISDIR(mode):
+        return mode & (stat.S_IROTH | stat.S_IXOTH) == stat.S_IROTH | stat.S_IXOTH
+    return stat.S_ISREG(mode) and bool(mode & stat.S_IROTH)
+
+
+@functools.cache
+def _hidden_match(hidden: tuple[str, ...]) -> Callable[[str], re.Match[str] | None]:
+    """Whether a path below /etc matches any of `hidden` (fnmatchcase's globs, as one regex)."""
+    return re.compile("|".join(fnmatch.translate(p) for p in hidden) or "(?!)").match
+
+
+class _EtcScan:
+    """One pass over /etc: each directory listed once, each entry but a link lstat'ed once (a
+    link is never followed: it is shown as a link)."""
+
+    def __init__(self, root: str, hidden: tuple[str, ...]) -> None:
+        self._root = root
+        self._hidden = hidden
+        self._is_hidden = _hidden_match(hidden)
+        self._listings: dict[str, list[tuple[str, bool, int | None]]] = {}
+        self._private: dict[str, bool] = {}
+
+    def _listing(self, path: str) -> list[tuple[str, bool, int | None]]:
+        """A directory's entries by name: (name, whether a link, its lstat mode: None for a
+        link and for one that cannot be looked at); none when it cannot be listed."""
+        known = self._listings.get(path)
+        if known is not None:
+            return known
+        found: list[tuple[str, bool, int | None]] = []
+        try:
+            with os.scandir(path) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError:
+            entries = []
+        for entry in entries:
+            try:
+                link = entry.is_symlink()
+            except OSError:
+                link = False
+            mode = None
+            if not link:
+                with contextlib.suppress(OSError):
+                    mode = entry.stat(follow_symlinks=False).st_mode
+            found.append((entry.name, link, mode))
+        self._listings[path] = found
+        return found
+
+    def entries(self, below: str) -> Iterator[tuple[str, str]]:
+        """(path below /etc, "link" | "bind" | "dir"), in the order bubblewrap gets them."""
+        path = os.path.join(self._root, below[:-1]) if below else self._root
+        for name, link, mode in self._listing(path):
+            rel = f"{below}{name}"
+            if self._is_hidden(rel):
+                continue
+            if link:
+                yield rel, "link"
+            elif mode is None or not _mode_world_readable(mode):
+                continue  # root-only (or a socket, fifo or device): left out
+            elif not stat.S_ISDIR(mode):
+                yield rel, "bind"
+            elif any(p.startswith(rel + "/") for p in self._hidden) or self._holds_private(
+                os.path.join(self._root, rel)
+            ):
                 yield rel, "dir"
-                yield from _etc_entries(etc, rel + "/", hidden)
+                yield from self.entries(rel + "/")
             else:
                 yield rel, "bind"
-        else:
-            yield rel, "bind"
 
-
-def _holds_private(etc: Path, rel: str, hidden: Sequence[str]) -> bool:
-    """Whether anything below /etc/`rel` is hidden or not world-readable (links excepted)."""
-    if any(pattern.startswith(rel + "/") for pattern in hidden):
-        return True
-    for top, dirs, files in os.walk(etc / rel):
-        for name in dirs + files:
-            path = Path(top) / name
-            if not path.is_symlink() and not _world_readable(path):
-                return True
-    return False
+    def _holds_private(self, path: str) -> bool:
+        """Whether anything below `path` is not world-readable (links excepted; what cannot be
+        listed is passed over)."""
+        known = self._private.get(path)
+        if known is None:
+            known = any(
+                not link
+                and (
+                    mode is None
+                    or not _mode_world_readable(mode)
+                    or (stat.S_ISDIR(mode) and self._holds_private(os.path.join(path, name)))
+                )
+                for name, link, mode in self._listing(path)
+            )
+            self._private[path] = known
+        return known
 
 
 # /proc is the sandbox's own (its PID namespace), but some of it is the host kernel's: the

@@ -40,7 +40,7 @@ from sandboxfs.core.entry import UNSET, AuditOp, Unset, audit_entry
 from sandboxfs.core.policy import Op, Policy, Trust, Zone
 from sandboxfs.core.syscalls import make_undumpable, set_dumpable, write_all
 from sandboxfs.errors import SandboxfsError, SetupError, UserError
-from sandboxfs.fuse.spawn import start_daemon
+from sandboxfs.fuse.spawn import Starting, start_daemon
 from sandboxfs.layout import audit_path
 from sandboxfs.project import control, gitdir, prompt
 from sandboxfs.project.identity import project_identity
@@ -843,31 +843,17 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         approvals=req.approvals,
     )
     try:
-        # The forked daemon imports pyfuse3 and trio; this process never does.
-        daemon = start_daemon(mount, lifeline_r, after=lambda: remove_run_dir(run_dir)).ready()
-    except SandboxfsError as exc:
+        # The forked daemon imports pyfuse3 and trio (this process never does), then mounts.
+        starting = start_daemon(mount, lifeline_r, after=lambda: remove_run_dir(run_dir))
+    except BaseException:
         os.close(lifeline_w)
-        raise SetupError(exc.message) from None
+        raise
     finally:
         os.close(lifeline_r)
-    _record_process(run_dir / "daemon", daemon)  # the sweep clears the mount if it dies
-    if req.report_control is not None:  # a nested child: its parent's terminal asks for it
-        with contextlib.suppress(OSError):
-            write_all(req.report_control, str(control.socket_path(daemon)).encode())
-        with contextlib.suppress(OSError):
-            os.close(req.report_control)
-    started = datetime.now(UTC)
-    status: int | None = None
-    ran = False  # CMD was started (the launcher ran inside)
-    lost: str | None = None  # how the daemon ended while the program ran (the mount was lost)
-    network: _Network | None = None
-    terminal: _Terminal | None = None
+    # Meanwhile, what does not look inside the mount: the program's environment, the nest
+    # server and bubblewrap's options (they name the mountpoint, never read it).
     nest: NestServer | None = None
     try:
-        if not (mnt / cwd.removeprefix(confine.SANDBOX).lstrip("/")).is_dir():
-            raise SetupError(
-                f"--cwd {cwd}: not a directory the program may enter at this trust level"
-            )
         home_inside = CONFINED_HOME  # the workspace's home at this level (project.with_home)
         if HOME_ZONE not in req.config.zones:
             home_inside = f"{confine.SANDBOX}/session/home"
@@ -883,8 +869,6 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
             extra={**project_identity(req.project), **gitdir.environment(req.config), **req.env},
             proxy=req.net == "allow",
         )
-        terminal = _Terminal.of_stdio()  # never the terminal itself: run's pty or pipes
-        interactive = terminal is not None and terminal.controlling
         # The git directory of a worktree project, at the path its .git file names (gitdir).
         binds = gitdir.bwrap_binds(req.config, req.trust, mnt)
         # Child workers started from inside, never with more than this sandbox (sandboxfs.run.nest).
@@ -896,6 +880,38 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
             net=req.net,
             tools=[*binds, *nest.bwrap_args(), *req.tools.bwrap_args()],
         )
+    except BaseException:
+        if nest is not None:
+            nest.close()
+        _abandon_daemon(starting, lifeline_w, mnt)  # its own failure first, as it comes first
+        raise
+    try:
+        daemon = starting.ready()
+    except BaseException as exc:
+        nest.close()
+        os.close(lifeline_w)
+        if isinstance(exc, SandboxfsError):
+            raise SetupError(exc.message) from None
+        raise
+    _record_process(run_dir / "daemon", daemon)  # the sweep clears the mount if it dies
+    if req.report_control is not None:  # a nested child: its parent's terminal asks for it
+        with contextlib.suppress(OSError):
+            write_all(req.report_control, str(control.socket_path(daemon)).encode())
+        with contextlib.suppress(OSError):
+            os.close(req.report_control)
+    started = datetime.now(UTC)
+    status: int | None = None
+    ran = False  # CMD was started (the launcher ran inside)
+    lost: str | None = None  # how the daemon ended while the program ran (the mount was lost)
+    network: _Network | None = None
+    terminal: _Terminal | None = None
+    try:
+        if not (mnt / cwd.removeprefix(confine.SANDBOX).lstrip("/")).is_dir():
+            raise SetupError(
+                f"--cwd {cwd}: not a directory the program may enter at this trust level"
+            )
+        terminal = _Terminal.of_stdio()  # never the terminal itself: run's pty or pipes
+        interactive = terminal is not None and terminal.controlling
         argv = [bwrap, "--args", str(confine.ARGS_FD), "--"]
         argv += confine.launcher_argv(interactive, req.command)
         audit.record(
@@ -933,8 +949,7 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         lost = _daemon_ended(daemon)
         return _exit_status(status, lost)
     finally:
-        if nest is not None:
-            nest.close()
+        nest.close()
         if terminal is not None:
             terminal.close()
         if network is not None:
@@ -963,6 +978,19 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
             print(f"sandboxfs: {problem}", file=sys.stderr)
         if ran and status is not None and not req.quiet:
             print(_summary(req, started, status, lost), file=sys.stderr)
+
+
+def _abandon_daemon(starting: Starting, lifeline_w: int, mnt: Path) -> None:
+    """Stop a daemon still starting when run fails before it is ready: once it answers (or
+    fails: that, the earlier error, is raised as the SetupError it always was), as after a run."""
+    try:
+        daemon = starting.ready()
+    except SandboxfsError as exc:
+        os.close(lifeline_w)
+        raise SetupError(exc.message) from None
+    problem = _stop_daemon(daemon, lifeline_w, mnt)
+    if problem is not None:
+        print(f"sandboxfs: {problem}", file=sys.stderr)
 
 
 def _nest_server(req: RunRequest, audit: RunAudit, run_dir: Path, mnt: Path) -> NestServer:

@@ -471,14 +471,16 @@ def test_exit_status(project: Path, command: list[str], status: int) -> None:
 
 def test_run_itself_loads_neither_pyfuse3_nor_trio(project: Path) -> None:
     """The daemon is forked first and loads them while `run` prepares the sandbox: `run`'s own
-    process, whose imports are start-up time of every run, never does, nor the in-process API."""
+    process, whose imports are start-up time of every run, never does, nor the in-process API,
+    nor what only other commands use (staged commits, shell completion)."""
     probe = (
         "import sys\n"
         "from sandboxfs.cli.main import main\n"
         f"code = main(['run', '--project', {str(project)!r}, '-q', '--', 'true'])\n"
         "heavy = ('pyfuse3', 'trio', 'sandboxfs.fuse.daemon', 'sandboxfs.fuse.operations',"
-        " 'sandboxfs.api')\n"
-        "print(code, sorted(m for m in sys.modules if m.startswith(heavy)))\n"
+        " 'sandboxfs.api', 'sandboxfs.staging', 'shtab')\n"
+        "print(code, sorted(m for m in sys.modules"
+        " if m.startswith(heavy) or m == 'sandboxfs.cli.staged'))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", probe],
@@ -489,6 +491,55 @@ def test_run_itself_loads_neither_pyfuse3_nor_trio(project: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "0 []", result.stdout
+
+
+@pytest.mark.parametrize(
+    ("preparation", "daemon", "message"),
+    [
+        (True, False, "the preparation failed"),
+        (False, True, "cannot mount: the daemon failed"),
+        (True, True, "cannot mount: the daemon failed"),  # the daemon's: it came first
+    ],
+)
+def test_a_failure_while_the_daemon_starts_stops_it(
+    project: Path, preparation: bool, daemon: bool, message: str
+) -> None:
+    """run prepares the sandbox while the daemon it forked mounts: when either fails, the
+    daemon is stopped and its mount gone before run returns 125 with one line."""
+    probe = (
+        "import os, sys\n"
+        "from sandboxfs.errors import Failure, SetupError\n"
+        "from sandboxfs.fuse import daemon\n"
+        "from sandboxfs.run import confine\n"
+        "from sandboxfs.cli.main import main\n"
+        "def broken(**kwargs):\n"
+        "    raise SetupError('the preparation failed')\n"
+        "def unmountable(*args, **kwargs):\n"
+        "    raise Failure('cannot mount: the daemon failed')\n"
+        f"if {preparation}:\n"
+        "    confine.bwrap_args = broken\n"
+        f"if {daemon}:\n"
+        "    daemon.serve = unmountable  # in the daemon: it is forked from this process\n"
+        f"code = main(['run', '--project', {str(project)!r}, '-q', '--', 'true'])\n"
+        "try:\n"
+        "    os.waitpid(-1, os.WNOHANG)\n"
+        "    children = True  # the daemon, running or not reaped\n"
+        "except ChildProcessError:\n"
+        "    children = False\n"
+        "state = os.environ['SANDBOXFS_STATE_DIR']\n"
+        "mounted = any(line.split()[1].startswith(state) and ' fuse.sandboxfs ' in line\n"
+        "              for line in open('/proc/self/mounts'))\n"
+        "print(code, children, mounted)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert result.stdout.strip() == "125 False False", (result.stdout, result.stderr)
+    assert result.stderr.strip().splitlines() == [f"sandboxfs: {message}"], result.stderr
 
 
 def test_setup_errors_exit_125_with_one_line(project: Path) -> None:

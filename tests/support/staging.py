@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sandboxfs.cli import staged as staged_cli
+from sandboxfs.cli import staged_parser
 from sandboxfs.cli.main import exit_code
 from sandboxfs.errors import SandboxfsError
 
@@ -88,7 +89,7 @@ def staged(repo: Path, *args: str) -> Result:
     """`sandboxfs staged ARGS --project REPO`, in-process, as cli.main would run it."""
     parser = argparse.ArgumentParser(prog="sandboxfs")
     sub = parser.add_subparsers(dest="command", required=True)
-    staged_cli.add_parser(sub)
+    staged_parser.add_parser(sub)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:

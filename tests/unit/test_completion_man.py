@@ -234,7 +234,7 @@ def test_annotate_keeps_what_the_parser_says() -> None:
     completion.annotate(parser)
     assert own.complete == {"bash": "_mine", "zsh": "_mine"}  # type: ignore[attr-defined]
     assert not hasattr(choices, "complete")
-    assert plain.complete == completion.COMPLETE_BY_DEST["config"]  # type: ignore[attr-defined]
+    assert plain.complete == completion.complete_by_dest()["config"]  # type: ignore[attr-defined]
 
 
 def test_unsupported_shell_is_refused() -> None:

@@ -3,6 +3,11 @@ links, the environment allowlist and the options that shape them."""
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
+import os
+import random
+import stat
 from pathlib import Path
 
 import pytest
@@ -213,3 +218,110 @@ def test_project_config_sets_the_network_but_cannot_switch_confinement_off(
         (tmp_path / "sandboxfs.yaml").write_text(text)
         with pytest.raises(UserError, match="run"):
             load(tmp_path)
+
+
+def reference_etc_args(etc: Path, hidden: tuple[str, ...], resolv_conf: bool) -> list[str]:
+    """etc_args, computed the plain way: every entry looked at by path, every directory's
+    whole subtree walked again to decide whether it is bound whole."""
+
+    def readable(path: Path) -> bool:
+        try:
+            st = path.stat()
+        except OSError:
+            return False
+        if stat.S_ISDIR(st.st_mode):
+            return st.st_mode & 0o005 == 0o005
+        return stat.S_ISREG(st.st_mode) and bool(st.st_mode & 0o004)
+
+    def holds_private(rel: str) -> bool:
+        if any(p.startswith(rel + "/") for p in hidden):
+            return True
+        for top, dirs, files in os.walk(etc / rel):
+            for name in dirs + files:
+                path = Path(top) / name
+                if not path.is_symlink() and not readable(path):
+                    return True
+        return False
+
+    def entries(below: str) -> list[tuple[str, str]]:
+        try:
+            names = sorted(os.listdir(etc / below))
+        except OSError:
+            return []
+        found = []
+        for name in names:
+            rel = below + name
+            if any(fnmatch.fnmatchcase(rel, p) for p in hidden):
+                continue
+            path = etc / rel
+            if path.is_symlink():
+                found.append((rel, "link"))
+            elif not readable(path):
+                continue
+            elif path.is_dir() and holds_private(rel):
+                found += [(rel, "dir"), *entries(rel + "/")]
+            else:
+                found.append((rel, "bind"))
+        return found
+
+    args = ["--dir", "/etc"]
+    for rel, kind in entries(""):
+        host = etc / rel
+        if kind == "dir":
+            args += ["--dir", f"/etc/{rel}"]
+        elif kind == "link" and rel == "resolv.conf" and resolv_conf and readable(host.resolve()):
+            args += ["--ro-bind", str(host.resolve()), f"/etc/{rel}"]
+        elif kind == "link":
+            args += ["--symlink", os.readlink(host), f"/etc/{rel}"]
+        else:
+            args += ["--ro-bind", str(host), f"/etc/{rel}"]
+    return args
+
+
+def random_etc(root: Path, seed: int) -> Path:
+    """A tree of files, directories, links and a fifo, with every kind of mode, some of them
+    named as the hidden patterns name secrets, a few levels deep."""
+    rng = random.Random(seed)
+    etc = fake_etc(root)
+    names = ["a", "b", "ssh", "ssl", "private", "x_key", "conf.d", "shadow", "sub", "c.conf"]
+    modes = [0o644, 0o600, 0o640, 0o604, 0o000, 0o755, 0o700, 0o750, 0o705, 0o701, 0o704]
+    dirs = [etc]
+    for _ in range(120):
+        parent = rng.choice(dirs)
+        path = parent / f"{rng.choice(names)}{rng.randrange(3) or ''}"
+        if path.exists() or path.is_symlink():
+            continue
+        kind = rng.random()
+        if kind < 0.35:
+            path.mkdir()
+            dirs.append(path)
+        elif kind < 0.85:
+            path.write_text("x")
+        elif kind < 0.95:
+            path.symlink_to(rng.choice(["/etc/passwd", "../a", "nowhere", str(root)]))
+        else:
+            os.mkfifo(path)
+        if not path.is_symlink():
+            path.chmod(rng.choice(modes))
+    return etc
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_etc_args_is_the_plain_computation(tmp_path: Path, seed: int) -> None:
+    """The one-pass scan gives bubblewrap exactly what looking at each path does, on trees of
+    root-only and group-only files, directories nobody may list, links and secrets."""
+    etc = random_etc(tmp_path, seed)
+    try:
+        for hidden in (confine.ETC_HIDDEN, (*confine.ETC_HIDDEN, "resolv.conf", "*/x_key"), ()):
+            for resolv_conf in (False, True):
+                expected = reference_etc_args(etc, tuple(hidden), resolv_conf)
+                assert confine.etc_args(etc, hidden, resolv_conf) == expected
+        assert confine.etc_args(Path("/etc")) == reference_etc_args(
+            Path("/etc"), confine.ETC_HIDDEN, False
+        )
+    finally:  # tmp_path's cleanup must be able to list and remove what was locked
+        for top, dirs, _files in os.walk(tmp_path):
+            for name in dirs:
+                if not os.path.islink(os.path.join(top, name)):
+                    with contextlib.suppress(OSError):
+                        os.chmod(os.path.join(top, name), 0o755)
