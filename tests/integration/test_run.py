@@ -469,6 +469,17 @@ def test_exit_status(project: Path, command: list[str], status: int) -> None:
     assert result.returncode == status, result.stderr
 
 
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    """`code` run by this Python in a process of its own (stdin empty, output captured)."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+
+
 def test_run_itself_loads_neither_pyfuse3_nor_trio(project: Path) -> None:
     """The daemon is forked first and loads them while `run` prepares the sandbox: `run`'s own
     process, whose imports are start-up time of every run, never does, nor the in-process API,
@@ -482,13 +493,7 @@ def test_run_itself_loads_neither_pyfuse3_nor_trio(project: Path) -> None:
         "print(code, sorted(m for m in sys.modules"
         " if m.startswith(heavy) or m == 'sandboxfs.cli.staged'))\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", probe],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    result = _python(probe)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "0 []", result.stdout
 
@@ -531,13 +536,7 @@ def test_a_failure_while_the_daemon_starts_stops_it(
         "              for line in open('/proc/self/mounts'))\n"
         "print(code, children, mounted)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", probe],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    result = _python(probe)
     assert result.stdout.strip() == "125 False False", (result.stdout, result.stderr)
     assert result.stderr.strip().splitlines() == [f"sandboxfs: {message}"], result.stderr
 
