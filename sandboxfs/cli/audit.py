@@ -98,13 +98,7 @@ def add_parser(
         "stays verifiable. Asks first, or needs --yes when stdin is not a terminal.",
     )
     for parser in (show, verify, prune):
-        parser.add_argument(
-            "--project",
-            type=Path,
-            default=Path("."),
-            metavar="DIR",
-            help="project directory (default: .)",
-        )
+        subcommands_mod.project_option(parser)
     _show_options(show, trust_type, when_type, positive_type)
     prune.add_argument(
         "--before",

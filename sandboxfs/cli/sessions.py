@@ -62,13 +62,7 @@ def add_parser(sub: argparse._SubParsersAction[P]) -> None:
         "Lists them and asks first, or needs --yes when stdin is not a terminal.",
     )
     for parser in (listing, prune):
-        parser.add_argument(
-            "--project",
-            type=Path,
-            default=Path("."),
-            metavar="DIR",
-            help="project directory (default: .)",
-        )
+        subcommands.project_option(parser)
         parser.add_argument(
             "--workspace", metavar="ID", help="only the sessions of this workspace (default: all)"
         )

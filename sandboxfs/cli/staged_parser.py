@@ -8,7 +8,6 @@ start-up time of `run` and the others.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import TypeVar
 
 from sandboxfs.cli import subcommands as subcommands_mod
@@ -83,13 +82,7 @@ def add_parser(sub: argparse._SubParsersAction[P]) -> None:
     for name, parser in parsers.items():
         if name not in ("list", "prune"):
             parser.add_argument("commit_id", metavar="ID", help="the staged commit's id")
-        parser.add_argument(
-            "--project",
-            type=Path,
-            default=Path("."),
-            metavar="DIR",
-            help="project directory (default: .)",
-        )
+        subcommands_mod.project_option(parser)
         parser.add_argument(
             "--workspace",
             default="default",

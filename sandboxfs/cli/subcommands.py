@@ -16,6 +16,7 @@ import argparse
 import sys
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, cast
 
 from sandboxfs.core.policy import Trust
@@ -110,3 +111,14 @@ def trust_level(text: str) -> Trust:
         raise argparse.ArgumentTypeError(
             f"unknown trust level {text!r}; accepted: {accepted}"
         ) from None
+
+
+def project_option(parser: argparse.ArgumentParser) -> None:
+    """`--project DIR` (default: the current directory), as every project command takes it."""
+    parser.add_argument(
+        "--project",
+        type=Path,
+        default=Path("."),
+        metavar="DIR",
+        help="project directory (default: .)",
+    )
