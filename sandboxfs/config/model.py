@@ -136,10 +136,14 @@ class _Strict(BaseModel):
 
 
 class CacheConfig(_Strict):
-    """How long the kernel may cache names and attributes, in seconds."""
+    """How long the kernel may cache names and attributes, in seconds: `watched_timeout` where
+    the daemon watches the backing directory for changes (`watch`; see
+    sandboxfs.fuse.host_watch), the two others elsewhere."""
 
     entry_timeout: float = Field(default=10.0, ge=0)
     attr_timeout: float = Field(default=10.0, ge=0)
+    watch: bool = True
+    watched_timeout: float = Field(default=3600.0, ge=0)
 
 
 class AuditConfig(_Strict):

@@ -174,6 +174,9 @@ class Node:
     # For a directory: the deny pattern that it or a directory above it matches (None: none),
     # as of the given count of directory path changes (see Guard.denied_pattern).
     deny_memo: tuple[int, str | None] = (-1, None)
+    # For a directory: its inotify watch (see sandboxfs.fuse.host_watch; -1 none yet, -2 none
+    # possible).
+    watch: int = -1
 
     def relpath(self) -> bytes:
         """The path below the zone root, b"" for the root itself."""

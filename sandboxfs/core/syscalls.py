@@ -4,7 +4,7 @@
 mount: `statx(AT_STATX_DONT_SYNC)` reports `STATX_ATTR_MOUNT_ROOT` without sending a request into
 a FUSE mount, and `openat2(RESOLVE_NO_XDEV | RESOLVE_BENEATH)` refuses to cross a mount point or
 to leave the directory it starts from. The rest are small: `renameat2`, `setfsuid`/`setfsgid`,
-dropping one capability from the effective set, and `prctl(PR_SET_DUMPABLE)`.
+dropping one capability from the effective set, `prctl(PR_SET_DUMPABLE)` and inotify.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ _renameat2: Any = _libc.renameat2
 _setfsuid: Any = _libc.setfsuid
 _setfsgid: Any = _libc.setfsgid
 _prctl: Any = _libc.prctl
+_inotify_init1: Any = _libc.inotify_init1
+_inotify_add_watch: Any = _libc.inotify_add_watch
+_inotify_rm_watch: Any = _libc.inotify_rm_watch
 
 AT_SYMLINK_NOFOLLOW = 0x100
 AT_NO_AUTOMOUNT = 0x800
@@ -255,6 +258,67 @@ def caches_attributes(fd: int) -> bool:
         return True
     (f_type,) = struct.unpack_from("l", _FSTATFS_BUF)
     return (f_type & 0xFFFFFFFF) in _CACHING_MAGICS
+
+
+# Local filesystems, where inotify reports every change whoever makes it (on network and FUSE
+# storage it reports only the changes made through this machine's kernel, on overlayfs not
+# those made to its layers).
+_LOCAL_MAGICS = frozenset(
+    {
+        0xEF53,  # ext2, ext3, ext4
+        0x58465342,  # XFS
+        0x9123683E,  # Btrfs
+        0x01021994,  # tmpfs
+        0xF2F52010,  # F2FS
+        0x2FC12FC1,  # ZFS
+        0xCA451A4E,  # bcachefs
+    }
+)
+
+
+def reports_changes(fd: int) -> bool:
+    """Whether inotify watches on the filesystem holding `fd` see every change made to it."""
+    if _libc.fstatfs(fd, _FSTATFS_BUF) != 0:
+        return False
+    (f_type,) = struct.unpack_from("l", _FSTATFS_BUF)
+    return (f_type & 0xFFFFFFFF) in _LOCAL_MAGICS
+
+
+IN_MODIFY = 0x002
+IN_ATTRIB = 0x004
+IN_CLOSE_WRITE = 0x008
+IN_MOVED_FROM = 0x040
+IN_MOVED_TO = 0x080
+IN_CREATE = 0x100
+IN_DELETE = 0x200
+IN_Q_OVERFLOW = 0x4000
+IN_IGNORED = 0x8000
+IN_ONLYDIR = 0x01000000
+IN_EXCL_UNLINK = 0x04000000
+IN_ISDIR = 0x40000000
+_IN_NONBLOCK_CLOEXEC = os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def inotify_init() -> int:
+    """A non-blocking, close-on-exec inotify descriptor."""
+    fd = int(_inotify_init1(_IN_NONBLOCK_CLOEXEC))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return fd
+
+
+def inotify_add_watch(inotify_fd: int, dir_fd: int, mask: int) -> int:
+    """Watch the directory open as `dir_fd` (an O_PATH descriptor will do); its watch number."""
+    wd = int(_inotify_add_watch(inotify_fd, f"/proc/self/fd/{dir_fd}".encode(), mask))
+    if wd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return wd
+
+
+def inotify_rm_watch(inotify_fd: int, wd: int) -> None:
+    _inotify_rm_watch(inotify_fd, wd)  # EINVAL: the watch already went with its directory
 
 
 def write_all(fd: int, data: bytes | bytearray) -> None:

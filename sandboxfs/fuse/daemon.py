@@ -25,6 +25,7 @@ import pyfuse3
 import trio
 
 from sandboxfs.audit.log import AuditLog
+from sandboxfs.config.model import CacheConfig
 from sandboxfs.core.approvals import ApprovalError, Mode
 from sandboxfs.core.consent import Consent
 from sandboxfs.core.context import context_document
@@ -41,6 +42,7 @@ from sandboxfs.core.store import (
 from sandboxfs.core.syscalls import CAP_SYS_RESOURCE, drop_effective_capability, make_undumpable
 from sandboxfs.errors import Failure, SandboxfsError
 from sandboxfs.fuse import request_wait
+from sandboxfs.fuse.host_watch import HostWatch
 from sandboxfs.fuse.operations import SandboxOperations
 from sandboxfs.fuse.spawn import start_daemon
 from sandboxfs.layout import audit_path, logs_parts, session_dir
@@ -158,12 +160,18 @@ def serve(
         control.sweep()  # what daemons killed before they could unmount left behind
         listener = stack.enter_context(control.bind(control_path))
         stack.callback(control_path.unlink, missing_ok=True)
+        cache = req.config.cache
+        host_watch = _host_watch(store, cache)
+        if host_watch is not None:
+            stack.callback(host_watch.close)
         ops = SandboxOperations(
             store,
             guard,
-            entry_timeout=req.config.cache.entry_timeout,
-            attr_timeout=req.config.cache.attr_timeout,
+            entry_timeout=cache.entry_timeout,
+            attr_timeout=cache.attr_timeout,
             context_json=context_document(guard.policy, info, os.getpid(), guard.limits),
+            host_watch=host_watch,
+            watched_timeout=cache.watched_timeout,
         )
         if req.debug:
             _log_requests(ops)
@@ -239,6 +247,8 @@ async def _main(
         if lifeline is not None:
             nursery.start_soon(_terminate_when_closed, lifeline, wait)
         nursery.start_soon(_report_ready, req.mountpoint, ready)
+        if ctl.ops.replies.host_watch is not None:
+            nursery.start_soon(_follow_host_changes, ctl.ops, ctl.ops.replies.host_watch)
         await pyfuse3.main(min_tasks=1, max_tasks=1)
         nursery.cancel_scope.cancel()
 
@@ -351,7 +361,7 @@ class Control:
         async with self.changing:
             old = self.ops.set_trust(trust, peer.pid, peer.uid, self._context)
             inodes, names = self.ops.kernel_caches()
-            await trio.to_thread.run_sync(_invalidate, inodes, names)
+            await trio.to_thread.run_sync(_invalidate, inodes, names, False)
         log.info("trust %s -> %s, asked by pid %d", old.value, trust.value, peer.pid)
         return control.reply(True, old=old.value, new=trust.value)
 
@@ -395,16 +405,49 @@ def approvals_reply(consent: Consent, request: dict[str, Any], pid: int, uid: in
     return control.reply(True, **broker.snapshot())
 
 
-def _invalidate(inodes: list[int], names: list[tuple[int, bytes]]) -> None:
-    """Make the kernel forget every name, attribute and cached page it holds for the mount,
-    so the next request of every kind reaches the daemon and the new trust level.
+def _host_watch(store: Store, cache: CacheConfig) -> HostWatch | None:
+    """The watches that let the kernel hold entries long, where they are asked for and longer
+    than the plain timeouts (0 there turns the kernel's caching off, and keeps it off)."""
+    if not cache.watch or cache.watched_timeout <= max(cache.entry_timeout, cache.attr_timeout):
+        return None
+    if min(cache.entry_timeout, cache.attr_timeout) <= 0:
+        return None
+    try:
+        return HostWatch(store)
+    except OSError as exc:
+        log.warning("no inotify (%s): the kernel caches entries for cache.attr_timeout", exc)
+        return None
+
+
+async def _follow_host_changes(ops: SandboxOperations, watch: HostWatch) -> None:
+    """Have the kernel forget what changes made to the backing directories made stale (see
+    sandboxfs.fuse.host_watch), as they are reported."""
+    while True:
+        await trio.lowlevel.wait_readable(watch.fd)
+        changes = watch.changes()
+        if not changes:
+            continue
+        if changes.everything:  # events were lost: forget all
+            ops.replies.given.clear()
+            inodes, names = ops.kernel_caches()
+        else:
+            ops.replies.changing(*changes.nodes)
+            inodes, names = list(changes.inodes), list(changes.names)
+        # Attributes only: a file's cached pages go when the kernel sees its new mtime or size
+        # (and at the next open, see SandboxOperations.open), not under a writer's feet.
+        await trio.to_thread.run_sync(_invalidate, inodes, names, True)
+
+
+def _invalidate(inodes: list[int], names: list[tuple[int, bytes]], attr_only: bool) -> None:
+    """Make the kernel forget these names and these inodes' attributes (and, unless
+    `attr_only`, their cached pages), so that the next request for them reaches the daemon.
     In a worker thread: the kernel may wait for a request the daemon has yet to answer."""
     for parent, name in names:
         with contextlib.suppress(OSError):
             pyfuse3.invalidate_entry(parent, name)
     for inode in inodes:
         with contextlib.suppress(OSError):
-            pyfuse3.invalidate_inode(inode, attr_only=False)
+            pyfuse3.invalidate_inode(inode, attr_only=attr_only)
 
 
 async def _flush_audit(audit: AuditLog, interval: float) -> None:

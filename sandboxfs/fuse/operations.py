@@ -48,6 +48,7 @@ from sandboxfs.core.store import (
     Store,
 )
 from sandboxfs.core.syscalls import Stat, fstat, set_fs_ids
+from sandboxfs.fuse.host_watch import HostWatch
 from sandboxfs.fuse.replies import Replies, dot_attrs
 
 __all__ = ["FileHandle", "MountInfo", "SandboxOperations"]
@@ -187,6 +188,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         entry_timeout: float,
         attr_timeout: float,
         context_json: bytes,
+        host_watch: HostWatch | None = None,
+        watched_timeout: float = 0.0,
     ) -> None:
         super().__init__()
         self.store = store
@@ -203,6 +206,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             lambda: len(self.context_json),
             entry_timeout=entry_timeout,
             attr_timeout=attr_timeout,
+            host_watch=host_watch,
+            watched_timeout=watched_timeout,
             owner=(session_root.st_uid, session_root.st_gid),
             guide_size=lambda: len(self.guides[1]) + len(self._pending_text()),
         )
@@ -353,11 +358,15 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
     def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         """Drop what the kernel no longer references. Synchronous on purpose: pyfuse3 awaits
         only a returned coroutine, and FORGET gets no reply, so there is no errno to map."""
+        watch = self.replies.host_watch
         for inode, count in inode_list:
             try:
+                node = self.store.nodes.get(inode)
                 self.store.forget(inode, count)
                 if inode not in self.store.nodes:
                     self.replies.given.pop(inode, None)
+                    if watch is not None and node is not None and node.watch >= 0:
+                        watch.dropped(node)
             except Exception:
                 log.exception("internal error in forget")
 
@@ -700,6 +709,10 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             return None
         return (st.st_mtime_ns, st.st_size)
 
+    def _made_here(self, parent: Node, name: bytes, st: StatLike | None) -> None:
+        if self.replies.host_watch is not None:
+            self.replies.host_watch.made_here(parent, name, st)
+
     # ----- creating entries -----------------------------------------------------------------------
 
     def _own(self, path_fd: int, name: bytes, ctx: Any) -> None:
@@ -732,6 +745,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         )
         zone = parent.zone
         node = self.store.remember(parent, name, st, 0)
+        self._made_here(parent, name, st)
         node.created_here = True
         node.cache_stamp = (st.st_mtime_ns, st.st_size)
         node.open_fds = (*node.open_fds, fd)
@@ -765,6 +779,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             if st is None:
                 raise SandboxError(errno.ENOENT, "the new entry vanished")
             node = self.store.remember(parent, name, st, 0)
+            self._made_here(parent, name, st)
             node.created_here = True
             return (node, st), st
 
@@ -821,6 +836,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             if st is None:
                 raise SandboxError(errno.ENOENT, "the new link vanished")
             self.store.remember(parent, new_name, st, 0)
+            self._made_here(parent, new_name, st)
             return st
 
         st = self.gate.link(ctx, node, parent, new_name, link)
@@ -836,6 +852,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             node = self.store.by_key.get((zone, st.st_dev, st.st_ino))
             self.replies.changing(parent, node)
             self.store.remove(dfd, name, rmdir)
+            self._made_here(parent, name, None)
             if node is not None:
                 self.store.detach(node, parent, name, st.st_nlink - 1 if not rmdir else 0)
 
@@ -873,6 +890,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 dst_node = self.store.by_key.get((zone, dst_st.st_dev, dst_st.st_ino))
             self.replies.changing(old_parent, new_parent, src_node, dst_node)
             self.store.rename(src_fd, name_old, dst_fd, name_new, flags)
+            self._made_here(old_parent, name_old, dst_st if exchange else None)
+            self._made_here(new_parent, name_new, src_st)
             if dst_node is not None and dst_node is not src_node:
                 if exchange:
                     self.store.moved(dst_node, new_parent, name_new, old_parent, name_old)

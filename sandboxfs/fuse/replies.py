@@ -14,6 +14,7 @@ import pyfuse3
 
 from sandboxfs.core.policy import Zone
 from sandboxfs.core.store import CONTEXT_INO, FIRST_DYNAMIC_INO, GUIDE_INO, Node, StatLike, Store
+from sandboxfs.fuse.host_watch import HostWatch
 
 # At most this many attribute replies are kept for listings to repeat (see replayed).
 _GIVEN_LIMIT = 1 << 16
@@ -31,6 +32,8 @@ class Replies:
         entry_timeout: float,
         attr_timeout: float,
         owner: tuple[int, int],
+        host_watch: HostWatch | None = None,
+        watched_timeout: float = 0.0,
         guide_size: Callable[[], int] = lambda: 0,
     ) -> None:
         self.store = store
@@ -39,6 +42,9 @@ class Replies:
         self.guide_size = guide_size
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
+        # Entries of a backing directory that host_watch watches may be held this long.
+        self.host_watch = host_watch
+        self.watched_timeout = watched_timeout
         self.owner = owner
         self.mounted_ns = time.time_ns()
         # inode -> (monotonic time until which the kernel may use them, attributes): the last
@@ -51,8 +57,11 @@ class Replies:
         entry = pyfuse3.EntryAttributes()
         entry.st_ino = node.ino
         entry.generation = node.generation
-        entry.entry_timeout = self.entry_timeout
-        entry.attr_timeout = self.attr_timeout
+        if self._watched(node, st.st_nlink):
+            entry.entry_timeout = entry.attr_timeout = self.watched_timeout
+        else:
+            entry.entry_timeout = self.entry_timeout
+            entry.attr_timeout = self.attr_timeout
         entry.st_mode = st.st_mode
         entry.st_nlink = st.st_nlink
         entry.st_uid = st.st_uid
@@ -68,8 +77,27 @@ class Replies:
             given = self.given
             if len(given) >= _GIVEN_LIMIT:
                 given.clear()
-            given[node.ino] = (time.monotonic() + self.attr_timeout, entry)
+            given[node.ino] = (time.monotonic() + entry.attr_timeout, entry)
         return entry
+
+    def _watched(self, node: Node, nlink: int) -> bool:
+        """Whether every change to node's name and attributes is reported (see
+        sandboxfs.fuse.host_watch): its directory is watched and, for a directory, itself;
+        a file has no other name. What is not watched yet is watched from now on, and held
+        long from its next reply: this one's lstat came before the watch."""
+        watch = self.host_watch
+        parent = node.parent
+        if watch is None or parent is None:
+            return False
+        watched = parent.watch >= 0
+        if not watched:
+            watch.cover(parent)
+        if node.is_dir:
+            if node.watch < 0:
+                watch.cover(node)
+                return False
+            return watched
+        return watched and nlink == 1
 
     def changing(self, *nodes: Node | None) -> None:
         """Forget the attributes last given for nodes about to change through the mount (or
@@ -106,7 +134,6 @@ class Replies:
         if left <= 0:
             return None
         entry.attr_timeout = left
-        entry.entry_timeout = self.entry_timeout
         node.lookups += 1
         return entry
 
@@ -143,7 +170,8 @@ class Replies:
         return self.attrs(node, self.store.stat_node(node))
 
     def negative_entry(self) -> pyfuse3.EntryAttributes:
-        # st_ino 0 lets the kernel cache "does not exist" for entry_timeout.
+        # st_ino 0 lets the kernel cache "does not exist" for entry_timeout. Never longer, even
+        # in a watched directory: a trust change cannot name the negative entries to forget.
         entry = pyfuse3.EntryAttributes()
         entry.st_ino = 0
         entry.entry_timeout = self.entry_timeout

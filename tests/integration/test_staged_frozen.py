@@ -233,8 +233,9 @@ def test_handles_after_discard_and_commit(repo: Path, mount: Mount) -> None:
         assert discarded.code == 0, discarded
         assert not staged_dir(repo, "c2").exists()
         refused(repo, "/staged/c2/x.txt", lambda: os.write(dropped, b"late\n"))
-        # Nor can the discarded id be staged again.
-        refused(repo, "/staged/c2/y.txt", lambda: (mount.mnt / "staged/c2/y.txt").touch())
+        # Nor can the discarded id be staged again (the kernel was told it is gone).
+        assert wait_until(lambda: not (mount.mnt / "staged/c2").exists(), timeout=5)
+        refused(repo, "/staged/c2", lambda: (mount.mnt / "staged/c2").mkdir())
     finally:
         os.close(kept)
         os.close(dropped)

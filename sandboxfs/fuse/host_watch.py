@@ -1,0 +1,217 @@
+"""Kernel caches held for as long as they stay true: inotify watches on the backing directories.
+
+The kernel keeps the names and attributes it was given for as long as the daemon says, and a
+fixed time is wrong both ways: a change made outside the mount shows only when it runs out, and
+once it has run out every `stat` is a request again (a `git status` after a pause looks up
+every tracked file). So the daemon watches each backing directory whose entries the kernel
+holds. A change made there, by anyone, is reported; the daemon then has the kernel forget the
+names and attributes it touched, and the entries of a watched directory can be held for
+`cache.watched_timeout` (an hour by default) instead of `cache.attr_timeout`.
+
+Short timeouts stay where a watch would miss a change: the workers zone (a union of
+directories), filesystems on which inotify does not see every change (network and FUSE storage,
+overlayfs; see syscalls.reports_changes), files with more than one link (a change through a
+name in another directory is reported there), directories past the watch budget, and a
+directory's first reply (its lstat came before its watch).
+
+Changes made through the mount are reported too. The kernel knows them already, so a name
+created, removed or renamed here whose backing entry is still what this daemon made of it is
+not invalidated (its dentry stays); data and attribute changes always are (the attributes are
+fetched once more).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import time
+
+from sandboxfs.core.errors import SandboxError
+from sandboxfs.core.policy import Zone
+from sandboxfs.core.store import Node, StatLike, Store
+from sandboxfs.core.syscalls import (
+    IN_ATTRIB,
+    IN_CLOSE_WRITE,
+    IN_CREATE,
+    IN_DELETE,
+    IN_EXCL_UNLINK,
+    IN_IGNORED,
+    IN_MODIFY,
+    IN_MOVED_FROM,
+    IN_MOVED_TO,
+    IN_ONLYDIR,
+    IN_Q_OVERFLOW,
+    inotify_add_watch,
+    inotify_init,
+    inotify_rm_watch,
+    reports_changes,
+)
+
+UNWATCHED = -1  # Node.watch: no watch asked for yet
+UNWATCHABLE = -2  # Node.watch: a watch cannot cover this directory; short timeouts stay
+
+_NAME_EVENTS = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO
+_MASK = _NAME_EVENTS | IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_ONLYDIR | IN_EXCL_UNLINK
+_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of NUL-padded name
+# A name changed through the mount is checked against what the daemon made of it for this long.
+_MADE_HERE_FOR = 2.0
+_MADE_HERE_LIMIT = 1 << 16
+# At most this many watches, and at most half of the user's inotify budget, which the user's
+# editors and build tools share.
+_MAX_WATCHES = 1 << 16
+
+
+def _watch_budget() -> int:
+    try:
+        with open("/proc/sys/fs/inotify/max_user_watches", "rb") as f:
+            system = int(f.read())
+    except (OSError, ValueError):
+        system = 8192
+    return max(0, min(_MAX_WATCHES, system // 2))
+
+
+class HostChanges:
+    """What the kernel must forget after a batch of events."""
+
+    __slots__ = ("everything", "inodes", "names", "nodes")
+
+    def __init__(self) -> None:
+        self.everything = False  # the event queue overflowed: events were lost
+        self.inodes: set[int] = set()
+        self.names: set[tuple[int, bytes]] = set()
+        self.nodes: list[Node] = []  # whose attributes the daemon last gave are stale
+
+    def __bool__(self) -> bool:
+        return self.everything or bool(self.inodes or self.names)
+
+
+class HostWatch:
+    """The inotify watches of one mount: one per backing directory whose entries the kernel may
+    hold long, shared by the nodes that stand for that directory."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.fd = inotify_init()
+        self.budget = _watch_budget()
+        self.watchable = {
+            zone: reports_changes(root.fd)
+            for zone, root in store.zone_roots.items()
+            if zone is not Zone.WORKERS and root.fd >= 0
+        }
+        self._nodes: dict[int, list[Node]] = {}  # watch -> the directory nodes it covers
+        # (watch, name) -> (when, backing (inode, birth) or None for absent): names created,
+        # removed or renamed through the mount, and what the daemon left there.
+        self._made_here: dict[tuple[int, bytes], tuple[float, tuple[int, int] | None]] = {}
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    # ----- watches ----------------------------------------------------------------------------
+
+    def cover(self, node: Node) -> None:
+        """Watch a directory node's backing directory from now on, where that can be done."""
+        if node.watch != UNWATCHED:
+            return
+        if (
+            not node.is_dir
+            or node.key is None
+            or not self.watchable.get(node.zone)  # type: ignore[arg-type]
+            or len(self._nodes) >= self.budget
+        ):
+            node.watch = UNWATCHABLE
+            return
+        try:
+            wd = inotify_add_watch(self.fd, self.store.dir_fd(node), _MASK)
+        except (OSError, SandboxError):
+            node.watch = UNWATCHABLE
+            return
+        node.watch = wd
+        self._nodes.setdefault(wd, []).append(node)
+
+    def dropped(self, node: Node) -> None:
+        """A directory node the kernel forgot: its watch goes with the last node on it."""
+        wd, node.watch = node.watch, UNWATCHED
+        nodes = self._nodes.get(wd)
+        if nodes is None:
+            return
+        nodes[:] = [other for other in nodes if other is not node]
+        if not nodes:
+            del self._nodes[wd]
+            inotify_rm_watch(self.fd, wd)
+
+    # ----- changes made through the mount ------------------------------------------------------
+
+    def made_here(self, parent: Node, name: bytes, st: StatLike | None) -> None:
+        """Record that the daemon just made parent/name the backing entry `st` (None: removed
+        it), so that the event this causes does not evict what the kernel was told."""
+        wd = parent.watch
+        if wd < 0:
+            return
+        made = self._made_here
+        if len(made) >= _MADE_HERE_LIMIT:
+            made.clear()
+        made[(wd, name)] = (time.monotonic() + _MADE_HERE_FOR, _ident(st))
+
+    def _as_made(self, wd: int, parent: Node, name: bytes) -> bool:
+        """Whether parent/name is what the daemon made of it (and the kernel was told)."""
+        made = self._made_here.get((wd, name))
+        if made is None or made[0] < time.monotonic():
+            return False
+        try:
+            st = self.store.stat_child(parent, name)
+        except (OSError, SandboxError):
+            return False
+        return _ident(st) == made[1]
+
+    # ----- events -------------------------------------------------------------------------------
+
+    def changes(self) -> HostChanges:
+        """Read the events queued so far: what the kernel must forget."""
+        out = HostChanges()
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                break
+            pos = 0
+            while pos < len(data):
+                wd, mask, _cookie, length = _EVENT.unpack_from(data, pos)
+                name = data[pos + _EVENT.size : pos + _EVENT.size + length].rstrip(b"\0")
+                pos += _EVENT.size + length
+                if mask & IN_Q_OVERFLOW:
+                    out.everything = True
+                elif mask & IN_IGNORED:  # the directory is gone, or its watch was removed
+                    for node in self._nodes.pop(wd, ()):
+                        node.watch = UNWATCHED
+                else:
+                    for parent in self._nodes.get(wd, ()):
+                        self._changed(out, wd, parent, name, mask)
+        if len(self._made_here) > 1024:
+            now = time.monotonic()
+            self._made_here = {k: v for k, v in self._made_here.items() if v[0] >= now}
+        return out
+
+    def _changed(self, out: HostChanges, wd: int, parent: Node, name: bytes, mask: int) -> None:
+        if not name:  # the watched directory itself
+            out.inodes.add(parent.ino)
+            out.nodes.append(parent)
+            return
+        if mask & _NAME_EVENTS:
+            if self._as_made(wd, parent, name):
+                return
+            out.names.add((parent.ino, name))
+            out.inodes.add(parent.ino)
+            out.nodes.append(parent)
+        with contextlib.suppress(OSError, SandboxError):
+            st = self.store.stat_child(parent, name)
+            if st is not None and parent.zone is not None:
+                child = self.store.by_key.get((parent.zone, st.st_dev, st.st_ino))
+                if child is not None:
+                    out.inodes.add(child.ino)
+                    out.nodes.append(child)
+
+
+def _ident(st: StatLike | None) -> tuple[int, int] | None:
+    """A backing entry's identity: inode number and birth time (0 where there is none)."""
+    return None if st is None else (st.st_ino, getattr(st, "st_birthtime_ns", 0))
