@@ -59,6 +59,7 @@ from sandboxfs.run import doctor as doctor_mod
 from sandboxfs.run import supervisor as run_mod
 
 UNMOUNT_WAIT = 10.0
+BUSY_WAIT = 2.0  # seconds umount tries again while the mount is busy
 EXIT_CANNOT_EXECUTE = 126  # as `docker run`
 EXIT_NOT_FOUND = 127
 
@@ -736,9 +737,18 @@ def cmd_umount(args: argparse.Namespace) -> int:
     dead = context == "dead"
     lazy = dead or args.lazy
     cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), str(mountpoint)]
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
+    # Busy for a moment is not busy: a program that just exited, or the daemon's own walk that
+    # warms the kernel's cache right after mounting (sandboxfs.fuse.warm), lets go shortly.
+    deadline = time.monotonic() + BUSY_WAIT
+    while True:
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
         detail = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"
+        if result.returncode == 0 or "busy" not in detail.lower():
+            break
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if result.returncode != 0:
         if "busy" in detail.lower():
             raise Failure(
                 f"{args.mountpoint} is busy: processes still use it (see: fuser -vm "

@@ -144,6 +144,9 @@ class CacheConfig(_Strict):
     attr_timeout: float = Field(default=10.0, ge=0)
     watch: bool = True
     watched_timeout: float = Field(default=3600.0, ge=0)
+    # Entries the daemon lists at mount time to warm the kernel's cache (0: none; see
+    # sandboxfs.fuse.warm).
+    warm_entries: int = Field(default=50_000, ge=0)
 
 
 class AuditConfig(_Strict):

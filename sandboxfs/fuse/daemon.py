@@ -45,6 +45,7 @@ from sandboxfs.fuse import request_wait
 from sandboxfs.fuse.host_watch import HostWatch
 from sandboxfs.fuse.operations import SandboxOperations
 from sandboxfs.fuse.spawn import start_daemon
+from sandboxfs.fuse.warm import Warm
 from sandboxfs.layout import audit_path, logs_parts, session_dir
 from sandboxfs.project import control
 from sandboxfs.project.mounts import MountRequest
@@ -173,6 +174,8 @@ def serve(
             host_watch=host_watch,
             watched_timeout=cache.watched_timeout,
         )
+        if host_watch is not None and cache.warm_entries > 0 and guard.lists_all(Zone.REPO):
+            ops.warm = Warm(req.mountpoint / Zone.REPO.value, cache.warm_entries)
         if req.debug:
             _log_requests(ops)
         comm = guard.process_names.get(pid)
@@ -246,10 +249,14 @@ async def _main(
         nursery.start_soon(_terminate_on_signal, wait)
         if lifeline is not None:
             nursery.start_soon(_terminate_when_closed, lifeline, wait)
-        nursery.start_soon(_report_ready, req.mountpoint, ready)
+        nursery.start_soon(_report_ready, req.mountpoint, ready, ctl.ops.warm)
         if ctl.ops.replies.host_watch is not None:
             nursery.start_soon(_follow_host_changes, ctl.ops, ctl.ops.replies.host_watch)
-        await pyfuse3.main(min_tasks=1, max_tasks=1)
+        try:
+            await pyfuse3.main(min_tasks=1, max_tasks=1)
+        finally:
+            if ctl.ops.warm is not None:
+                ctl.ops.warm.stop.set()
         nursery.cancel_scope.cancel()
 
 
@@ -359,6 +366,8 @@ class Control:
             return approvals_reply(guard.consent, request, peer.pid, peer.uid)
         trust: Trust = request["trust"]
         async with self.changing:
+            if self.ops.warm is not None:  # it listed what the old level may list
+                self.ops.warm.stop.set()
             old = self.ops.set_trust(trust, peer.pid, peer.uid, self._context)
             inodes, names = self.ops.kernel_caches()
             await trio.to_thread.run_sync(_invalidate, inodes, names, False)
@@ -485,11 +494,14 @@ async def _terminate_when_closed(fd: int, wait: request_wait.RequestWait | None)
     pyfuse3.terminate()
 
 
-async def _report_ready(mountpoint: Path, ready: Callable[[], None]) -> None:
-    """Tell the parent once the mount answers a real request (served by this very loop)."""
+async def _report_ready(mountpoint: Path, ready: Callable[[], None], warm: Warm | None) -> None:
+    """Tell the parent once the mount answers a real request (served by this very loop);
+    then warm the kernel's cache (sandboxfs.fuse.warm)."""
     probe = mountpoint / CONTROL_NAME.decode() / CONTEXT_NAME.decode()
     await trio.to_thread.run_sync(os.stat, probe)
     ready()
+    if warm is not None:
+        warm.start()
 
 
 def spawn_daemon(

@@ -50,6 +50,7 @@ from sandboxfs.core.store import (
 from sandboxfs.core.syscalls import Stat, fstat, set_fs_ids
 from sandboxfs.fuse.host_watch import HostWatch
 from sandboxfs.fuse.replies import Replies, dot_attrs
+from sandboxfs.fuse.warm import Warm
 
 __all__ = ["FileHandle", "MountInfo", "SandboxOperations"]
 
@@ -216,7 +217,17 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self._next_fh = 1
         # pyfuse3.notify_store once the mount is up: (inode, offset, data) into the page cache.
         self.kernel_store: Callable[[int, int, bytes], None] | None = None
+        # The daemon's own walk that warms the kernel's cache (sandboxfs.fuse.warm), if any.
+        self.warm: Warm | None = None
         self._zone_names = {zone.value.encode(): zone for zone in guard.policy.zones}
+
+    def _gate(self, pid: int) -> Gate:
+        """The gate, or for the daemon's own cache warm the gate without effect: what it may
+        list is what every caller may, and it is nobody's operation to audit or ask about."""
+        warm = self.warm
+        if warm is not None and pid != 0 and pid == warm.tid:
+            return self.gate.without_effect()
+        return self.gate
 
     @contextlib.contextmanager
     def _as_caller(self, uid: int, gid: int) -> Iterator[None]:
@@ -262,7 +273,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         """LOOKUP: the guard decides whether the name is visible (see Guard.visible); a
         CREATE, MKDIR, SYMLINK, MKNOD or LINK that follows a refused lookup reaches its own
         callback and is refused and audited there as `write`."""
-        found = self.gate.lookup(ctx, parent, name)
+        found = self._gate(ctx.pid).lookup(ctx, parent, name)
         if found is None:
             return self.replies.negative_entry()
         st, layer = found
@@ -377,7 +388,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         node = self.store.get(inode)
         if not node.is_dir:
             raise SandboxError(errno.ENOTDIR)
-        self.gate.opendir(ctx, node)
+        self._gate(ctx.pid).opendir(ctx, node)
         fh = self._next_fh
         self._next_fh += 1
         self._dirs[fh] = DirHandle(node, None, self.guard.generation, (ctx.pid, ctx.uid, ctx.gid))
@@ -388,7 +399,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         handle = self._dirs[fh]
         node = handle.node
         if handle.generation != self.guard.generation:
-            self.gate.relist(_Caller(*handle.caller), node)
+            self._gate(handle.caller[0]).relist(_Caller(*handle.caller), node)
             handle.generation = self.guard.generation
         if handle.entries is None or start_id == 0:
             handle.entries = self._dir_entries(node)
