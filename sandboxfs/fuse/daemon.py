@@ -42,7 +42,7 @@ from sandboxfs.core.store import (
 from sandboxfs.core.syscalls import CAP_SYS_RESOURCE, drop_effective_capability, make_undumpable
 from sandboxfs.errors import Failure, SandboxfsError
 from sandboxfs.fuse import request_wait
-from sandboxfs.fuse.host_watch import HostWatch
+from sandboxfs.fuse.host_watch import HostWatch, MountTable
 from sandboxfs.fuse.operations import SandboxOperations
 from sandboxfs.fuse.spawn import start_daemon
 from sandboxfs.fuse.warm import Warm
@@ -174,7 +174,12 @@ def serve(
             host_watch=host_watch,
             watched_timeout=cache.watched_timeout,
         )
-        if host_watch is not None and cache.warm_entries > 0 and guard.lists_all(Zone.REPO):
+        if (
+            host_watch is not None
+            and cache.warm_entries > 0
+            and Zone.REPO in guard.policy.zones  # a worker's mount may have no repo
+            and guard.lists_all(Zone.REPO)
+        ):
             ops.warm = Warm(req.mountpoint / Zone.REPO.value, cache.warm_entries)
         if req.debug:
             _log_requests(ops)
@@ -252,6 +257,7 @@ async def _main(
         nursery.start_soon(_report_ready, req.mountpoint, ready, ctl.ops.warm)
         if ctl.ops.replies.host_watch is not None:
             nursery.start_soon(_follow_host_changes, ctl.ops, ctl.ops.replies.host_watch)
+            nursery.start_soon(_follow_mounts, ctl.ops, ctl.ops.replies.host_watch.mounts)
         try:
             await pyfuse3.main(min_tasks=1, max_tasks=1)
         finally:
@@ -445,6 +451,17 @@ async def _follow_host_changes(ops: SandboxOperations, watch: HostWatch) -> None
         # Attributes only: a file's cached pages go when the kernel sees its new mtime or size
         # (and at the next open, see SandboxOperations.open), not under a writer's feet.
         await trio.to_thread.run_sync(_invalidate, inodes, names, True)
+
+
+async def _follow_mounts(ops: SandboxOperations, mounts: MountTable) -> None:
+    """Have the kernel forget everything it cached for the mount when a mount point below a
+    zone's directory comes or goes (inotify does not report mounts; see host_watch)."""
+    while True:
+        await trio.lowlevel.wait_readable(mounts.fd)
+        if mounts.changed():
+            ops.replies.given.clear()
+            inodes, names = ops.kernel_caches()
+            await trio.to_thread.run_sync(_invalidate, inodes, names, True)
 
 
 def _invalidate(inodes: list[int], names: list[tuple[int, bytes]], attr_only: bool) -> None:

@@ -14,6 +14,11 @@ overlayfs; see syscalls.reports_changes), files with more than one link (a chang
 name in another directory is reported there), directories past the watch budget, and a
 directory's first reply (its lstat came before its watch).
 
+inotify does not report mounts: a directory the kernel holds may become the root of another
+mount (which the daemon never enters; it is absent through sandboxfs) or stop being one. So the
+daemon also follows its mount table (MountTable), and when a mount point below a zone's directory
+comes or goes, the kernel forgets everything it cached for the mount.
+
 Changes made through the mount are reported too. The kernel knows them already, so a name
 created, removed or renamed here whose backing entry is still what this daemon made of it is
 not invalidated (its dentry stays); data and attribute changes always are (the attributes are
@@ -24,8 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import select
 import struct
 import time
+from pathlib import Path
 
 from sandboxfs.core.errors import SandboxError
 from sandboxfs.core.policy import Zone
@@ -103,8 +111,15 @@ class HostWatch:
         # (watch, name) -> (when, backing (inode, birth) or None for absent): names created,
         # removed or renamed through the mount, and what the daemon left there.
         self._made_here: dict[tuple[int, bytes], tuple[float, tuple[int, int] | None]] = {}
+        dirs = [store.project, *store.zone_paths.values(), *store.layer_paths]
+        try:
+            self.mounts = MountTable(dirs)
+        except BaseException:
+            os.close(self.fd)
+            raise
 
     def close(self) -> None:
+        self.mounts.close()
         os.close(self.fd)
 
     # ----- watches ----------------------------------------------------------------------------
@@ -210,6 +225,49 @@ class HostWatch:
                 if child is not None:
                     out.inodes.add(child.ino)
                     out.nodes.append(child)
+
+
+class MountTable:
+    """The mount points below the zones' directories, from /proc/self/mountinfo. `fd` is an
+    epoll descriptor that turns readable when the mount table changed (mountinfo itself always
+    polls readable; a change is signalled as POLLPRI)."""
+
+    def __init__(self, dirs: list[Path]) -> None:
+        self._roots = tuple(os.fsencode(os.path.realpath(d)).rstrip(b"/") for d in dirs)
+        self._file = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+        self._epoll = select.epoll()
+        self._epoll.register(self._file, select.EPOLLPRI)
+        self.fd = self._epoll.fileno()
+        self._points = self._below()
+
+    def close(self) -> None:
+        self._epoll.close()
+        os.close(self._file)
+
+    def changed(self) -> bool:
+        """Whether a mount point below a zone's directory came or went since the last call."""
+        self._epoll.poll(0)  # takes the change notice
+        points = self._below()
+        changed, self._points = points != self._points, points
+        return changed
+
+    def _below(self) -> frozenset[bytes]:
+        os.lseek(self._file, 0, os.SEEK_SET)
+        chunks = []
+        while chunk := os.read(self._file, 1 << 16):
+            chunks.append(chunk)
+        points = set()
+        for line in b"".join(chunks).splitlines():
+            fields = line.split(b" ", 5)
+            if len(fields) < 5:
+                continue
+            point = _OCTAL.sub(lambda m: bytes([int(m.group(1), 8)]), fields[4])
+            if any(point == root or point.startswith(root + b"/") for root in self._roots):
+                points.add(point)
+        return frozenset(points)
+
+
+_OCTAL = re.compile(rb"\\([0-7]{3})")  # mountinfo's escapes of space, tab, newline, backslash
 
 
 def _ident(st: StatLike | None) -> tuple[int, int] | None:

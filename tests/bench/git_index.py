@@ -3,8 +3,9 @@
 
 Generates a git repository (default 20,000 files in 400 directories), then runs `git status
 --porcelain` natively, inside `sandboxfs mount` at each trust level asked for (first call and
-steady state), alternately outside and inside (the switching case), and once more inside after
-the kernel's cached attributes expired (`--idle`), on the same tree. For every call it prints
+steady state), alternately outside and inside (the switching case), once more inside after
+the plain cache timeouts ran out (`--idle`), and once on a fresh mount a little after mounting
+(`--settle`, as an agent starts), on the same tree. For every call it prints
 the wall time, the ratio to the native median, and how many index entries git re-hashed
 (`refresh/sum_scan` from GIT_TRACE2_PERF: the entries whose recorded stat data, ctime, mtime,
 inode, uid, gid and size, did not match, and whose content git therefore read and hashed
@@ -160,6 +161,12 @@ def main() -> int:
         default=11.0,
         help="then wait this long (past cache.attr_timeout, 10 s) and call once more (0: skip)",
     )
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=2.0,
+        help="then mount again, wait this long (an agent starting) and call once (0: skip)",
+    )
     ap.add_argument("--trust", default="full,workspace")
     ap.add_argument("--compare", type=Path, help="also mount from this sandboxfs source tree")
     ap.add_argument("--base", type=Path, default=Path("/tmp"))
@@ -199,6 +206,14 @@ def main() -> int:
                         r.status(f"{tag}{trust}: inside after {a.idle:g} s idle", inside)
                 finally:
                     umount(a.python, mnt)
+                if a.settle > 0:
+                    mount(a.python, source, mnt, project, trust)
+                    try:
+                        time.sleep(a.settle)
+                        label = f"{tag}{trust}: first call {a.settle:g} s after mounting"
+                        r.status(label, mnt / "repo")
+                    finally:
+                        umount(a.python, mnt)
         print(f"native median {statistics.median(r.native):.3f} s")
         if a.json:
             a.json.write_text(json.dumps({"native": r.native, "rows": r.rows}, indent=1))
