@@ -21,8 +21,9 @@ comes or goes, the kernel forgets everything it cached for the mount.
 
 Changes made through the mount are reported too. The kernel knows them already, so a name
 created, removed or renamed here whose backing entry is still what this daemon made of it is
-not invalidated (its dentry stays); data and attribute changes always are (the attributes are
-fetched once more).
+not invalidated (its dentry stays), nor are attributes that are what the kernel was last given
+(a file written, then chmod-ed or touched through the mount); other data and attribute changes
+are (the attributes are fetched once more).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import re
 import select
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from sandboxfs.core.errors import SandboxError
@@ -111,6 +113,10 @@ class HostWatch:
         # (watch, name) -> (when, backing (inode, birth) or None for absent): names created,
         # removed or renamed through the mount, and what the daemon left there.
         self._made_here: dict[tuple[int, bytes], tuple[float, tuple[int, int] | None]] = {}
+        self._next_prune = 0.0
+        # Whether the kernel holds no attributes of an inode but these (Replies.told): then a
+        # change event (most often of a change made through the mount) needs no invalidation.
+        self.told: Callable[[int, StatLike], bool] = lambda ino, st: False
         dirs = [store.project, *store.zone_paths.values(), *store.layer_paths]
         try:
             self.mounts = MountTable(dirs)
@@ -202,8 +208,9 @@ class HostWatch:
                 else:
                     for parent in self._nodes.get(wd, ()):
                         self._changed(out, wd, parent, name, mask)
-        if len(self._made_here) > 1024:
-            now = time.monotonic()
+        now = time.monotonic()
+        if now >= self._next_prune and self._made_here:  # at most once per period: O(n) each
+            self._next_prune = now + _MADE_HERE_FOR
             self._made_here = {k: v for k, v in self._made_here.items() if v[0] >= now}
         return out
 
@@ -222,7 +229,7 @@ class HostWatch:
             st = self.store.stat_child(parent, name)
             if st is not None and parent.zone is not None:
                 child = self.store.by_key.get((parent.zone, st.st_dev, st.st_ino))
-                if child is not None:
+                if child is not None and not self.told(child.ino, st):
                     out.inodes.add(child.ino)
                     out.nodes.append(child)
 

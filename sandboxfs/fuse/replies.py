@@ -45,6 +45,8 @@ class Replies:
         # Entries of a backing directory that host_watch watches may be held this long.
         self.host_watch = host_watch
         self.watched_timeout = watched_timeout
+        if host_watch is not None:
+            host_watch.told = self.told
         self.owner = owner
         self.mounted_ns = time.time_ns()
         # inode -> (monotonic time until which the kernel may use them, attributes): the last
@@ -79,6 +81,22 @@ class Replies:
                 given.clear()
             given[node.ino] = (time.monotonic() + entry.attr_timeout, entry)
         return entry
+
+    def told(self, ino: int, st: StatLike) -> bool:
+        """Whether the kernel holds no attributes of `ino` but those of `st`: the last given
+        are st's (same ctime, mtime and size), or ran out. False where that is not known (none
+        recorded: the kernel may still hold some)."""
+        given = self.given.get(ino)
+        if given is None:
+            return False
+        until, entry = given
+        if until <= time.monotonic():
+            return True
+        return (
+            entry.st_ctime_ns == st.st_ctime_ns
+            and entry.st_mtime_ns == st.st_mtime_ns
+            and entry.st_size == st.st_size
+        )
 
     def _watched(self, node: Node, nlink: int) -> bool:
         """Whether every change to node's name and attributes is reported (see
