@@ -445,12 +445,18 @@ async def _follow_host_changes(ops: SandboxOperations, watch: HostWatch) -> None
         if changes.everything:  # events were lost: forget all
             ops.replies.given.clear()
             inodes, names = ops.kernel_caches()
-        else:
-            ops.replies.changing(*changes.nodes)
-            inodes, names = list(changes.inodes), list(changes.names)
-        # Attributes only: a file's cached pages go when the kernel sees its new mtime or size
-        # (and at the next open, see SandboxOperations.open), not under a writer's feet.
-        await trio.to_thread.run_sync(_invalidate, inodes, names, True)
+            await trio.to_thread.run_sync(_invalidate, inodes, names, True)
+            continue
+        ops.replies.changing(*changes.nodes)
+        # A name in pyfuse3's notification thread (the kernel takes the directory's lock,
+        # which a request the daemon has yet to answer may hold). Attributes here: with no
+        # writeback cache and no pages (a file's cached pages go when the kernel sees its new
+        # mtime or size, and at the next open), that takes no lock a request may hold.
+        for parent, name in changes.names:
+            pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+        for inode in changes.inodes:
+            with contextlib.suppress(OSError):
+                pyfuse3.invalidate_inode(inode, attr_only=True)
 
 
 async def _follow_mounts(ops: SandboxOperations, mounts: MountTable) -> None:

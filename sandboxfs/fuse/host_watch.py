@@ -190,6 +190,9 @@ class HostWatch:
     def changes(self) -> HostChanges:
         """Read the events queued so far: what the kernel must forget."""
         out = HostChanges()
+        # Each name once per batch, with every kind of change it had (a file written through
+        # the mount brings a create, writes and a close).
+        pending: dict[tuple[int, bytes], int] = {}
         while True:
             try:
                 data = os.read(self.fd, 1 << 16)
@@ -206,8 +209,10 @@ class HostWatch:
                     for node in self._nodes.pop(wd, ()):
                         node.watch = UNWATCHED
                 else:
-                    for parent in self._nodes.get(wd, ()):
-                        self._changed(out, wd, parent, name, mask)
+                    pending[(wd, name)] = pending.get((wd, name), 0) | mask
+        for (wd, name), mask in pending.items():
+            for parent in self._nodes.get(wd, ()):
+                self._changed(out, wd, parent, name, mask)
         now = time.monotonic()
         if now >= self._next_prune and self._made_here:  # at most once per period: O(n) each
             self._next_prune = now + _MADE_HERE_FOR
