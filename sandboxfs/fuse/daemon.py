@@ -61,6 +61,9 @@ from sandboxfs.project.zones import (
 
 log = logging.getLogger(__name__)
 
+# At most this long the mount is reported ready only after the kernel's cache is warm.
+WARM_WAIT = 2.0
+
 # accept() errors of the control socket: out of descriptors, and a connection gone before it
 # was accepted (nothing to do but take the next).
 _NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -518,13 +521,15 @@ async def _terminate_when_closed(fd: int, wait: request_wait.RequestWait | None)
 
 
 async def _report_ready(mountpoint: Path, ready: Callable[[], None], warm: Warm | None) -> None:
-    """Tell the parent once the mount answers a real request (served by this very loop);
-    then warm the kernel's cache (sandboxfs.fuse.warm)."""
+    """Tell the parent once the mount answers a real request (served by this very loop) and
+    the kernel's cache is warm (sandboxfs.fuse.warm), or WARM_WAIT has passed: the walk then
+    goes on in the background."""
     probe = mountpoint / CONTROL_NAME.decode() / CONTEXT_NAME.decode()
     await trio.to_thread.run_sync(os.stat, probe)
-    ready()
     if warm is not None:
         warm.start()
+        await trio.to_thread.run_sync(warm.wait, WARM_WAIT, abandon_on_cancel=True)
+    ready()
 
 
 def spawn_daemon(

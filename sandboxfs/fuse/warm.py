@@ -8,7 +8,9 @@ about a fifth of the daemon's time per entry, and where the daemon watches the d
 (see host_watch) they then stay cached until something changes them.
 
 The walk runs in a thread of the daemon, breadth first from the zone's root, and lists at most
-`cache.warm_entries` entries. It does not descend into names that start with a dot (`.git`,
+`cache.warm_entries` entries; the mount is reported ready when it ends (or after
+daemon.WARM_WAIT, when it goes on in the background), so that a program started on the mount
+does not race it. It does not descend into names that start with a dot (`.git`,
 `.venv`, tool caches: large, and looked up by name when used) and stops at a trust change or
 when the mount ends. Its requests come from the daemon's own thread, which the FUSE adapter
 recognises (`tid`): they are decided by the gate without effect (Gate.without_effect: nothing is
@@ -41,6 +43,11 @@ class Warm:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="sandboxfs-warm", daemon=True)
         self._thread.start()
+
+    def wait(self, timeout: float) -> None:
+        """Until the walk ends, at most `timeout` seconds."""
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         # Set before the first request and cleared before the thread ends: a thread id is
