@@ -252,12 +252,18 @@ _CACHING_MAGICS = frozenset(
 )
 
 
+def _fs_magic(fd: int) -> int | None:
+    """The type (magic number) of the filesystem holding `fd`; None if fstatfs fails."""
+    if _libc.fstatfs(fd, _FSTATFS_BUF) != 0:
+        return None
+    (f_type,) = struct.unpack_from("l", _FSTATFS_BUF)
+    return int(f_type) & 0xFFFFFFFF
+
+
 def caches_attributes(fd: int) -> bool:
     """Whether the filesystem holding `fd` may answer a DONT_SYNC statx with stale attributes."""
-    if _libc.fstatfs(fd, _FSTATFS_BUF) != 0:
-        return True
-    (f_type,) = struct.unpack_from("l", _FSTATFS_BUF)
-    return (f_type & 0xFFFFFFFF) in _CACHING_MAGICS
+    magic = _fs_magic(fd)
+    return magic is None or magic in _CACHING_MAGICS
 
 
 # Local filesystems, where inotify reports every change whoever makes it (on network and FUSE
@@ -278,10 +284,7 @@ _LOCAL_MAGICS = frozenset(
 
 def reports_changes(fd: int) -> bool:
     """Whether inotify watches on the filesystem holding `fd` see every change made to it."""
-    if _libc.fstatfs(fd, _FSTATFS_BUF) != 0:
-        return False
-    (f_type,) = struct.unpack_from("l", _FSTATFS_BUF)
-    return (f_type & 0xFFFFFFFF) in _LOCAL_MAGICS
+    return _fs_magic(fd) in _LOCAL_MAGICS
 
 
 IN_MODIFY = 0x002

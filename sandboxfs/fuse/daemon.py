@@ -445,10 +445,8 @@ async def _follow_host_changes(ops: SandboxOperations, watch: HostWatch) -> None
         changes = watch.changes()
         if not changes:
             continue
-        if changes.everything:  # events were lost: forget all
-            ops.replies.given.clear()
-            inodes, names = ops.kernel_caches()
-            await trio.to_thread.run_sync(_invalidate, inodes, names, True)
+        if changes.everything:  # events were lost
+            await _forget_all(ops)
             continue
         ops.replies.changing(*changes.nodes)
         # A name in pyfuse3's notification thread (the kernel takes the directory's lock,
@@ -468,9 +466,14 @@ async def _follow_mounts(ops: SandboxOperations, mounts: MountTable) -> None:
     while True:
         await trio.lowlevel.wait_readable(mounts.fd)
         if mounts.changed():
-            ops.replies.given.clear()
-            inodes, names = ops.kernel_caches()
-            await trio.to_thread.run_sync(_invalidate, inodes, names, True)
+            await _forget_all(ops)
+
+
+async def _forget_all(ops: SandboxOperations) -> None:
+    """Have the kernel forget every name and attribute it holds for the mount."""
+    ops.replies.given.clear()
+    inodes, names = ops.kernel_caches()
+    await trio.to_thread.run_sync(_invalidate, inodes, names, True)
 
 
 def _invalidate(inodes: list[int], names: list[tuple[int, bytes]], attr_only: bool) -> None:

@@ -721,6 +721,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         return (st.st_mtime_ns, st.st_size)
 
     def _made_here(self, parent: Node, name: bytes, st: StatLike | None) -> None:
+        """parent/name was just made `st` (None: removed) here; see HostWatch.made_here."""
         if self.replies.host_watch is not None:
             self.replies.host_watch.made_here(parent, name, st)
 
