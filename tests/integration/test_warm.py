@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import time
 from pathlib import Path
 
 from tests.support.cli import sandboxfs, wait_until
@@ -64,10 +66,24 @@ def test_no_walk_where_the_level_may_not_list_the_repo(tmp_path: Path, project: 
         assert warmed(m) is None
 
 
-def test_unmount_right_after_mounting(tmp_path: Path, project: Path) -> None:
-    """The walk holds a directory of the mount open at times: umount waits for it."""
+def test_umount_waits_for_a_mount_busy_for_a_moment(tmp_path: Path, project: Path) -> None:
+    """A program that is about to exit (or a walk past WARM_WAIT) holds the mount for a moment:
+    umount tries again instead of calling it busy; one that stays is still reported busy."""
     make_tree(project)
-    for round_ in range(3):
-        with mounted(tmp_path / "mnt", project, "full") as m:
+    with mounted(tmp_path / "mnt", project, "full") as m:
+        brief = subprocess.Popen(["sleep", "0.7"], cwd=m.mnt / "repo")
+        try:
+            time.sleep(0.1)  # it is in the mount now
             result = sandboxfs("umount", m.mnt)
-            assert result.returncode == 0, (round_, result.stderr)
+            assert result.returncode == 0, result.stderr
+        finally:
+            brief.wait(timeout=10)
+    with mounted(tmp_path / "mnt", project, "full") as m:
+        staying = subprocess.Popen(["sleep", "30"], cwd=m.mnt / "repo")
+        try:
+            time.sleep(0.1)
+            result = sandboxfs("umount", m.mnt)
+            assert result.returncode != 0 and "is busy" in result.stderr, result
+        finally:
+            staying.kill()
+            staying.wait(timeout=10)
