@@ -1,5 +1,3 @@
-import sys
+from sandboxfs.cli.main import entry
 
-from sandboxfs.cli.main import main
-
-sys.exit(main())
+entry()

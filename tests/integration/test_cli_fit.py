@@ -40,6 +40,33 @@ def test_version() -> None:
     assert result.stdout.strip() == "sandboxfs 0.1.0"
 
 
+def test_output_is_whole_through_a_pipe_and_a_closed_pipe_is_quiet(project: Path) -> None:
+    """The command leaves without the interpreter's teardown (cli.main.entry): what it printed
+    must still all arrive, a short line still in the stream's buffer too, its exit code must be
+    its own, and a reader that stops early must not get a traceback."""
+    from sandboxfs.cli import manpage
+    from sandboxfs.cli.main import _version, build_parser
+
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    short = subprocess.run(
+        [*SANDBOXFS, "staged", "list", "--project", str(project), "--json"],
+        capture_output=True,
+        text=True,
+        env=buffered,
+        timeout=60,
+    )
+    assert (short.returncode, short.stdout, short.stderr) == (0, "[]\n", "")
+    page = sandboxfs("man")
+    assert page.returncode == 0, page.stderr
+    assert page.stdout == manpage.render(build_parser(), _version())
+    first = sh(f"{' '.join(SANDBOXFS)} man | head -c 10")
+    assert first.returncode == 0
+    assert first.stderr == ""
+    bad = sandboxfs("umount", "/nonexistent/sandboxfs-mnt")
+    assert bad.returncode == 2
+    assert_one_line_error(bad)
+
+
 def test_mount_o_options_and_one_session_line(mnt: Path, project: Path) -> None:
     result = sandboxfs(
         "mount", mnt, "-o", f"trust=full,project={project},ro", "-o", "entry_timeout=0"

@@ -394,3 +394,20 @@ def test_man_renders_escaped_text_as_written() -> None:
     assert ".starts with a dot \u2014 and a \\" in text
     assert "'quoted' start; see --dry-run" in text
     assert "tool outer inner" in text
+
+
+# ----- one subcommand's parser ---------------------------------------------------------------
+
+
+def test_a_command_line_gets_the_same_parser_for_its_subcommand_alone() -> None:
+    """main() builds only the subcommand the command line names: each one, nested ones too,
+    must parse and explain exactly as in the whole parser."""
+    whole = dict(commands(build_parser()))
+    tops = {path[0] for path in whole if path}
+    assert len(tops) > 10
+    for top in tops:
+        alone = dict(commands(build_parser(top)))
+        assert {p for p in whole if p[:1] == (top,)} <= set(alone), top
+        for path, node in alone.items():
+            if path:  # the top level lists fewer commands; each command's own is the same
+                assert node.format_help() == whole[path].format_help(), path

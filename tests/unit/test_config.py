@@ -9,6 +9,7 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+import yaml
 
 from sandboxfs.config import model as config
 from sandboxfs.core.policy import BUILTIN_ZONES, Trust, Zone, ZoneAccess
@@ -425,3 +426,10 @@ def test_unreadable_file(tmp_path: Path) -> None:
             shutil.rmtree(project)
     assert str(path) in message
     assert "Permission denied" in message
+
+
+def test_the_fast_parser_reads_the_defaults_as_the_plain_one_does() -> None:
+    """The package's defaults are parsed with libyaml where PyYAML has it (start-up time);
+    users' files keep their own guarded loader."""
+    text = resources.files("sandboxfs").joinpath("defaults.yaml").read_text(encoding="utf-8")
+    assert yaml.load(text, Loader=config._FAST_LOADER) == yaml.safe_load(text)
