@@ -313,8 +313,10 @@ def _start_child(
     env: dict[str, str],
     stdio: tuple[int, int, int],
     net: str,
+    files: dict[int, int],
 ) -> _Child:
-    """Fork and exec bubblewrap, with exactly the descriptors the launcher expects."""
+    """Fork and exec bubblewrap, with exactly the descriptors the launcher expects, and
+    `files` (there -> here: what bubblewrap copies into /etc)."""
     options_fd = _options_file(options)
     sync_r, sync_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -338,6 +340,7 @@ def _start_child(
                 confine.SECCOMP_FD: filter_fd,
                 confine.STATUS_FD: status_w,
                 confine.ARGS_FD: options_fd,
+                **files,
             }
             if channel is not None and resolv_fd is not None:
                 fds[_CHANNEL_FD] = channel[1].fileno()
@@ -853,6 +856,7 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
     # Meanwhile, what does not look inside the mount: the program's environment, the nest
     # server and bubblewrap's options (they name the mountpoint, never read it).
     nest: NestServer | None = None
+    etc_copies = confine.EtcCopies(confine.ETC_COPY_FD)
     try:
         home_inside = CONFINED_HOME  # the workspace's home at this level (project.with_home)
         if HOME_ZONE not in req.config.zones:
@@ -879,8 +883,10 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
             cwd=cwd,
             net=req.net,
             tools=[*binds, *nest.bwrap_args(), *req.tools.bwrap_args()],
+            etc_copies=etc_copies,
         )
     except BaseException:
+        etc_copies.close()
         if nest is not None:
             nest.close()
         _abandon_daemon(starting, lifeline_w, mnt)  # its own failure first, as it comes first
@@ -888,6 +894,7 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
     try:
         daemon = starting.ready()
     except BaseException as exc:
+        etc_copies.close()
         nest.close()
         os.close(lifeline_w)
         if isinstance(exc, SandboxfsError):
@@ -926,7 +933,8 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
             },
         )
         stdio = terminal.program if terminal else (0, 1, 2)
-        child = _start_child(argv, options, env, stdio, req.net)
+        child = _start_child(argv, options, env, stdio, req.net, etc_copies.fds)
+        etc_copies.close()
         if terminal is not None:
             terminal.started()
         if req.net != "host":
@@ -949,6 +957,7 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         lost = _daemon_ended(daemon)
         return _exit_status(status, lost)
     finally:
+        etc_copies.close()
         nest.close()
         if terminal is not None:
             terminal.close()

@@ -287,6 +287,7 @@ attempt("remount-rw", lambda: run_ok("mount", "-o", "remount,rw", "/usr"))
 attempt("mount-tmpfs", lambda: run_ok("mount", "-t", "tmpfs", "none", "/tmp"))
 attempt("write-usr", lambda: open("/usr/bin/sandboxfs-probe", "wb"))
 attempt("write-etc", lambda: open("/etc/sandboxfs-probe", "wb"))
+attempt("write-etc-copy", lambda: open("/etc/passwd", "ab"))  # a copy (confine.EtcCopies)
 attempt("tcp-host-loopback", lambda: connect_tcp(facts["tcp_port"]))
 attempt("abstract-socket", lambda: connect_abstract(facts["abstract"]))
 attempt("kill-outside", kill_outside)
@@ -405,6 +406,7 @@ def test_escapes_fail(project: Path, tmp_path: Path) -> None:
     assert found["abstract-socket"] == "blocked ECONNREFUSED"
     assert found["unshare-syscall"] == "blocked EPERM"
     assert found["write-usr"] == "blocked EROFS"
+    assert found["write-etc-copy"] == "blocked EROFS"
     assert found["kill-outside"] == "blocked ESRCH"
     assert found["core-pattern"] == "blocked EROFS"
 
@@ -467,6 +469,23 @@ def test_tiocsti_cannot_reach_the_terminal(project: Path, tmp_path: Path) -> Non
 def test_exit_status(project: Path, command: list[str], status: int) -> None:
     result = sbx("run", "--project", project, "-q", "--", *command)
     assert result.returncode == status, result.stderr
+
+
+def test_etc_files_inside_are_the_hosts(project: Path) -> None:
+    """/etc's files are copied in at the start (confine.EtcCopies): the same bytes and modes
+    as on the host, a root-only one absent, and none of the copies' descriptors left open."""
+    files = [p for p in ("/etc/passwd", "/etc/group", "/etc/hosts") if os.path.isfile(p)]
+    result = sbx(
+        "run", "--project", project, "-q", "--", "sh", "-c",
+        'for f in "$@"; do stat -c "%a %s" "$f"; cat "$f"; done; test ! -e /etc/shadow && '
+        "echo no-shadow; ls /proc/self/fd",
+        "sh", *files,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    expected = "".join(
+        f"{os.stat(p).st_mode & 0o777:o} {os.stat(p).st_size}\n{Path(p).read_text()}" for p in files
+    )
+    assert result.stdout == expected + "no-shadow\n0\n1\n2\n3\n"  # 3: ls's own listing
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:

@@ -137,6 +137,54 @@ def test_etc_shows_only_what_every_user_may_read(tmp_path: Path) -> None:
     assert seen["/etc/ssl/certs"] == f"bind:{etc}/ssl/certs"  # whole: nothing private below
 
 
+def test_etc_files_are_copied_from_descriptors(tmp_path: Path) -> None:
+    """With EtcCopies, a rebuilt directory's regular files go in as copies read from the
+    descriptors handed to bubblewrap; directories shown whole, links, what is too large or
+    too many, and what is no longer a world-readable regular file are not copied."""
+    etc = fake_etc(tmp_path)
+    (etc / "hosts").chmod(0o755)
+    (etc / "big").write_bytes(b"x" * 2048)
+    copies = confine.EtcCopies(first=10, limit=50, max_bytes=1024)
+    try:
+        args = confine.etc_args(etc, copies=copies)
+        copied = {}
+        for i, arg in enumerate(args):
+            if arg == "--file":
+                assert args[i - 2] == "--perms"
+                fd = copies.fds[int(args[i + 1])]
+                copied[args[i + 2]] = (args[i - 1], os.pread(fd, 100, 0))
+        assert copied["/etc/passwd"] == ("0644", b"passwd")
+        assert copied["/etc/hosts"] == ("0755", b"hosts")
+        assert copied["/etc/ssh/ssh_config"] == ("0644", b"config")
+        assert sorted(copies.fds) == list(range(10, 10 + len(copied)))
+        seen = inside_paths(args)
+        assert seen["/etc/big"] == f"bind:{etc}/big"  # too large: bound
+        assert seen["/etc/ssl/certs"] == f"bind:{etc}/ssl/certs"  # a directory, whole
+        assert seen["/etc/localtime"] == "link:/usr/share/zoneinfo/UTC"
+        for secret in ("/etc/shadow", "/etc/npmrc", "/etc/ssh/ssh_host_ed25519_key"):
+            assert secret not in seen and secret not in copied
+    finally:
+        copies.close()
+    assert copies.fds == {}
+    few = confine.EtcCopies(first=10, limit=2)
+    try:
+        args = confine.etc_args(etc, copies=few)
+        assert args.count("--file") == 2 and len(few.fds) == 2
+        assert inside_paths(args)["/etc/passwd"] == f"bind:{etc}/passwd"  # past the limit
+    finally:
+        few.close()
+    # Between the scan and the copy, a file may have become a fifo, a directory or private.
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "private").write_text("root only")
+    (tmp_path / "private").chmod(0o600)
+    (tmp_path / "link").symlink_to(etc / "passwd")
+    late = confine.EtcCopies(first=10)
+    for path in ("fifo", "private", "link", "missing"):
+        assert late.add(str(tmp_path / path)) is None, path
+    assert late.add(str(etc)) is None
+    assert late.fds == {}
+
+
 def test_proc_knobs_are_read_only_or_covered(tmp_path: Path) -> None:
     proc = tmp_path / "proc"
     for name in ("sys", "irq", "acpi", "tty/driver"):
