@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
@@ -433,3 +435,21 @@ def test_the_fast_parser_reads_the_defaults_as_the_plain_one_does() -> None:
     users' files keep their own guarded loader."""
     text = resources.files("sandboxfs").joinpath("defaults.yaml").read_text(encoding="utf-8")
     assert yaml.load(text, Loader=config._FAST_LOADER) == yaml.safe_load(text)
+
+
+def test_the_command_loads_no_pydantic_plugin() -> None:
+    """A pydantic plugin installed beside sandboxfs would run inside the supervisor and the
+    daemon; the command turns plugins off before its models are built, and so also skips
+    pydantic's scan of every installed distribution at each start."""
+    code = (
+        "import sandboxfs.cli.main\n"
+        "from sandboxfs.config import model\n"
+        "model.defaults()\n"
+        "from pydantic.plugin import _loader\n"
+        "print(_loader._plugins)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYDANTIC_DISABLE_PLUGINS"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert (out.returncode, out.stdout) == (0, "None\n"), out.stderr
