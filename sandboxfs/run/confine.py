@@ -15,6 +15,7 @@ import fnmatch
 import functools
 import os
 import re
+import resource
 import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -112,9 +113,11 @@ class EtcCopies:
     what the file held when the program started; whatever is not copied is bound as before.
     """
 
-    def __init__(self, first: int, limit: int = 256, max_bytes: int = 1 << 20) -> None:
+    def __init__(self, first: int, limit: int | None = None, max_bytes: int = 1 << 20) -> None:
         self.first = first
         self.fds: dict[int, int] = {}
+        if limit is None:  # a quarter of what this process may open: run needs the rest
+            limit = min(256, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
         self._limit = limit
         self._max_bytes = max_bytes
 

@@ -287,9 +287,12 @@ def _own_network(channel: socket.socket, proxy: bool) -> None:
 
 
 def _arrange_fds(targets: dict[int, int]) -> None:
-    """Make each target fd a copy of its source, close-on-exec off, and close everything else."""
+    """Make each target fd a copy of its source, close-on-exec off, and close everything else.
+    The sources are first copied above every target, so that no dup2 replaces one still to be
+    copied."""
+    above = max(100, max(targets) + 1)
     high = {
-        target: fcntl.fcntl(source, fcntl.F_DUPFD_CLOEXEC, 100)
+        target: fcntl.fcntl(source, fcntl.F_DUPFD_CLOEXEC, above)
         for target, source in targets.items()
     }
     for target, copy in high.items():

@@ -4,9 +4,11 @@ links, the environment allowlist and the options that shape them."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import fnmatch
 import os
 import random
+import resource
 import stat
 from pathlib import Path
 
@@ -179,6 +181,8 @@ def test_etc_files_are_copied_from_descriptors(tmp_path: Path) -> None:
     (tmp_path / "private").chmod(0o600)
     (tmp_path / "link").symlink_to(etc / "passwd")
     late = confine.EtcCopies(first=10)
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert late._limit == min(256, soft // 4)  # run needs the other descriptors
     for path in ("fifo", "private", "link", "missing"):
         assert late.add(str(tmp_path / path)) is None, path
     assert late.add(str(etc)) is None
@@ -373,3 +377,42 @@ def test_etc_args_is_the_plain_computation(tmp_path: Path, seed: int) -> None:
                 if not os.path.islink(os.path.join(top, name)):
                     with contextlib.suppress(OSError):
                         os.chmod(os.path.join(top, name), 0o755)
+
+
+def test_the_childs_descriptors_are_each_their_own_source(tmp_path: Path) -> None:
+    """The child bubblewrap becomes gets each descriptor at its number (200 /etc copies among
+    them): no dup2 may replace a source still to be placed, whatever the order and wherever
+    the sources lie."""
+    from sandboxfs.run.supervisor import _arrange_fds
+
+    sources, content = [], {}
+    for i in range(200):
+        path = tmp_path / f"f{i}"
+        path.write_text(str(i))
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 400)  # above every target
+        os.close(fd)
+        sources.append(high)
+        content[high] = str(i).encode()
+    report_r, report_w = os.pipe()
+    order = list(range(200))
+    random.Random(7).shuffle(order)
+    targets = {10 + i: sources[i] for i in order}  # 10..209, placed in a random order
+    targets[3] = report_w
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _arrange_fds(targets)
+            wrong = [t for t, fd in targets.items() if t != 3 and os.pread(t, 8, 0) != content[fd]]
+            left = sorted(int(n) for n in os.listdir("/proc/self/fd"))
+            os.write(3, f"{wrong} {left[-2:]}".encode())
+        finally:
+            os._exit(0)
+    os.close(report_w)
+    os.waitpid(pid, 0)
+    report = os.read(report_r, 4096).decode()
+    os.close(report_r)
+    for fd in sources:
+        os.close(fd)
+    # The last two: fd 209 and listdir's own descriptor (nothing above the targets is left).
+    assert report.startswith("[] [209, "), report
