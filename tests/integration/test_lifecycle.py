@@ -752,5 +752,5 @@ def test_wheel_ships_defaults_and_entry_point(tmp_path: Path) -> None:
         entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
         text = wheel.read(entry_points).decode()
         assert "[console_scripts]" in text
-        assert "sandboxfs = sandboxfs.cli.main:main" in text
+        assert "sandboxfs = sandboxfs.cli.main:entry" in text
         assert not [n for n in names if n.startswith("tests/")]
