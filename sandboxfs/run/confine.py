@@ -11,6 +11,7 @@ what sandboxfs.run.toolchain shows of a home for CMD, read-only: its package or 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import functools
 import os
@@ -106,9 +107,10 @@ def system_args(root: Path = Path("/")) -> list[str]:
 class EtcCopies:
     """The regular files of a rebuilt /etc directory, copied into the sandbox rather than bound.
 
-    bubblewrap reads its mount table again after every bind, so each bind costs more than the
-    last: /etc's 150 or so took 95 ms of each `run` here, and as copies (`--file`: bubblewrap
-    reads the file from a descriptor into the sandbox's own read-only root) they take 30 ms.
+    bubblewrap reads its whole mount table again after every bind, so each bind costs more than
+    the last: with /etc's 160 or so binds bubblewrap took 95 ms here, with the files copied
+    (`--file`: bubblewrap reads each from a descriptor into the sandbox's own root, read-only
+    like the rest) 30-40 ms.
     The k-th file's descriptor is `first + k` in bubblewrap (`fds`: there -> here). A copy is
     what the file held when the program started; whatever is not copied is bound as before.
     """
@@ -121,25 +123,26 @@ class EtcCopies:
         self._limit = limit
         self._max_bytes = max_bytes
 
-    def add(self, path: str) -> tuple[int, int] | None:
-        """The descriptor bubblewrap will read `path` from and the mode to give it, or None:
-        bind it instead (not a world-readable regular file by now, too large, too many)."""
+    def add(self, path: str) -> tuple[int, int] | str:
+        """How `path`, a world-readable regular file when /etc was scanned, goes in: copied
+        (the descriptor bubblewrap reads it from, and its mode), "bind" (too large, or past
+        the limit: bound, as every file used to be) or "omit" (gone, or no longer a
+        world-readable regular file: left out, as the scan would now leave it)."""
         if len(self.fds) >= self._limit:
-            return None
+            return "bind"
         try:
             fd = os.open(
                 path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
             )
-        except OSError:
-            return None
+        except OSError as exc:
+            return "bind" if exc.errno in (errno.EMFILE, errno.ENFILE) else "omit"
         st = os.fstat(fd)
-        if (
-            not _mode_world_readable(st.st_mode)
-            or stat.S_ISDIR(st.st_mode)
-            or st.st_size > self._max_bytes
-        ):
+        if not stat.S_ISREG(st.st_mode) or not _mode_world_readable(st.st_mode):
             os.close(fd)
-            return None
+            return "omit"
+        if st.st_size > self._max_bytes:
+            os.close(fd)
+            return "bind"
         target = self.first + len(self.fds)
         self.fds[target] = fd
         return target, stat.S_IMODE(st.st_mode) & 0o777
@@ -179,9 +182,12 @@ def etc_args(
                 args += ["--ro-bind", str(target), inside]
             else:
                 args += ["--symlink", os.readlink(host), inside]
-        elif kind == "file" and copies is not None and (copy := copies.add(host)) is not None:
-            fd, mode = copy
-            args += ["--perms", f"{mode:04o}", "--file", str(fd), inside]
+        elif kind == "file" and copies is not None:
+            copy = copies.add(host)
+            if isinstance(copy, tuple):
+                args += ["--perms", f"{copy[1]:04o}", "--file", str(copy[0]), inside]
+            elif copy == "bind":
+                args += ["--ro-bind", host, inside]
         else:
             args += ["--ro-bind", host, inside]
     return args
