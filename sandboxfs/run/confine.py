@@ -20,6 +20,7 @@ import resource
 import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Literal
 
 from sandboxfs.config.inputs import ENV_NAME
 from sandboxfs.core.context import CONFINED_MOUNTPOINT
@@ -123,7 +124,7 @@ class EtcCopies:
         self._limit = limit
         self._max_bytes = max_bytes
 
-    def add(self, path: str) -> tuple[int, int] | str:
+    def add(self, path: str) -> tuple[int, int] | Literal["bind", "omit"]:
         """How `path`, a world-readable regular file when /etc was scanned, goes in: copied
         (the descriptor bubblewrap reads it from, and its mode), "bind" (too large, or past
         the limit: bound, as every file used to be) or "omit" (gone, or no longer a
