@@ -764,6 +764,8 @@ class Bench:
         self.sfs_mnt = ""
         self.sfs_backing = ""
         self.bind_mnt = ""
+        self.floor_mnt = ""
+        self.floor: subprocess.Popen[bytes] | None = None
         self.profiler: subprocess.Popen[bytes] | None = None
         self.daemon_pid: int | None = None
 
@@ -793,7 +795,7 @@ class Bench:
         else:
             self.base = tempfile.mkdtemp(prefix="sandboxfs-bench.", dir="/tmp")
             self.made_base = True
-        for d in ("native", "project", "mnt", "bindfs.src", "bindfs.mnt"):
+        for d in ("native", "project", "mnt", "bindfs.src", "bindfs.mnt", "floor.src", "floor.mnt"):
             os.makedirs(os.path.join(self.base, d), exist_ok=True)
         with open(os.path.join(self.base, "project", "README.md"), "w") as f:
             f.write("sandboxfs benchmark project\n")
@@ -866,6 +868,32 @@ class Bench:
         self.bind_mnt = mnt
         return mnt
 
+    def mount_floor(self) -> str | None:
+        """The stack's floor (floor.py: a pyfuse3 passthrough with sandboxfs's request wait
+        and mount options, and no checks), served by a child until cleanup."""
+        if not self.args.floor:
+            return None
+        mnt = os.path.join(self.base, "floor.mnt")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")])
+        )
+        script = str(Path(__file__).with_name("floor.py"))
+        source = os.path.join(self.base, "floor.src")
+        self.floor = subprocess.Popen(
+            [self.args.python, script, source, mnt, "--spin", str(self.args.floor_spin)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(mnt):
+            if self.floor.poll() is not None or time.monotonic() > deadline:
+                log("floor mount failed, skipped")
+                return None
+            time.sleep(0.05)
+        self.floor_mnt = mnt
+        return mnt
+
     def start_profiler(self) -> None:
         a = self.args
         if not a.profile or not self.daemon_pid:
@@ -921,6 +949,14 @@ class Bench:
                 quiet(["fusermount3", "-u", "-z", self.sfs_mnt])
         if self.bind_mnt and quiet(["fusermount3", "-u", self.bind_mnt]) != 0:
             quiet(["fusermount3", "-u", "-z", self.bind_mnt])
+        if self.floor is not None:
+            if self.floor_mnt and quiet(["fusermount3", "-u", self.floor_mnt]) != 0:
+                quiet(["fusermount3", "-u", "-z", self.floor_mnt])
+            try:
+                self.floor.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.floor.kill()
+                self.floor.wait()
         if self.loop_mounted and quiet(["umount", self.base]) != 0:
             time.sleep(1)
             quiet(["umount", "-l", self.base])
@@ -1051,6 +1087,14 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--loop-size", type=int, default=4, help="loop image size in GiB (default 4)")
     ap.add_argument("--no-bindfs", action="store_true", help="skip the bindfs peer")
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also the stack's floor: floor.py, a pyfuse3 passthrough that checks nothing",
+    )
+    ap.add_argument(
+        "--floor-spin", type=float, default=100.0, help="the floor's request-wait spin, µs"
+    )
     ap.add_argument("--size", type=int, help="data workload MiB (default 512, quick 64)")
     ap.add_argument("--files", type=int, help="meta: files (default 5000, quick 500)")
     ap.add_argument("--dirs", type=int, help="meta: directories (default 50, quick 10)")
@@ -1184,6 +1228,9 @@ def main() -> int:
         bmnt = bench.mount_bindfs()
         if bmnt:
             targets.append(Target("bindfs", bmnt, a))
+        fmnt = bench.mount_floor()
+        if fmnt and bench.floor is not None:
+            targets.append(Target("floor", fmnt, a, pid=bench.floor.pid))
         for t in targets:
             log(f"target {t.label:<10} {t.dir}  fstype={t.fstype}")
         bench.start_profiler()
