@@ -511,9 +511,30 @@ def test_follow_prints_new_denials(
         assert sh(f"echo x > {m.mnt}/repo/third.txt").returncode != 0
         third = _next_line(lines, lambda text: bool(text.strip()), 20)
         assert "third.txt" in third
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=20)
+        _interrupt(proc)
         assert proc.returncode == 0
+
+
+def _interrupt(proc: subprocess.Popen[str], timeout: float = 20) -> None:
+    """Ctrl-C's signal, then the exit; if it does not come, fail with what the process was
+    doing (its state, signal masks and kernel wait channel), so that a rare hang says why."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        facts = []
+        for name in ("status", "wchan", "stack"):
+            try:
+                text = Path(f"/proc/{proc.pid}/{name}").read_text()
+            except OSError as exc:
+                text = f"unreadable ({exc.strerror})"
+            if name == "status":
+                keep = ("State", "Threads", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+                text = ", ".join(line for line in text.splitlines() if line.startswith(keep))
+            facts.append(f"{name}: {text.strip()}")
+        proc.kill()
+        proc.communicate()
+        pytest.fail(f"still running {timeout:.0f} s after SIGINT: " + "; ".join(facts))
 
 
 def test_follow_table_rows(
