@@ -10,6 +10,7 @@ import queue
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -452,7 +453,7 @@ def follower(project: Path) -> Iterator[Callable[..., subprocess.Popen[str]]]:
 
     def start(*args: str) -> subprocess.Popen[str]:
         proc = subprocess.Popen(
-            [*SANDBOXFS, "audit", "--project", str(project), "--follow", *args],
+            [*_SIGINT_DEFAULT, *SANDBOXFS, "audit", "--project", str(project), "--follow", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -465,6 +466,17 @@ def follower(project: Path) -> Iterator[Callable[..., subprocess.Popen[str]]]:
         if proc.poll() is None:
             proc.kill()
         proc.communicate(timeout=10)
+
+
+# The follower is stopped as Ctrl-C stops it. A program started in the background by a
+# non-interactive shell (`.ci/run &`) inherits SIGINT ignored, and Python then leaves it ignored:
+# this resets it to the default before exec'ing the command (same process, same pid).
+_SIGINT_DEFAULT = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execvp(sys.argv[1], sys.argv[1:])",
+]
 
 
 def _reader(stream: Any) -> queue.Queue[str]:
