@@ -885,13 +885,13 @@ class Bench:
             env=env,
             stdin=subprocess.DEVNULL,
         )
+        self.floor_mnt = mnt  # unmounted in cleanup, whether it came up in time or not
         deadline = time.monotonic() + 30
         while not os.path.ismount(mnt):
             if self.floor.poll() is not None or time.monotonic() > deadline:
                 log("floor mount failed, skipped")
                 return None
             time.sleep(0.05)
-        self.floor_mnt = mnt
         return mnt
 
     def start_profiler(self) -> None:
@@ -950,7 +950,7 @@ class Bench:
         if self.bind_mnt and quiet(["fusermount3", "-u", self.bind_mnt]) != 0:
             quiet(["fusermount3", "-u", "-z", self.bind_mnt])
         if self.floor is not None:
-            if self.floor_mnt and quiet(["fusermount3", "-u", self.floor_mnt]) != 0:
+            if quiet(["fusermount3", "-u", self.floor_mnt]) != 0:
                 quiet(["fusermount3", "-u", "-z", self.floor_mnt])
             try:
                 self.floor.wait(timeout=10)
