@@ -212,6 +212,7 @@ def main() -> int:
     ap.add_argument("mountpoint")
     ap.add_argument("--spin", type=float, default=100.0, help="µs (sandboxfs's daemon.spin_us)")
     args = ap.parse_args()
+    os.umask(0)  # as the daemon: modes arrive already masked by the kernel
     options = set(pyfuse3.default_options)
     options |= {"fsname=floor", "subtype=floor", "nosuid", "nodev", "default_permissions"}
     pyfuse3.init(Floor(os.path.abspath(args.source)), args.mountpoint, options)
