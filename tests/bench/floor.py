@@ -4,13 +4,13 @@
     python tests/bench/floor.py SOURCE MOUNTPOINT [--spin US]
 
 It serves SOURCE at MOUNTPOINT in the foreground until unmounted, the way sandboxfs's daemon
-serves a zone: pyfuse3 on trio, one request task, sandboxfs's request wait (spinning `--spin`
-microseconds, sandboxfs's default, before it sleeps), the same mount
-options (`default_permissions`, no writeback cache), the same kernel cache timeouts and FLUSH
-answered ENOSYS. Each handler is the least that serves the request: one backing system call and
-the attributes. What a workload costs here and not natively is the price of the stack itself
-(the kernel's round trips, pyfuse3, trio, the interpreter); what sandboxfs costs above it is its
-own work. `bench.py --floor` runs it as a peer in the same run.
+serves a zone: pyfuse3 on trio, one request task, sandboxfs's request wait (polling `--spin`
+microseconds before it sleeps, sandboxfs's default 100), the same mount options
+(`default_permissions`, `nosuid`, `nodev`, no writeback cache), the same kernel cache timeouts
+and FLUSH answered ENOSYS. Each handler is the least that serves the request: one backing
+system call and the attributes. What a workload costs here and not natively is the price of the
+stack itself (the kernel's round trips, pyfuse3, trio, the interpreter); what sandboxfs costs
+above it is its own work. `bench.py --floor` runs it as a peer in the same run.
 
 Not part of sandboxfs and not a test: inode numbers are the backing ones and paths are kept per
 inode (a renamed directory's descendants are rewritten), good for benchmarks, not for users.
