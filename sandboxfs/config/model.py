@@ -262,6 +262,21 @@ class ApprovalRuleConfig(_Strict):
     zones: list[str] = Field(default_factory=list)
     trust: list[Trust] = Field(default_factory=list)
     decision: approvals.Verdict
+    # Paths the rule leaves out: a name anywhere (`node_modules`, `*.egg-info`) or, with a
+    # `/`, a path from the zone's root (`docs/generated`).
+    exclude: list[str] = Field(default_factory=list)
+
+    @field_validator("exclude")
+    @classmethod
+    def _valid_excludes(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            parts = pattern.split("/")
+            if not pattern or pattern.startswith("/") or any(p in ("", ".", "..") for p in parts):
+                raise ValueError(
+                    f"exclude pattern {shown(pattern)} is not a relative path pattern: name an "
+                    f"entry (node_modules, *.egg-info) or a path below the zone (docs/generated)"
+                )
+        return value
 
     @field_validator("id")
     @classmethod
@@ -303,6 +318,7 @@ class ApprovalsConfig(_Strict):
                     frozenset(rule.ops),
                     frozenset(rule.zones),
                     frozenset(t.value for t in rule.trust),
+                    tuple(rule.exclude),
                 )
             )
         return found

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from fnmatch import fnmatchcase
 from typing import Any
 
 
@@ -77,48 +78,114 @@ ALLOWS = frozenset({Answer.ONCE, Answer.DIR, Answer.EVERYWHERE})
 
 @dataclass(frozen=True, slots=True)
 class Rule:
-    """One approval rule: for these trust levels and zones (empty: all), these kinds."""
+    """One approval rule: for these trust levels and zones (empty: all), these kinds, except on
+    the paths `exclude` names (see `excludes`)."""
 
     id: str
     verdict: Verdict
     kinds: frozenset[Kind]
     zones: frozenset[str] = frozenset()
     trust: frozenset[str] = frozenset()
+    exclude: tuple[str, ...] = ()
 
-    def matches(self, trust: str, zone: str, kind: Kind) -> bool:
+    def matches(
+        self,
+        trust: str,
+        zone: str,
+        kind: Kind,
+        path: str = "",
+        dest: str | None = None,
+    ) -> bool:
         return (
             kind in self.kinds
             and (not self.zones or zone in self.zones)
             and (not self.trust or trust in self.trust)
+            and not (self.exclude and self.excludes(path, dest))
         )
+
+    def excludes(self, path: str, dest: str | None = None) -> bool:
+        """Whether the rule leaves out `path` (a virtual path, /ZONE/...) and, for a rename or
+        link, `dest` too: moving a path that is not excluded into one that is still counts
+        (else renaming `src` to `build/src` would make it deletable without asking)."""
+        return excluded(self.exclude, path) and (dest is None or excluded(self.exclude, dest))
 
     def describe(self) -> str:
         zones = ", ".join(sorted(self.zones)) or "every zone"
         levels = ", ".join(sorted(self.trust)) or "every trust level"
         kinds = ", ".join(k.value for k in Kind if k in self.kinds)
-        return f"{self.id}: {kinds} in {zones} at {levels}: {self.verdict.value}"
+        but = f" (except {', '.join(self.exclude)})" if self.exclude else ""
+        return f"{self.id}: {kinds} in {zones}{but} at {levels}: {self.verdict.value}"
+
+
+def excluded(patterns: Iterable[str], path: str) -> bool:
+    """Whether an exclude pattern covers `path` (/ZONE/rel/...): a pattern without `/` names
+    an entry anywhere (`node_modules`, `*.egg-info`: that entry and all below it), one with
+    `/` a path from the zone's root (`docs/generated`); shell wildcards, case counts."""
+    if not path.startswith("/"):
+        return False  # a host:port (connect)
+    parts = path.strip("/").split("/")[1:]
+    prefixes = ["/".join(parts[: n + 1]) for n in range(len(parts))]
+    for pattern in patterns:
+        if "/" in pattern:
+            if any(fnmatchcase(prefix, pattern) for prefix in prefixes):
+                return True
+        elif any(fnmatchcase(part, pattern) for part in parts):
+            return True
+    return False
 
 
 DEFAULT_RULE = Rule("default", Verdict.PRE_APPROVED, frozenset(Kind))
 
+# What the agent profile never asks about: what the everyday tools it is meant for make and
+# remake on their own (a virtualenv, node_modules, build output, caches, byte code), each by
+# its name anywhere in the repository (README, "Approvals").
+AGENT_EXCLUDE = (
+    ".venv",
+    "venv",
+    "node_modules",
+    "__pycache__",
+    "build",
+    "dist",
+    "target",
+    "*.egg-info",
+    ".pytest_cache",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".tox",
+    ".nox",
+    ".cache",
+)
+
 # The documented profiles a project (or the user) turns on with one line (`approvals:
 # {profile: agent}`): what an agent does that is hard to undo in the repository asks first.
 PROFILES: dict[str, tuple[Rule, ...]] = {
-    "agent": (
-        Rule("agent:repo-delete", Verdict.ASK, frozenset({Kind.DELETE}), frozenset({"repo"})),
-        Rule("agent:repo-rename", Verdict.ASK, frozenset({Kind.RENAME}), frozenset({"repo"})),
-        Rule("agent:repo-overwrite", Verdict.ASK, frozenset({Kind.OVERWRITE}), frozenset({"repo"})),
+    "agent": tuple(
+        Rule(
+            f"agent:repo-{kind.value}",
+            Verdict.ASK,
+            frozenset({kind}),
+            frozenset({"repo"}),
+            exclude=AGENT_EXCLUDE,
+        )
+        for kind in (Kind.DELETE, Kind.RENAME, Kind.OVERWRITE)
     ),
 }
 
 
-def strictest(rules: Iterable[Rule], trust: str, zone: str, kind: Kind) -> Rule:
-    """The rule that decides `kind` in `zone` at `trust`: the strictest that matches (the
-    first of equals), else DEFAULT_RULE."""
+def strictest(
+    rules: Iterable[Rule],
+    trust: str,
+    zone: str,
+    kind: Kind,
+    path: str = "",
+    dest: str | None = None,
+) -> Rule:
+    """The rule that decides `kind` of `path` (-> `dest`) in `zone` at `trust`: the strictest
+    that matches (the first of equals), else DEFAULT_RULE."""
     found = DEFAULT_RULE
     for rule in rules:
         if (
-            rule.matches(trust, zone, kind)
+            rule.matches(trust, zone, kind, path, dest)
             and _STRICTNESS[rule.verdict] > _STRICTNESS[found.verdict]
         ):
             found = rule
@@ -307,20 +374,36 @@ class Broker:
         """Whether any rule asks or blocks (else consult is never needed)."""
         return any(rule.verdict is not Verdict.PRE_APPROVED for rule in self.rules)
 
-    def rule_for(self, trust: str, zone: str, kinds: Sequence[Kind]) -> tuple[Rule, Kind]:
+    def rule_for(
+        self,
+        trust: str,
+        zone: str,
+        kinds: Sequence[Kind],
+        path: str = "",
+        dest: str | None = None,
+    ) -> tuple[Rule, Kind]:
         """The strictest rule over `kinds` (a rename that replaces a file is also an
-        overwrite) and the kind it decides."""
+        overwrite) and the kind it decides; rules' exclusions apply to `path` (-> `dest`),
+        none to an empty path."""
         best, best_kind = DEFAULT_RULE, kinds[0]
         for kind in kinds:
-            rule = strictest(self.rules, trust, zone, kind)
+            rule = strictest(self.rules, trust, zone, kind, path, dest)
             if _STRICTNESS[rule.verdict] > _STRICTNESS[best.verdict]:
                 best, best_kind = rule, kind
         return best, best_kind
 
-    def verdict(self, trust: str, zone: str, kinds: Sequence[Kind], path: str) -> Outcome:
+    def verdict(
+        self,
+        trust: str,
+        zone: str,
+        kinds: Sequence[Kind],
+        path: str,
+        dest: str | None = None,
+        exclusions: bool = True,
+    ) -> Outcome:
         """What consult would answer now, changing nothing: no request made or joined, no
         once-grant used (a permission probe's answer)."""
-        rule, kind = self.rule_for(trust, zone, kinds)
+        rule, kind = self.rule_for(trust, zone, kinds, path if exclusions else "", dest)
         what = f"{kind.value} of {path}"
         if rule.verdict is Verdict.PRE_APPROVED or self.mode is Mode.OFF:
             return Outcome(True, rule)
@@ -344,10 +427,13 @@ class Broker:
         comm: str = "",
         cmdline: Callable[[], str] = lambda: "",
         dest: str | None = None,
+        exclusions: bool = True,
     ) -> Outcome:
         """Whether the operation may go ahead now. An ask with no grant becomes (or joins) a
-        pending request and is refused with a reason naming it."""
-        rule, kind = self.rule_for(trust, zone, kinds)
+        pending request and is refused with a reason naming it. `exclusions` False: the
+        rules' exclude patterns do not apply (a file with other names, which may be the
+        user's)."""
+        rule, kind = self.rule_for(trust, zone, kinds, path if exclusions else "", dest)
         if rule.verdict is Verdict.PRE_APPROVED:
             return Outcome(True, rule)
         what = f"{kind.value} of {path}"

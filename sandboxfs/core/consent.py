@@ -39,11 +39,15 @@ class Consent:
         comm: Callable[[int], str | None],
         revoked: Callable[[], None],
         git_dirs: Callable[[], frozenset[Zone]] = frozenset,
+        process: Callable[[int], int] = lambda pid: pid,
     ) -> None:
         self._record = record  # Guard.record
         self._refuse = refuse  # Guard.refuse
         self._trust = trust
         self._comm = comm
+        # The process (thread group) of a thread: FUSE names the calling thread, and requests
+        # are grouped per process (20 threads of one program deleting make one request).
+        self._process = process
         self._revoked = revoked  # open handles are to be checked again
         self.git_dirs = git_dirs  # zones that are git directories (the policy's)
         self.broker: Broker | None = None
@@ -77,7 +81,13 @@ class Consent:
         the same rules and grants, judged without making, joining or answering a request and
         without an audit entry (`refuse`: the probe's own guard's)."""
         copy = Consent(
-            lambda *a, **k: None, refuse, self._trust, self._comm, lambda: None, self.git_dirs
+            lambda *a, **k: None,
+            refuse,
+            self._trust,
+            self._comm,
+            lambda: None,
+            self.git_dirs,
+            self._process,
         )
         copy.broker, copy.revoked_grants, copy.probing = self.broker, self.revoked_grants, True
         return copy
@@ -90,21 +100,24 @@ class Consent:
         path: str,
         op: AuditOp | Op,
         dest: str | None = None,
+        *,
+        exclusions: bool = True,
     ) -> None:
         """The approval rules for an operation every other check allowed: returns (allowed)
-        or audits the refusal, or the new pending request and the refusal naming it."""
+        or audits the refusal, or the new pending request and the refusal naming it.
+        `exclusions` False: no rule's exclude patterns apply (a file with other names)."""
         self.last_grant = None
         broker = self.broker
         if broker is None or not broker.rules or not kinds or self._git_bookkeeping(zone, path):
             return
         if self.probing:
-            outcome = broker.verdict(self._trust(), zone.value, kinds, path)
+            outcome = broker.verdict(self._trust(), zone.value, kinds, path, dest, exclusions)
             if outcome.allowed:
                 return
             decision = Decision(False, errno.EACCES, outcome.reason, Rule.APPROVAL)
             raise self._refuse(caller, op, path, zone, decision, dest=dest)
         self.tidy()
-        outcome = self._consult(broker, caller, kinds, zone, path, dest)
+        outcome = self._consult(broker, caller, kinds, zone, path, dest, exclusions)
         if outcome.request is not None and outcome.new:
             self._entry(outcome.request, "asks the user", None)
             if self.approver is not None:  # the API's own prompt answers at once
@@ -115,7 +128,7 @@ class Consent:
                     choice = Answer.DENY
                 request = outcome.request.id
                 self.answer(request, choice, "the API's approver", caller.pid, caller.uid)
-                outcome = self._consult(broker, caller, kinds, zone, path, dest)
+                outcome = self._consult(broker, caller, kinds, zone, path, dest, exclusions)
         if outcome.allowed:
             if outcome.grant is not None or outcome.unasked:
                 self._use(caller, outcome, zone, path, dest)
@@ -134,8 +147,9 @@ class Consent:
         zone: Zone,
         path: str,
         dest: str | None,
+        exclusions: bool = True,
     ) -> Outcome:
-        pid = caller.pid
+        pid = self._process(caller.pid)
         return broker.consult(
             self._trust(),
             zone.value,
@@ -145,6 +159,7 @@ class Consent:
             comm=self._comm(pid) or "",
             cmdline=lambda: read_cmdline(pid),
             dest=dest,
+            exclusions=exclusions,
         )
 
     def connect(self, target: str, pid: int, uid: int) -> tuple[bool, str, int | None]:

@@ -174,9 +174,19 @@ class Gate:
     # ----- files -----------------------------------------------------------------------------
 
     def check_open(
-        self, caller: Caller, node: Node, *, read: bool, write: bool, truncate: bool = False
+        self,
+        caller: Caller,
+        node: Node,
+        *,
+        read: bool,
+        write: bool,
+        truncate: bool = False,
+        in_place: bool = False,
     ) -> None:
-        self.guard.may_open(caller, node, read, write, truncate=truncate)
+        shared = write and self._shared(node)
+        self.guard.may_open(
+            caller, node, read, write, truncate=truncate, in_place=in_place, shared=shared
+        )
         op = Op.WRITE if write else Op.READ
         self._decide(lambda: Request(op, caller, node.vpath(), node.zone, node=node))
 
@@ -189,12 +199,14 @@ class Gate:
         read: bool,
         write: bool,
         truncate: bool = False,
+        in_place: bool = False,
         comm: str | None = None,
     ) -> T:
-        """Open an existing file (`action` opens it, and truncates with `truncate`): what
-        truncating frees leaves the quota; a read-only open is recorded as `read` (a writer's
-        entry is written when its handle is released, with the bytes: see `release`)."""
-        self.check_open(caller, node, read=read, write=write, truncate=truncate)
+        """Open an existing file (`action` opens it, and truncates with `truncate`; `in_place`:
+        for writing without O_APPEND): what truncating frees leaves the quota; a read-only
+        open is recorded as `read` (a writer's entry is written when its handle is released,
+        with the bytes: see `release`)."""
+        self.check_open(caller, node, read=read, write=write, truncate=truncate, in_place=in_place)
         old_size = -1
         if truncate and self.guard.zone_limits(node.zone).has_quota:
             old_size = self.storage.stat(node).st_size
@@ -206,6 +218,17 @@ class Gate:
         if not write:
             self.guard.did(caller, Op.READ, node, comm=comm)
         return result
+
+    def _shared(self, node: Node) -> bool:
+        """Whether a file's contents are also another name's (approval rules' exclusions do
+        not apply to it); only asked where approval rules exist."""
+        return self.guard.consent.active and self.storage.stat(node).st_nlink > 1
+
+    def overwrite_in_place(self, caller: Caller, node: Node) -> None:
+        """A write below the end of a file through a handle opened with O_APPEND (whose flag
+        fcntl cleared since, or a shared mapping's writeback): an overwrite for the approval
+        rules, as an open without O_APPEND is."""
+        self.guard.may_open(caller, node, False, True, in_place=True, shared=self._shared(node))
 
     def open_document(self, caller: Caller, node: Node, *, write: bool) -> None:
         """The mount's own documents (/.sandboxfs/context.json and README): read-only at every
@@ -562,13 +585,23 @@ class Gate:
         owner: tuple[int, int] | None = None,
         times: bool = False,
         creating: bool = False,
+        overwrite_granted: bool = False,
         action: Callable[[int | None], None],
     ) -> None:
         """Change node's size (`size`: the current size, the truncation, the new size; by its
         creating handle only in a create-only zone), mode (set-id bits stripped), owner and/or
-        times; `action(mode)` changes the rest; one `write` entry names what changed."""
+        times; `action(mode)` changes the rest; one `write` entry names what changed. A size
+        change is an overwrite for the approval rules unless its handle was opened as one
+        (`overwrite_granted`)."""
         g = self.guard
-        g.may_change(caller, node, allow_created=creating or size is None)
+        overwrites = size is not None and not overwrite_granted
+        g.may_change(
+            caller,
+            node,
+            allow_created=creating or size is None,
+            overwrites=overwrites,
+            shared=overwrites and self._shared(node),
+        )
         self._decide(lambda: Request(Op.WRITE, caller, node.vpath(), node.zone, node=node))
         changes: list[str] = []
         if size is not None:

@@ -116,6 +116,7 @@ class Guard:
             self.process_names.get,
             self._recheck,
             lambda: self.policy.git_dirs,
+            self.process_names.process,
         )
         self._moves = moves
         # Whether the staged commit of that name is under review (frozen: see sandboxfs.staging).
@@ -759,11 +760,16 @@ class Guard:
         write: bool,
         *,
         truncate: bool = False,
+        in_place: bool = False,
+        shared: bool = False,
         consent: bool = True,
     ) -> None:
         """Opening an existing file to read and/or to write (or truncate): never a deny-listed
         one, nor one that holds a private key (checked last: it reads the file); then the
-        approval rules (not for a handle kept open: `consent` False)."""
+        approval rules (not for a handle kept open: `consent` False). Truncating, or writing
+        in place (`in_place`: without O_APPEND), a file this session did not create destroys
+        what it held: an overwrite too. `shared`: the file has other names, so no rule's
+        exclusions apply (a hard link in `build/` to the user's file is the user's file)."""
         assert node.zone is not None
         self._reject_denied_node(caller, Op.WRITE if write else Op.READ, node)
         if read and not self._own_readable(node):
@@ -780,12 +786,14 @@ class Guard:
             raise self.refuse(caller, op, node.vpath(), node.zone, decision)
         self._reject_private_key_node(caller, Op.WRITE if write else Op.READ, node)
         if consent:  # approvals: reading, writing, overwriting an existing file
-            kinds = [Kind.OVERWRITE] if truncate else []
+            overwrites = (truncate or in_place) and not node.created_here
+            kinds = [Kind.OVERWRITE] if overwrites else []
             kinds += [Kind.WRITE] if write else []
             kinds += [Kind.READ] if read else []
             op = Op.WRITE if write else Op.READ
             if self.consent.active:  # a virtual path costs a walk up the tree
-                self.consent.check(caller, kinds, node.zone, node.vpath(), op)
+                path = node.vpath()
+                self.consent.check(caller, kinds, node.zone, path, op, exclusions=not shared)
 
     def may_keep(
         self,
@@ -831,13 +839,23 @@ class Guard:
             self.check(caller, Op.READ, node)
         self._reject_denied_node(caller, Op.READ, node)
 
-    def may_change(self, caller: Caller, node: Node, allow_created: bool = True) -> None:
+    def may_change(
+        self,
+        caller: Caller,
+        node: Node,
+        allow_created: bool = True,
+        *,
+        overwrites: bool = False,
+        shared: bool = False,
+    ) -> None:
         """Writes to an existing entry (setattr, xattrs): never to `/`, a zone root or
         /.sandboxfs.
 
         In a create-only zone, entries this mount created may still get their mode, times and
         xattrs set (tar and cp -p do that after writing), but only their creating handle may
-        change their size.
+        change their size. `overwrites`: a size change (truncate(2), ftruncate) not covered
+        by how its handle was opened, an overwrite for the approval rules too; `shared`: as
+        in may_open.
         """
         if node.ino < FIRST_DYNAMIC_INO:
             reason = (
@@ -855,7 +873,9 @@ class Guard:
             self._check_layer(caller, node, Op.WRITE)
         self._reject_private_key_node(caller, Op.WRITE, node)
         if not node.created_here and self.consent.active:  # approvals: truncate, chmod, xattr
-            self.consent.check(caller, [Kind.WRITE], node.zone, node.vpath(), Op.WRITE)
+            kinds = [Kind.OVERWRITE, Kind.WRITE] if overwrites else [Kind.WRITE]
+            path = node.vpath()
+            self.consent.check(caller, kinds, node.zone, path, Op.WRITE, exclusions=not shared)
 
     def may_write_context(self, caller: Caller, node: Node) -> NoReturn:
         decision = Decision(False, errno.EACCES, CONTEXT_REASON)
@@ -1274,6 +1294,35 @@ class ProcessNames:
     def __init__(self, capacity: int = 64) -> None:
         self._capacity = capacity
         self._fds: OrderedDict[int, int] = OrderedDict()
+        # Thread id -> its thread group (process) id, while its comm descriptor is kept:
+        # valid exactly as long as that descriptor still reads (the same thread).
+        self._groups: dict[int, int] = {}
+
+    def process(self, tid: int) -> int:
+        """The process (thread group id, `Tgid:` of /proc/<tid>/status) of thread `tid`, or
+        `tid` itself when that cannot be read. Read once per thread, and trusted only if the
+        thread's comm descriptor, opened before, still reads after: a tid reused meanwhile
+        by another process fails it."""
+        if self.get(tid) is None:
+            return tid
+        known = self._groups.get(tid)
+        if known is not None:
+            return known
+        bound = self._fds[tid]  # opened for this very thread
+        try:
+            fd = os.open(f"/proc/{tid}/status", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                status = os.pread(fd, 4096, 0)
+            finally:
+                os.close(fd)
+            group = int(status.split(b"\nTgid:", 1)[1].split(b"\n", 1)[0])
+            _read_comm(bound)  # still that thread: the status read was its own
+        except (OSError, IndexError, ValueError):
+            return tid
+        if group <= 0:
+            return tid
+        self._groups[tid] = group
+        return group
 
     def get(self, pid: int) -> str | None:
         fd = self._fds.get(pid)
@@ -1282,6 +1331,7 @@ class ProcessNames:
                 name = _read_comm(fd)
             except OSError:
                 del self._fds[pid]
+                self._groups.pop(pid, None)
                 os.close(fd)
             else:
                 self._fds.move_to_end(pid)
@@ -1299,7 +1349,8 @@ class ProcessNames:
             return None
         self._fds[pid] = fd
         if len(self._fds) > self._capacity:
-            _, oldest = self._fds.popitem(last=False)
+            gone, oldest = self._fds.popitem(last=False)
+            self._groups.pop(gone, None)
             os.close(oldest)
         return name
 
@@ -1307,3 +1358,4 @@ class ProcessNames:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._groups.clear()

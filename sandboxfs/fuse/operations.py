@@ -110,6 +110,9 @@ class FileHandle:
     write_generation: int = 0
     # The approval grant it was opened under (core.approvals): revoking it ends the handle.
     grant: int | None = None
+    # Opened with O_APPEND on an existing file: judged a write, not an overwrite, so a cut
+    # (ftruncate) or a write below the end through it is still asked about as one.
+    appends: bool = False
 
 
 @dataclass(slots=True)
@@ -295,6 +298,13 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         creating = isinstance(handle, FileHandle) and handle.created
         fd = handle.fd if isinstance(handle, FileHandle) else None
         writable = isinstance(handle, FileHandle) and handle.writable
+        # ftruncate through a handle opened for writing in place: its open was the overwrite
+        granted = (
+            isinstance(handle, FileHandle)
+            and writable
+            and not handle.appends
+            and handle.grant not in self.guard.consent.revoked_grants
+        )
         opened: list[int] = []
         keeps_cache = False
 
@@ -346,6 +356,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 owner=owner,
                 times=bool(fields.update_atime or fields.update_mtime),
                 creating=creating,
+                overwrite_granted=granted,
                 action=change,
             )
         finally:
@@ -555,6 +566,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         if node.zone is None or node.is_dir:
             raise SandboxError(errno.EISDIR)
         truncate = bool(flags & os.O_TRUNC)
+        appends = bool(flags & os.O_APPEND)
 
         def open_file() -> tuple[int, os.stat_result]:
             if truncate:
@@ -564,7 +576,14 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         comm = self.guard.process_names.get(ctx.pid)
         read = accmode != os.O_WRONLY
         fd, st = self.gate.open(
-            ctx, node, open_file, read=read, write=wants_write, truncate=truncate, comm=comm
+            ctx,
+            node,
+            open_file,
+            read=read,
+            write=wants_write,
+            truncate=truncate,
+            in_place=accmode != os.O_RDONLY and not appends,
+            comm=comm,
         )
         grant = self.guard.consent.last_grant  # the approval grant that let it open, if any
         stamp = (st.st_mtime_ns, st.st_size)
@@ -574,6 +593,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         handle = FileHandle(fd, node, wants_write, False, ctx.pid, ctx.uid, ctx.gid, comm)
         handle.sized = limits.sizes_matter
         handle.grant = grant
+        handle.appends = wants_write and appends and not truncate and not node.created_here
         handle.read_generation = handle.write_generation = self.guard.generation
         node.open_fds = (*node.open_fds, fd)
         return self._new_handle(handle, keep_cache=keep_cache, direct_io=bool(flags & os.O_DIRECT))
@@ -622,6 +642,9 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 handle, node, read=False, write=True, created=handle.created, grant=handle.grant
             )
             handle.write_generation = self.guard.generation
+        if handle.appends and self.guard.consent.active and off < os.fstat(handle.fd).st_size:
+            self.gate.overwrite_in_place(handle, node)
+            handle.appends = False
 
         def frozen() -> None:
             # Pages of a shared mapping the kernel failed to write back stay in its cache as
