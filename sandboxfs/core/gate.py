@@ -219,6 +219,11 @@ class Gate:
             self.guard.did(caller, Op.READ, node, comm=comm)
         return result
 
+    def _made_here(self, zone: Zone, st: StatLike | None) -> bool:
+        """Whether this mount created the entry `st` describes (not the user's: no approval
+        rule asks about changing it); only asked where approval rules exist."""
+        return st is not None and self.guard.consent.active and self.storage.created(zone, st)
+
     def _shared(self, node: Node) -> bool:
         """Whether a file's contents are also another name's (approval rules' exclusions do
         not apply to it); only asked where approval rules exist."""
@@ -501,7 +506,8 @@ class Gate:
         if found is None:
             raise SandboxError(errno.ENOENT, f"{parent.vpath(name)} does not exist")
         st, layer = found
-        g.may_remove(caller, parent, name, stat.S_ISDIR(st.st_mode), layer, op)
+        created = self._made_here(zone, st)
+        g.may_remove(caller, parent, name, stat.S_ISDIR(st.st_mode), layer, op, created)
         self._decide(lambda: Request(Op.DELETE, caller, parent.vpath(name), zone))
         return zone, st, layer
 
@@ -565,7 +571,18 @@ class Gate:
         replaces = dst_st is not None and not exchange  # an overwrite too, for approvals
         for parent, name, st, to_parent, to_name in moving:
             g.may_move(
-                caller, parent, name, st, to_parent, to_name, src, dst, read, replaces=replaces
+                caller,
+                parent,
+                name,
+                st,
+                to_parent,
+                to_name,
+                src,
+                dst,
+                read,
+                replaces=replaces,
+                created=self._made_here(zone, st),
+                replaced_created=replaces and self._made_here(zone, dst_st),
             )
         self._decide(lambda: Request(AuditOp.RENAME, caller, src, zone, dst))
         action(zone, src_st, src_layer, dst_st)

@@ -1121,9 +1121,17 @@ class Guard:
         return parent.zone
 
     def may_remove(
-        self, caller: Caller, parent: Node, name: bytes, is_dir: bool, layer: int, op: Op
+        self,
+        caller: Caller,
+        parent: Node,
+        name: bytes,
+        is_dir: bool,
+        layer: int,
+        op: Op,
+        created: bool = False,
     ) -> None:
-        """Checks on the entry found at parent/name (in workers layer `layer`)."""
+        """Checks on the entry found at parent/name (in workers layer `layer`); `created`: this
+        mount made it, so it is not the user's and no approval rule asks."""
         zone = parent.zone
         assert zone is not None
         self._reject_protected(caller, Op.DELETE, parent, name, is_dir)
@@ -1131,7 +1139,7 @@ class Guard:
         self._reject_layer(caller, op, parent, name, layer)
         if not is_dir:
             self._reject_private_key(caller, Op.DELETE, parent, name, layer)
-        if self.consent.active:  # approvals
+        if self.consent.active and not created:  # approvals
             self.consent.check(caller, [Kind.DELETE], zone, parent.vpath(name), op)
 
     def removed(self, zone: Zone, st: StatLike) -> None:
@@ -1202,6 +1210,8 @@ class Guard:
         read: ReadFile | None = None,
         *,
         replaces: bool = False,
+        created: bool = False,
+        replaced_created: bool = False,
     ) -> None:
         """Patterns survive renames: nothing protected is moved away or onto, and no directory
         is moved while a deny or protect path pattern, or a git rule that depends on where the
@@ -1210,7 +1220,9 @@ class Guard:
         directory. Suffixes too: a file keeps an
         allowed suffix, and one without can only be deleted. A file renamed onto one of git's
         config files is judged by what it changes (`read`: see _judge_config). Last, the approval
-        rules (`replaces`: the rename replaces an existing entry, an overwrite too)."""
+        rules (`replaces`: the rename replaces an existing entry, an overwrite too), which never
+        ask about moving what this mount created (`created`) nor about replacing it
+        (`replaced_created`)."""
         is_dir = stat.S_ISDIR(st.st_mode)
         link = stat.S_ISLNK(st.st_mode)
         self._reject_protected(caller, AuditOp.RENAME, parent, name, is_dir, dest=dst)
@@ -1231,9 +1243,10 @@ class Guard:
                 )
         else:
             self._may_move_dir(caller, parent, name, to_parent, to_name, src, dst)
-        if self.consent.active:
+        kinds = [] if created else [Kind.RENAME]
+        kinds += [Kind.OVERWRITE] if replaces and not replaced_created else []
+        if self.consent.active and kinds:
             assert parent.zone is not None
-            kinds = [Kind.RENAME, Kind.OVERWRITE] if replaces else [Kind.RENAME]
             dest = to_parent.vpath(to_name)
             path = parent.vpath(name)
             self.consent.check(caller, kinds, parent.zone, path, AuditOp.RENAME, dest)

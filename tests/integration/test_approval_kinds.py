@@ -127,6 +127,46 @@ def test_twenty_threads_of_one_process_make_one_request(tmp_path: Path, project:
         assert request["comm"].startswith("python")
 
 
+def test_what_the_session_made_is_never_asked_and_never_a_way_to_the_users_files(
+    tmp_path: Path, project: Path
+) -> None:
+    """Its own files (an editor's swap file, a temp file renamed into place) and the excluded
+    directories need no answer; a hard link to the user's file in `build/`, a move into
+    `build/` and a move from there onto the user's file still ask."""
+    (project / "sandboxfs.yaml").write_text(AGENT)
+    (project / "build").mkdir()
+    (project / "build" / "old.o").write_text("o")
+    with mounted(tmp_path / "mnt", project, "full") as m:
+        repo = m.mnt / "repo"
+        own = python(
+            "import os, sys; r = sys.argv[1]; open(r + '/.main.py.swp', 'w').write('s'); "
+            "os.unlink(r + '/.main.py.swp'); open(r + '/new.tmp', 'w').write('n'); "
+            "os.rename(r + '/new.tmp', r + '/new.py'); os.unlink(r + '/build/old.o'); "
+            "os.mkdir(r + '/build/lib'); os.rename(r + '/build/lib', r + '/build/lib2')",
+            repo,
+        )
+        assert own.returncode == 0, own.stderr
+        assert pending(m) == []
+        attempts = {
+            "/repo/build/m": (
+                f"ln {repo}/src/main.py {repo}/build/m && : > {repo}/build/m",
+                "overwrite",
+            ),
+            "/repo/README.md": (f"mv {repo}/README.md {repo}/build/README.md", "rename"),
+            "/repo/build/gen.py": (
+                f"echo x > {repo}/build/gen.py && mv {repo}/build/gen.py {repo}/src/main.py",
+                "overwrite",
+            ),
+        }
+        for command, _ in attempts.values():
+            result = subprocess.run(["sh", "-c", command], capture_output=True, text=True)
+            assert result.returncode != 0 and "ermission denied" in result.stderr, command
+        assert {r["path"]: r["op"] for r in pending(m)} == {
+            path: op for path, (_, op) in attempts.items()
+        }
+        assert (project / "src" / "main.py").read_text() == "print('hello')\n"
+
+
 def _wheel(directory: Path) -> Path:
     """A tiny pure-Python wheel, built by hand (no build backend, no network)."""
     wheel = directory / "tinypkg-1.0-py3-none-any.whl"
