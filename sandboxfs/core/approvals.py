@@ -113,7 +113,8 @@ class Rule:
         zones = ", ".join(sorted(self.zones)) or "every zone"
         levels = ", ".join(sorted(self.trust)) or "every trust level"
         kinds = ", ".join(k.value for k in Kind if k in self.kinds)
-        but = f" (except {', '.join(self.exclude)})" if self.exclude else ""
+        more = f" and {len(self.exclude) - 3} more" if len(self.exclude) > 3 else ""
+        but = f" (except {', '.join(self.exclude[:3])}{more})" if self.exclude else ""
         return f"{self.id}: {kinds} in {zones}{but} at {levels}: {self.verdict.value}"
 
 
