@@ -4,11 +4,15 @@ of one process are grouped, and the everyday tools it must not break (README, "A
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
+import tempfile
 import zipfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.support.cli import SANDBOXFS, sandboxfs
 from tests.support.mounts import Mount, mounted
@@ -24,9 +28,25 @@ def pending(m: Mount) -> list[dict[str, Any]]:
     return requests
 
 
-def python(code: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+AS = pytest.mark.parametrize(
+    "prefix",
+    [
+        pytest.param([], id="root"),
+        pytest.param(
+            NOBODY,
+            id="nobody",
+            marks=pytest.mark.skipif(os.geteuid() != 0, reason="needs root (setpriv)"),
+        ),
+    ],
+)
+
+
+def python(
+    code: str, *args: str | Path, prefix: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", code, *map(str, args)],
+        [*prefix, PY, "-c", code, *map(str, args)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -54,17 +74,36 @@ OVERWRITES = {
 }
 
 
+def _open_to_all(project: Path) -> None:
+    """The project's files writable by anyone (the ordinary user's runs need that)."""
+    for path in [project, *project.rglob("*")]:
+        path.chmod(0o777 if path.is_dir() else 0o666)
+
+
+@pytest.fixture
+def mnt() -> Iterator[Path]:
+    """A mountpoint the ordinary user can reach (pytest's own directories are root's alone)."""
+    path = Path(tempfile.mkdtemp(prefix="sandboxfs-kinds-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        path.rmdir()
+
+
+@AS
 def test_every_change_that_destroys_a_files_content_asks_overwrite(
-    tmp_path: Path, project: Path
+    mnt: Path, project: Path, prefix: list[str]
 ) -> None:
     (project / "sandboxfs.yaml").write_text(AGENT)
     for name in OVERWRITES:
         (project / name).write_text("the user's work\n")
     (project / "log").write_text("line 1\n")
-    with mounted(tmp_path / "mnt", project, "full") as m:
+    _open_to_all(project)
+    with mounted(mnt, project, "full", "--allow-other") as m:
         repo = m.mnt / "repo"
         for name, code in OVERWRITES.items():
-            result = python(code, repo / name)
+            result = python(code, repo / name, prefix=prefix)
             assert result.returncode != 0 and "Permission denied" in result.stderr, name
             assert (project / name).read_text() == "the user's work\n", name
         asked = {r["path"]: (r["op"], r["rule"]) for r in pending(m)}
@@ -76,6 +115,7 @@ def test_every_change_that_destroys_a_files_content_asks_overwrite(
             "import os, sys; fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND); "
             "os.write(fd, b'line 2\\n')",
             repo / "log",
+            prefix=prefix,
         )
         assert appended.returncode == 0, appended.stderr
         assert (project / "log").read_text() == "line 1\nline 2\n"
@@ -83,10 +123,11 @@ def test_every_change_that_destroys_a_files_content_asks_overwrite(
         made = python(
             "import os, sys; open(sys.argv[1], 'w').write('draft'); os.truncate(sys.argv[1], 1); "
             "fd = os.open(sys.argv[1], os.O_RDWR); os.ftruncate(fd, 0); os.write(fd, b'final')",
-            repo / "made",
+            repo / "src" / "made",  # (the zone root is root's: no one else creates there)
+            prefix=prefix,
         )
         assert made.returncode == 0, made.stderr
-        assert (project / "made").read_text() == "final"
+        assert (project / "src" / "made").read_text() == "final"
         assert len(pending(m)) == len(OVERWRITES)
 
 
@@ -108,13 +149,17 @@ print(len(refused))
 """
 
 
-def test_twenty_threads_of_one_process_make_one_request(tmp_path: Path, project: Path) -> None:
+@AS
+def test_twenty_threads_of_one_process_make_one_request(
+    mnt: Path, project: Path, prefix: list[str]
+) -> None:
     (project / "sandboxfs.yaml").write_text(AGENT)
     (project / "many").mkdir()
     for i in range(20):
         (project / "many" / f"f{i}").write_text("x")
-    with mounted(tmp_path / "mnt", project, "full") as m:
-        result = python(THREADED_DELETES, m.mnt / "repo" / "many")
+    _open_to_all(project)
+    with mounted(mnt, project, "full", "--allow-other") as m:
+        result = python(THREADED_DELETES, m.mnt / "repo" / "many", prefix=prefix)
         assert result.returncode == 0 and result.stdout.strip() == "20", result.stderr
         requests = pending(m)
         assert len(requests) == 1, [(r["id"], r["pid"], r["count"]) for r in requests]
