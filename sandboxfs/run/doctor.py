@@ -348,6 +348,15 @@ def _pyfuse3() -> Check:
     where = spec.origin or "(namespace package)"
     if Path(where).name.startswith("__init__."):
         where = str(Path(where).parent)
+    failure = _import_failure("pyfuse3")
+    if failure is not None:
+        return Check(
+            "pyfuse3",
+            "mount",
+            False,
+            f"pyfuse3 {version} at {where} cannot be imported by {sys.executable}: {failure}",
+            install,
+        )
     found = _version(version)
     low, high = PYFUSE3_RANGE
     if found is not None and not low <= found < high:
@@ -359,6 +368,17 @@ def _pyfuse3() -> Check:
             install,
         )
     return Check("pyfuse3", "mount", True, f"pyfuse3 {version} at {where}", None)
+
+
+def _import_failure(module: str) -> str | None:
+    """Why `module` does not import here, in one line, or None: found is not enough, as its
+    compiled part may need a library that is gone (libfuse3). Imported in this process, the
+    one whose fork serves the mount, so its path and environment are the daemon's."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # an import runs the module's code: any error means unusable
+        return _one_line(f"{type(exc).__name__}: {exc}") or type(exc).__name__
+    return None
 
 
 # ----- run ----------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ are tested below the table.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -346,3 +347,20 @@ def test_doctor_runs_without_pyfuse3() -> None:
     assert "Traceback" not in result.stderr, result.stderr
     assert '"pyfuse3"' in result.stdout
     assert result.returncode != 0  # pyfuse3 is a failed check
+
+
+def test_doctor_imports_pyfuse3_rather_than_locating_it(tmp_path: Path) -> None:
+    """A pyfuse3 that is found but fails to import (its libfuse3 gone) is a failed check."""
+    broken = tmp_path / "pyfuse3"
+    broken.mkdir()
+    message = "libfuse3.so.3: cannot open shared object file: No such file or directory"
+    (broken / "__init__.py").write_text(f"raise ImportError({message!r})\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run(
+        [*SANDBOXFS, "doctor", "--json"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert "Traceback" not in result.stderr, result.stderr
+    check = next(c for c in json.loads(result.stdout) if c["name"] == "pyfuse3")
+    assert not check["ok"], check
+    assert message in check["detail"] and "\n" not in check["detail"]
+    assert result.returncode == 1
