@@ -507,6 +507,7 @@ def _when(text: str) -> datetime:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
+    state.check_state_root()  # before anything is written: the audit log's key is there
     run_mod.sweep_dead_runs()
     read_only, cache = _apply_mount_options(args)
     project = validate_project(args.project)
@@ -623,6 +624,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         die_with_parent(signal.SIGTERM)
         if os.getppid() != args.parent_pid:  # the parent ended before that took effect
             raise SetupError("the run that started this child has ended")
+    state.check_state_root()  # before anything is written: the audit log's key is there
     command = list(args.argv)
     if command[:1] == ["--"]:
         command = command[1:]
