@@ -347,13 +347,13 @@ class Control:
         with conn:
             try:
                 with trio.move_on_after(10):
-                    await conn.send(await self._answer(conn))
+                    await control.send_whole(conn, await self._answer(conn))
             except OSError as exc:
                 log.warning("control connection: %s", exc)
             except Exception:  # no request may end the daemon
                 log.exception("control request failed")
                 with contextlib.suppress(OSError), trio.move_on_after(1):
-                    await conn.send(control.reply(False, error="internal error"))
+                    await control.send_whole(conn, control.reply(False, error="internal error"))
 
     async def _answer(self, conn: trio.socket.SocketType) -> bytes:
         peer = control.peer_of(conn)  # type: ignore[arg-type]

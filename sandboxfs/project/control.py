@@ -7,7 +7,8 @@ mount's owner's or root's, in the daemon's own PID and user namespaces, so a pro
 `run` sandbox is refused even if it could reach the socket.
 
 Protocol (version 1): one request per connection, a JSON object on one line (at most 64 KiB),
-answered by one JSON line. Every request has `"v": 1` and an `"op"`:
+answered by one JSON line (at most 16 MiB), each sent whole (a stream socket's `send` may take
+only part of a long one) and read up to its newline. Every request has `"v": 1` and an `"op"`:
 
     {"v": 1, "op": "status"}                 -> {"v": 1, "ok": true, "trust": ..., "session": ...}
     {"v": 1, "op": "trust", "trust": LEVEL}  -> {"v": 1, "ok": true, "old": ..., "new": ...}
@@ -33,10 +34,10 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from sandboxfs.core.approvals import Answer
 from sandboxfs.core.policy import Trust
@@ -46,6 +47,9 @@ from sandboxfs.layout import control_dir
 
 VERSION = 1
 MAX_REQUEST = 64 << 10
+# An answer past this is replaced by an error saying so, never cut: the approvals ops list
+# requests and grants that other bounds keep far below it.
+MAX_REPLY = 16 << 20
 _SUN_PATH_MAX = 100
 _UCRED = struct.Struct("3i")
 
@@ -150,7 +154,24 @@ def _number(request: dict[str, Any], key: str) -> int:
 
 
 def reply(ok: bool, **fields: Any) -> bytes:
-    return (json.dumps({"v": VERSION, "ok": ok, **fields}) + "\n").encode()
+    """One answer line, at most MAX_REPLY bytes (an error saying so in place of a longer one)."""
+    data = (json.dumps({"v": VERSION, "ok": ok, **fields}) + "\n").encode()
+    if len(data) > MAX_REPLY:
+        error = f"the answer ({len(data)} bytes) is larger than {MAX_REPLY} bytes"
+        return (json.dumps({"v": VERSION, "ok": False, "error": error}) + "\n").encode()
+    return data
+
+
+class _Sender(Protocol):
+    def send(self, data: memoryview, /) -> Awaitable[int]: ...
+
+
+async def send_whole(conn: _Sender, data: bytes) -> None:
+    """All of `data` on the daemon's (trio) socket: one `send` takes only what the socket's
+    buffer holds (about 200 KiB), and the rest would be lost."""
+    view = memoryview(data)
+    while view:
+        view = view[await conn.send(view) :]
 
 
 def bind(path: Path) -> socket.socket:
@@ -268,16 +289,15 @@ def request(path: Path, message: dict[str, Any], timeout: float = 30.0) -> dict[
         try:
             socket_at(path, sock.connect)
             sock.sendall((json.dumps({"v": VERSION, **message}) + "\n").encode())
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
+            data = _reply_line(sock)
         except OSError as exc:
             raise Failure(
                 f"cannot reach the mount's control socket {path}: {exc.strerror or exc}"
             ) from None
+    if len(data) > MAX_REPLY:
+        raise Failure(f"the daemon's answer on {path} is larger than {MAX_REPLY} bytes")
+    if not data.endswith(b"\n"):
+        raise Failure(f"the daemon's answer on {path} was cut off after {len(data)} bytes")
     try:
         answer = json.loads(data)
     except ValueError:
@@ -285,6 +305,21 @@ def request(path: Path, message: dict[str, Any], timeout: float = 30.0) -> dict[
     if not isinstance(answer, dict):
         raise Failure(f"the daemon gave no valid answer on {path}")
     return answer
+
+
+def _reply_line(sock: socket.socket) -> bytes:
+    """The answer up to its newline (or the end), a little past MAX_REPLY at most."""
+    chunks: list[bytes] = []
+    size = 0
+    while size <= MAX_REPLY:
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+    return b"".join(chunks)
 
 
 def socket_at(path: Path, call: Any) -> None:

@@ -704,3 +704,32 @@ def test_git_works_under_the_agent_profile_and_its_own_files_are_never_asked(
         refused = sh(f"rm {repo}/a/one")
         assert refused.returncode != 0 and "Permission denied" in refused.stderr
         assert [r["path"] for r in pending(m)] == ["/repo/a/one"]
+
+
+def test_replies_of_any_size_arrive_whole(tmp_path: Path, project: Path) -> None:
+    """30 pending deletes of long paths make an `approvals` reply far past what one `send`
+    takes (about 210 KB): `approvals` and `grants` still read it whole."""
+    (project / "sandboxfs.yaml").write_text(
+        "approvals:\n  timeout: 120\n  rules:\n"
+        "    - {id: repo-delete, ops: [delete], zones: [repo], decision: ask}\n"
+    )
+    long = "/".join(f"{i:02d}" + "d" * 198 for i in range(16))
+    for n in range(30):
+        (project / f"t{n:02d}" / long).mkdir(parents=True)
+        (project / f"t{n:02d}" / long / "f").write_text("x\n")
+    with mounted(tmp_path / "mnt", project, "full") as m:
+        for n in range(30):
+            rm = subprocess.run(
+                ["rm", str(m.mnt / "repo" / f"t{n:02d}" / long / "f")],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert rm.returncode == 1 and "Permission denied" in rm.stderr, rm.stderr
+        listed = sandboxfs("approvals", "--json", "--mount", m.mnt)
+        assert listed.returncode == 0, listed.stderr
+        assert len(listed.stdout) > 512 << 10
+        assert len(json.loads(listed.stdout)["pending"]) == 30
+        grants = sandboxfs("grants", "--json", "--mount", m.mnt)
+        assert grants.returncode == 0 and json.loads(grants.stdout) == [], grants.stderr
+        assert all((project / f"t{n:02d}" / long / "f").exists() for n in range(30))
