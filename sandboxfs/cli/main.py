@@ -634,7 +634,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_mod.load(project, args.config)
     workspace = check_id("workspace", args.workspace)
     user = userconfig.load()
-    profile = userconfig.agent(args.agent, user) if args.agent else None
+    profile = userconfig.agent(args.agent, user) if args.agent is not None else None
     net = args.net or ("allow" if profile and profile.allow_hosts else cfg.run.network)
     hosts = args.allow_host or ([] if args.net and args.net != "allow" else cfg.run.allow_hosts)
     if args.allow_host and net != "allow":

@@ -431,3 +431,23 @@ def test_unusable_state_dir_is_one_line_and_leaves_the_log_keyed(
     verified = sandboxfs_as(good, "audit", "verify", "--project", project)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert "keyed" in verified.stdout and "unkeyed" not in verified.stdout, verified.stdout
+
+
+@pytest.mark.parametrize("name", ["", "cla\nude", "x\x1b[2Jy"])
+@pytest.mark.parametrize("command", ["run", "home seed"])
+def test_agent_name_empty_or_unprintable_is_one_escaped_line(
+    tmp_path: Path, name: str, command: str
+) -> None:
+    """`--agent ''` is not taken for no profile, and the name is escaped in the one line."""
+    project = make_project(tmp_path)
+    args = [*command.split(), "--project", str(project), "--agent", name]
+    if command == "run":
+        args += ["--", "true"]
+    result = subprocess.run(
+        [*SANDBOXFS, *args], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
+    )
+    assert result.returncode == (125 if command == "run" else 2), result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "\x1b" not in result.stderr, result.stderr
+    assert f"--agent {name!r}:" in lines[0]
+    assert "claude" in lines[0]  # the profiles there are
