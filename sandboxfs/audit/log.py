@@ -378,6 +378,7 @@ class AuditLog:
         self._dropped = 0
         self._tail: _Tail | None = None  # valid while the file still has tail.size bytes
         self._failing = False
+        self._failure: str | None = None  # why, while failing: the last write's error
         self._reserve_path = path.with_suffix(".reserve")
         self._reserve_size = reserve
         self._reserve_short = False
@@ -434,6 +435,11 @@ class AuditLog:
         writes them and clears this.
         """
         return self._failing
+
+    @property
+    def failure(self) -> str | None:
+        """Why entries cannot be written (the last attempt's error), while `failing`."""
+        return self._failure
 
     def record(self, entry: dict[str, Any]) -> None:
         """Queue a copy of `entry` (stamped with `ts` if it has none); flush when it can't wait.
@@ -564,10 +570,12 @@ class AuditLog:
                     len(self._queue),
                 )
             self._failing = True
+            self._failure = exc.strerror or str(exc)
             raise
         if self._failing:
             log.warning("audit log %s is writable again", self._path)
         self._failing = False
+        self._failure = None
 
     def _flush_locked(self) -> None:
         size = self._follow_replacement()

@@ -42,10 +42,11 @@ from sandboxfs.errors import (
     SetupError,
     UserError,
 )
-from sandboxfs.layout import state_dir, state_root
+from sandboxfs.layout import control_dir, state_dir, state_root
 from sandboxfs.project import control, gitdir, state, workers
 from sandboxfs.project import zones as project_mod
 from sandboxfs.project.mounts import (
+    FAILING_CLOSED,
     NOT_YOURS,
     MountRequest,
     choose_session,
@@ -841,6 +842,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
         elif context == NOT_YOURS:
             rows.append({"mountpoint": mp, "state": context, "owner": _user_name(mount_owner(mp))})
+        elif context == FAILING_CLOSED:
+            rows.append({"mountpoint": mp, "state": context, **_failing_closed(mp)})
         else:
             rows.append({"mountpoint": mp, "state": context})
     if args.json:
@@ -874,7 +877,33 @@ def cmd_status(args: argparse.Namespace) -> int:
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
     for row in [headers, *table]:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    for shown in rows:
+        if shown.get("reason"):
+            print(f"{shown['mountpoint']}: {shown['state']}: {shown['reason']}")
     return 0
+
+
+def _failing_closed(mountpoint: str) -> dict[str, Any]:
+    """What the daemon of a mount that fails closed says over its control socket (which it
+    answers while it refuses every operation, context.json included): why, its level and
+    session. The socket is found among the user's own, by the mountpoint each names."""
+    found: dict[str, Any] = {"reason": "the audit log cannot be written"}
+    try:
+        sockets = sorted(control_dir().glob("*.sock"))
+    except OSError:
+        return found
+    for path in sockets:
+        try:
+            answer = control.request(path, {"op": "status"}, timeout=2.0)
+        except SandboxfsError:
+            continue
+        if answer.get("mountpoint") != mountpoint:
+            continue
+        if isinstance(answer.get("failing"), str):
+            found["reason"] += f" ({answer['failing']})"
+        found.update({k: answer.get(k) for k in ("trust", "session")})
+        break
+    return found
 
 
 def _trust_target(target: str | None, project: Path | None) -> Path:

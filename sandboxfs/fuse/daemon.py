@@ -30,7 +30,7 @@ from sandboxfs.core.approvals import ApprovalError, Mode
 from sandboxfs.core.consent import Consent
 from sandboxfs.core.context import context_document
 from sandboxfs.core.entry import AuditOp
-from sandboxfs.core.guard import MountInfo
+from sandboxfs.core.guard import AuditSink, MountInfo
 from sandboxfs.core.policy import Trust, Zone
 from sandboxfs.core.store import (
     CONTEXT_NAME,
@@ -370,7 +370,13 @@ class Control:
             return control.reply(False, error=str(exc))
         guard = self.ops.guard
         if request["op"] == "status":
-            return control.reply(True, trust=guard.policy.trust.value, session=self.info.session)
+            return control.reply(
+                True,
+                trust=guard.policy.trust.value,
+                session=self.info.session,
+                mountpoint=self.info.mountpoint,
+                failing=_audit_failure(guard.audit),
+            )
         if request["op"] in ("approvals", "answer", "revoke", "connect"):
             return approvals_reply(guard.consent, request, peer.pid, peer.uid)
         trust: Trust = request["trust"]
@@ -397,6 +403,13 @@ class Control:
     def _context(self) -> bytes:
         guard = self.ops.guard
         return context_document(guard.policy, self.info, os.getpid(), guard.limits)
+
+
+def _audit_failure(audit: AuditSink) -> str | None:
+    """Why the mount fails closed (its audit log's last error), for `status`; None if not."""
+    if not audit.failing:
+        return None
+    return (audit.failure if isinstance(audit, AuditLog) else None) or "unknown error"
 
 
 def approvals_reply(consent: Consent, request: dict[str, Any], pid: int, uid: int) -> bytes:
