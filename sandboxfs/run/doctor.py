@@ -27,6 +27,9 @@ from pathlib import Path
 from sandboxfs.run import confine
 
 BWRAP_MINIMUM = (0, 8, 0)  # --disable-userns, --size; with --json-status-fd, --perms, --cap-drop
+# CVE-2026-87766 (making a path inside a directory the program could write follows a link it
+# planted there) is fixed in 0.12.0 and, on the 0.11 branch, 0.11.2.
+BWRAP_CVE_2026_87766_FIXED = ((0, 11, 2), (0, 12, 0))
 PYTHON_MINIMUM = (3, 11)
 PYFUSE3_RANGE = ((3, 3), (4,))  # daemon.py relies on pyfuse3 3.x internals
 TRIAL_TIMEOUT = 10.0
@@ -428,7 +431,21 @@ def _bwrap_version(bwrap: str) -> Check:
             f"bubblewrap {found.group(1)} is older than {need} (run needs --disable-userns)",
             upgrade,
         )
-    return Check(name, "run", True, f"bubblewrap {found.group(1)}", None)
+    return Check(
+        name, "run", True, f"bubblewrap {found.group(1)}; {_cve_2026_87766(version)}", None
+    )
+
+
+def _cve_2026_87766(version: tuple[int, ...]) -> str:
+    """Whether this bubblewrap has the fix, and why `run` is safe with one that does not."""
+    branch, current = BWRAP_CVE_2026_87766_FIXED
+    if version >= current or (version[:2] == branch[:2] and version >= branch):
+        return "CVE-2026-87766: fixed in this version"
+    return (
+        "CVE-2026-87766: not fixed in this version (0.12.0, 0.11.2), and run is not exposed: "
+        "it never has bubblewrap make a path inside a writable bind (every run's options are "
+        "checked; a layout that would is refused)"
+    )
 
 
 def _user_namespaces(host: _Host) -> Check:
