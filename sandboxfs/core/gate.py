@@ -464,6 +464,7 @@ class Gate:
             ) from None
         self._decide(lambda: Request(AuditOp.LINK, caller, src, node.zone, dest, node))
         result = action()
+        g.consent.moved(src, dest, caller.pid, caller.uid)  # the same file, by a new name
         g.did(caller, AuditOp.LINK, node, path=src, dest=dest)
         return result
 

@@ -544,3 +544,23 @@ def test_the_grants_of_a_session_are_bounded() -> None:
     b.answer(2, Answer.DIR, "test")
     with pytest.raises(ApprovalError, match=r"holds 2 grants.*revoke some first"):
         b.answer(3, Answer.DIR, "test")
+
+
+def test_a_link_grant_binds_its_source_and_a_new_name_is_not_made_there() -> None:
+    """Case 6 and 7 for links: a grant for a link names its source; a second name for a file
+    from outside a directory grant is not covered by it (writing through it writes the file)."""
+    ask_create = Rule("c", Verdict.ASK, frozenset({Kind.CREATE}), frozenset({"repo"}))
+    b = broker(ask_create)
+
+    def create(path: str, source: str | None = None) -> bool:
+        return b.consult("full", "repo", [Kind.CREATE], path, pid=7, dest=source).allowed
+
+    assert not create("/repo/n", "/repo/notes.txt")
+    b.answer(1, Answer.ONCE, "test", shown=1)
+    assert not create("/repo/n", "/repo/src/main.py") and not create("/repo/n")
+    assert create("/repo/n", "/repo/notes.txt")
+    b = broker()
+    delete(b, "/repo/build/old.o")
+    b.answer(1, Answer.DIR, "test")
+    b.moved("/repo/src/main.py", "/repo/build/main.o")  # what Gate.link tells it
+    assert not delete_ok(b, "/repo/build/main.o")
