@@ -151,9 +151,11 @@ def _grants(args: argparse.Namespace, path: Path) -> int:
     if not grants:
         print("no grants")
     for grant in grants:
+        moved = grant.get("moved_in", 0)
+        left_out = f"; not the {moved} entries moved in since" if moved else ""
         print(
             f"{grant['id']}: {safe(grant['text'])} (rule {safe(grant['rule'])}, "
-            f"request {grant['request']}, by {safe(grant['answered_by'])})"
+            f"request {grant['request']}, by {safe(grant['answered_by'])}{left_out})"
         )
     return 0
 

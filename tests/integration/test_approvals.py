@@ -823,5 +823,7 @@ def test_a_directory_grant_does_not_cover_what_is_moved_into_it(
         refused = sh(f"rm -r {repo / 'build' / 'src'}")
         assert refused.returncode == 1 and "Permission denied" in refused.stderr
         assert (project / "build" / "src" / "main.py").read_text() == "main\n"
+        listed = sandboxfs("grants", "--mount", m.mnt).stdout
+        assert "not the 1 entries moved in since" in listed, listed
         made = sh(f"echo x > {repo / 'build' / 'new.o'} && rm {repo / 'build' / 'new.o'}")
         assert made.returncode == 0, made.stderr  # what is made there is still covered
