@@ -426,8 +426,11 @@ def approvals_reply(consent: Consent, request: dict[str, Any], pid: int, uid: in
         return control.reply(True, allowed=allowed, reason=reason, request=pending)
     try:
         if request["op"] == "answer":
-            grant = consent.answer(request["id"], request["answer"], who, pid, uid)
+            shown = request["shown"]
+            grant = consent.answer(request["id"], request["answer"], who, pid, uid, shown)
             return control.reply(True, grant=grant.describe())
+        if request["op"] == "approvals" and "id" in request:
+            return control.reply(True, request=broker.listing(request["id"]))
         if request["op"] == "revoke":
             revoked = consent.revoke(request["grant"], who, pid, uid)
             return control.reply(True, grant=revoked.describe())

@@ -14,8 +14,12 @@ only part of a long one) and read up to its newline. Every request has `"v": 1` 
     {"v": 1, "op": "trust", "trust": LEVEL}  -> {"v": 1, "ok": true, "old": ..., "new": ...}
     {"v": 1, "op": "approvals"}              -> {"v": 1, "ok": true, "mode": ..., "pending": [...],
                                                  "grants": [...]}
+    {"v": 1, "op": "approvals", "id": N}     -> {"v": 1, "ok": true, "request": {...}} (every path)
     {"v": 1, "op": "answer", "id": N, "answer": once|dir|everywhere|deny|never,
-     "channel": terminal|command}            -> {"v": 1, "ok": true, "grant": {...}}
+     "shown": N, "channel": terminal|command} -> {"v": 1, "ok": true, "grant": {...}}
+
+`shown` is the version of the request the user saw (its "shown"): the answer covers those paths
+and none that joined after; an allow-once needs it.
     {"v": 1, "op": "revoke", "grant": N}     -> {"v": 1, "ok": true, "grant": {...}}
     {"v": 1, "op": "connect", "host": "HOST:PORT", "pid": N}
                                              -> {"v": 1, "ok": true, "allowed": ..., "reason":
@@ -116,7 +120,7 @@ def parse_request(data: bytes) -> dict[str, Any]:
             raise BadRequest(f"unknown trust level {level!r}; levels: {levels}") from None
         return {"op": op, "trust": trust}
     if op == "approvals":
-        return {"op": op}
+        return {"op": op, "id": _number(request, "id")} if "id" in request else {"op": op}
     if op == "answer":
         try:
             answer = Answer(str(request.get("answer")))
@@ -128,7 +132,14 @@ def parse_request(data: bytes) -> dict[str, Any]:
         channel = request.get("channel", "command")
         if channel not in CHANNELS:
             raise BadRequest(f"unknown channel {channel!r}; channels: {', '.join(CHANNELS)}")
-        return {"op": op, "id": _number(request, "id"), "answer": answer, "channel": channel}
+        shown = _number(request, "shown") if request.get("shown") is not None else None
+        return {
+            "op": op,
+            "id": _number(request, "id"),
+            "answer": answer,
+            "shown": shown,
+            "channel": channel,
+        }
     if op == "revoke":
         return {"op": op, "grant": _number(request, "grant")}
     if op == "connect":  # from `run`'s proxy: a host not on its allowlist
