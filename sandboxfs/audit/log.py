@@ -378,6 +378,7 @@ class AuditLog:
         self._dropped = 0
         self._tail: _Tail | None = None  # valid while the file still has tail.size bytes
         self._failing = False
+        self._failure: str | None = None  # why, while failing: the last write's error
         self._reserve_path = path.with_suffix(".reserve")
         self._reserve_size = reserve
         self._reserve_short = False
@@ -392,9 +393,10 @@ class AuditLog:
         self._filled_at = time.monotonic()
         self._retry_at = 0.0  # while failing: no new attempt to write before this
         self._last_error = 0
-        self._anchor_path, why = locate_anchor(path)
-        if self._anchor_path is None:
-            log.error("audit log %s: %s; its entries are written without a mac", path, why)
+        anchor, why = locate_anchor(path)
+        if anchor is None:
+            raise Failure(f"audit log {path}: {why}; no entry is written without its key")
+        self._anchor_path = anchor
         make_private_dirs(path.parent)
         # The directory is kept open and every file in it named relative to it: a project
         # renamed (or moved) under a live mount keeps its log, and no entry is dropped.
@@ -407,7 +409,12 @@ class AuditLog:
             self._fd = _open_log(self._name, self._dir_fd)
             with _exclusive(self._lock_fd):
                 self._fill_reserve()
-                self._follow_anchor(os.fstat(self._fd).st_size)
+                try:
+                    self._follow_anchor(os.fstat(self._fd).st_size)
+                except OSError as exc:
+                    raise Failure(
+                        f"audit log {path}: {exc.strerror}; no entry is written without its key"
+                    ) from None
                 self._queue.extend(_sweep_writers(self._dir_fd, self._name))
                 self._marker_name, self._marker_fd = _make_marker(self._dir_fd, self._name)
         except BaseException:
@@ -428,6 +435,11 @@ class AuditLog:
         writes them and clears this.
         """
         return self._failing
+
+    @property
+    def failure(self) -> str | None:
+        """Why entries cannot be written (the last attempt's error), while `failing`."""
+        return self._failure
 
     def record(self, entry: dict[str, Any]) -> None:
         """Queue a copy of `entry` (stamped with `ts` if it has none); flush when it can't wait.
@@ -558,10 +570,12 @@ class AuditLog:
                     len(self._queue),
                 )
             self._failing = True
+            self._failure = exc.strerror or str(exc)
             raise
         if self._failing:
             log.warning("audit log %s is writable again", self._path)
         self._failing = False
+        self._failure = None
 
     def _flush_locked(self) -> None:
         size = self._follow_replacement()
@@ -784,9 +798,9 @@ class AuditLog:
 
     def _follow_anchor(self, size: int) -> bool:
         """Use the anchor now at the anchor's path, opening or creating it if ours was deleted
-        or replaced (or we have none yet); True if the anchor changed."""
-        if self._anchor_path is None:
-            return False
+        or replaced (or we have none yet); True if the anchor changed. OSError when it cannot
+        be used: the log then fails closed (entries stay queued), as writing them without the
+        key would make every later `verify` report a rebuilt chain."""
         if self._anchor is not None:
             if self._anchor.is_current():
                 return False
@@ -799,14 +813,10 @@ class AuditLog:
                 return found.last_id, found.last_hash
 
             self._anchor = AnchorFile.open(self._anchor_path, self._path, tail)
-        except (OSError, ValueError) as exc:
-            log.error(
-                "audit log %s: cannot use its anchor %s (%s); entries are written without a mac",
-                self._path,
-                self._anchor_path,
-                exc,
-            )
-            self._anchor_path = None  # once: not on every flush
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot use its anchor {self._anchor_path} ({exc})") from None
+        except ValueError as exc:
+            raise OSError(errno.EIO, f"cannot use its anchor {self._anchor_path} ({exc})") from None
         return True
 
     def close(self) -> None:

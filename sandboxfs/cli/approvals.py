@@ -37,6 +37,12 @@ def add_parsers(sub: Any, target: Callable[[argparse.ArgumentParser], None]) -> 
     approvals.add_argument(
         "--follow", action="store_true", help="with --json: one line per new request, until ^C"
     )
+    approvals.add_argument(
+        "--list",
+        type=_request_id,
+        metavar="ID",
+        help="print every path request ID holds, and how to allow exactly those",
+    )
     approve = sub.add_parser("approve", help="allow a pending request (see `approvals`)")
     approve.add_argument("id", type=_request_id, help="the request's number")
     approve.add_argument(
@@ -45,6 +51,14 @@ def add_parsers(sub: Any, target: Callable[[argparse.ArgumentParser], None]) -> 
         default="once",
         help="once (default); dir: its directory for the session; everywhere: that "
         "operation wherever a rule asks, for the session",
+    )
+    approve.add_argument(
+        "--shown",
+        type=_request_id,
+        metavar="N",
+        help="the number of paths you saw listed (`approvals --list ID`): the answer covers "
+        "those, never one that joined after; needed with once when the request holds more "
+        "than one",
     )
     target(approve)
     approve.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
@@ -69,13 +83,15 @@ def _request_id(text: str) -> int:
 
 def main(args: argparse.Namespace, path: Path) -> int:
     if args.command == "approve":
-        return _answer(args, path, Answer(args.scope))
+        return _answer(args, path, Answer(args.scope), args.shown)
     if args.command == "deny":
-        return _answer(args, path, Answer.NEVER if args.stop else Answer.DENY)
+        return _answer(args, path, Answer.NEVER if args.stop else Answer.DENY, None)
     if args.command == "grants":
         return _grants(args, path)
     if args.follow and not args.json:
         raise UserError("--follow goes with --json (the prompt follows by itself)")
+    if args.list is not None:
+        return _list(path, args.list, args.json)
     if args.json:
         return _json(path, args.follow)
     if not sys.stdin.isatty():
@@ -86,8 +102,33 @@ def main(args: argparse.Namespace, path: Path) -> int:
     return prompt(path, sys.stdin.fileno(), sys.stdout)
 
 
-def _answer(args: argparse.Namespace, path: Path, answer: Answer) -> int:
-    reply = ask(path, {"op": "answer", "id": args.id, "answer": answer.value})
+def _list(path: Path, request_id: int, as_json: bool) -> int:
+    """Every path of one request, and the command that allows exactly those."""
+    request = ask(path, {"op": "approvals", "id": request_id})["request"]
+    if as_json:
+        print(json.dumps(request))
+        return 0
+    print(f"request {request_id}: {request['op']} of {request['shown']} paths:")
+    for one, dest in zip(request["paths"], request["dests"], strict=True):
+        print(f"  {safe(one)}" + (f" -> {safe(dest)}" if dest is not None else ""))
+    print(f"allow exactly these once: sandboxfs approve {request_id} --shown {request['shown']}")
+    return 0
+
+
+def _answer(args: argparse.Namespace, path: Path, answer: Answer, shown: int | None) -> int:
+    """An answer from the command line: an allow-once covers the paths the user saw, which
+    is the one path a request shows when it holds one, else the --shown of its listing."""
+    if answer is Answer.ONCE and shown is None:
+        request = ask(path, {"op": "approvals", "id": args.id})["request"]
+        if request["shown"] != 1:
+            raise UserError(
+                f"request {args.id} holds {request['shown']} paths: list them with "
+                f"`sandboxfs approvals --list {args.id}`, then allow exactly those with "
+                f"`sandboxfs approve {args.id} --shown {request['shown']}`"
+            )
+        shown = 1
+    message = {"op": "answer", "id": args.id, "answer": answer.value, "shown": shown}
+    reply = ask(path, message)
     if args.json:
         print(json.dumps(reply))
     else:
@@ -110,9 +151,11 @@ def _grants(args: argparse.Namespace, path: Path) -> int:
     if not grants:
         print("no grants")
     for grant in grants:
+        moved = grant.get("moved_in", 0)
+        left_out = f"; not the {moved} entries moved in since" if moved else ""
         print(
             f"{grant['id']}: {safe(grant['text'])} (rule {safe(grant['rule'])}, "
-            f"request {grant['request']}, by {safe(grant['answered_by'])})"
+            f"request {grant['request']}, by {safe(grant['answered_by'])}{left_out})"
         )
     return 0
 

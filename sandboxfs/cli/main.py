@@ -42,10 +42,11 @@ from sandboxfs.errors import (
     SetupError,
     UserError,
 )
-from sandboxfs.layout import state_dir, state_root
+from sandboxfs.layout import control_dir, state_dir, state_root
 from sandboxfs.project import control, gitdir, state, workers
 from sandboxfs.project import zones as project_mod
 from sandboxfs.project.mounts import (
+    FAILING_CLOSED,
     NOT_YOURS,
     MountRequest,
     choose_session,
@@ -507,6 +508,7 @@ def _when(text: str) -> datetime:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
+    state.check_state_root()  # before anything is written: the audit log's key is there
     run_mod.sweep_dead_runs()
     read_only, cache = _apply_mount_options(args)
     project = validate_project(args.project)
@@ -623,6 +625,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         die_with_parent(signal.SIGTERM)
         if os.getppid() != args.parent_pid:  # the parent ended before that took effect
             raise SetupError("the run that started this child has ended")
+    state.check_state_root()  # before anything is written: the audit log's key is there
     command = list(args.argv)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -632,7 +635,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_mod.load(project, args.config)
     workspace = check_id("workspace", args.workspace)
     user = userconfig.load()
-    profile = userconfig.agent(args.agent, user) if args.agent else None
+    profile = userconfig.agent(args.agent, user) if args.agent is not None else None
     net = args.net or ("allow" if profile and profile.allow_hosts else cfg.run.network)
     hosts = args.allow_host or ([] if args.net and args.net != "allow" else cfg.run.allow_hosts)
     if args.allow_host and net != "allow":
@@ -839,6 +842,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
         elif context == NOT_YOURS:
             rows.append({"mountpoint": mp, "state": context, "owner": _user_name(mount_owner(mp))})
+        elif context == FAILING_CLOSED:
+            rows.append({"mountpoint": mp, "state": context, **_failing_closed(mp)})
         else:
             rows.append({"mountpoint": mp, "state": context})
     if args.json:
@@ -872,7 +877,33 @@ def cmd_status(args: argparse.Namespace) -> int:
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
     for row in [headers, *table]:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    for shown in rows:
+        if shown.get("reason"):
+            print(f"{shown['mountpoint']}: {shown['state']}: {shown['reason']}")
     return 0
+
+
+def _failing_closed(mountpoint: str) -> dict[str, Any]:
+    """What the daemon of a mount that fails closed says over its control socket (which it
+    answers while it refuses every operation, context.json included): why, its level and
+    session. The socket is found among the user's own, by the mountpoint each names."""
+    found: dict[str, Any] = {"reason": "the audit log cannot be written"}
+    try:
+        sockets = sorted(control_dir().glob("*.sock"))
+    except OSError:
+        return found
+    for path in sockets:
+        try:
+            answer = control.request(path, {"op": "status"}, timeout=2.0)
+        except SandboxfsError:
+            continue
+        if answer.get("mountpoint") != mountpoint:
+            continue
+        if isinstance(answer.get("failing"), str):
+            found["reason"] += f" ({answer['failing']})"
+        found.update({k: answer.get(k) for k in ("trust", "session")})
+        break
+    return found
 
 
 def _trust_target(target: str | None, project: Path | None) -> Path:

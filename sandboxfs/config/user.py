@@ -223,12 +223,13 @@ def load(source: Path | None = None) -> UserConfig:
 def agent(name: str, user: UserConfig) -> AgentProfile:
     """The profile `--agent NAME` names: a built-in one with the user's additions, or the
     user's own. UserError naming the profiles there are."""
-    builtin = BUILTIN_AGENTS.get(name)
-    mine = user.agents.get(name)
+    builtin = BUILTIN_AGENTS.get(name) if name else None
+    mine = user.agents.get(name) if name else None
     if builtin is None and mine is None:
         known = sorted({*BUILTIN_AGENTS, *user.agents})
+        written = name if name.isprintable() and name.split() == [name] else shown(name)
         raise UserError(
-            f"--agent {name}: no such agent profile; profiles: {', '.join(known)} "
+            f"--agent {written}: no such agent profile; profiles: {', '.join(known)} "
             f"(add your own under agents: in {path()})"
         )
     if builtin is None:

@@ -204,6 +204,21 @@ def _under(path: str, directory: str) -> bool:
     return directory == "/" or path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
+def ancestors(path: str) -> list[str]:
+    """`path` and each directory above it, up to "/" (a host:port is its own only one): what
+    a lookup walks, so it costs the path's depth, not the number of grants."""
+    found = [path]
+    while path != "/" and "/" in path:
+        path = path.rstrip("/").rpartition("/")[0] or "/"
+        found.append(path)
+    return found
+
+
+def shown_as(path: str, dest: str | None) -> str:
+    """One operation as a grant names it: a rename or link with its other end."""
+    return path if dest is None else f"{path} -> {dest}"
+
+
 @dataclass(slots=True)
 class Request:
     """An operation waiting for the user's answer, with the ones grouped into it."""
@@ -222,13 +237,24 @@ class Request:
     expires: float
     paths: list[str] = field(default_factory=list)
     count: int = 1
+    # The other end of each path's operation (a rename's destination, a link's source), in
+    # the order of `paths`; and the bytes the two hold (bounded: Broker.MAX_REQUEST_BYTES).
+    dests: list[str | None] = field(default_factory=list)
+    size: int = 0
 
     @property
     def key(self) -> tuple[str, Kind, int, str]:
         return (self.rule.id, self.kind, self.pid, self.directory)
 
+    @property
+    def pairs(self) -> list[tuple[str, str | None]]:
+        return list(zip(self.paths, self.dests, strict=True))
+
     def describe(self, now: float, shown_paths: int = 5) -> dict[str, Any]:
-        """What front ends show (raw strings: each front end escapes them)."""
+        """What front ends show (raw strings: each front end escapes them). `shown` is the
+        request's version: the number of paths it holds now. An answer that carries it
+        covers those paths and no path that joined after (the first `shown` of `paths`,
+        which only grows); the rest of them are listed by `describe(now, MAX_PATHS)`."""
         return {
             "id": self.id,
             "op": self.kind.value,
@@ -237,7 +263,9 @@ class Request:
             "dest": self.dest,
             "directory": self.directory,
             "count": self.count,
+            "shown": len(self.paths),
             "paths": self.paths[:shown_paths],
+            "dests": self.dests[:shown_paths],
             "pid": self.pid,
             "comm": self.comm,
             "cmdline": self.cmdline,
@@ -260,16 +288,31 @@ class Grant:
     request: int
     answered_by: str
     directory: str | None = None  # DIR and NEVER: this subtree
-    paths: set[str] = field(default_factory=set)  # ONCE and DENY: each used once
+    # ONCE and DENY: each (path, other end) the user was shown, used once; a rename or link
+    # is covered only with the other end it was shown with.
+    pairs: set[tuple[str, str | None]] = field(default_factory=set)
+    # DIR: entries moved into the directory after the grant from where it did not cover
+    # them (Broker.moved): the grant covers what is made there, never what is moved in.
+    moved_in: set[str] = field(default_factory=set)
 
-    def covers(self, kind: Kind, path: str) -> bool:
+    @property
+    def paths(self) -> list[str]:
+        return sorted(shown_as(path, dest) for path, dest in self.pairs)
+
+    def covers(self, kind: Kind, path: str, dest: str | None = None) -> bool:
+        """Whether this grant decides `kind` of `path` (`dest`: the other end of a rename or
+        link, which a directory grant needs under its directory too)."""
         if kind is not self.kind:
             return False
         if self.scope in (Answer.ONCE, Answer.DENY):
-            return path in self.paths
+            return (path, dest) in self.pairs
         if self.scope is Answer.EVERYWHERE:
             return True
-        return self.directory is not None and _under(path, self.directory)
+        if self.directory is None or not _under(path, self.directory):
+            return False
+        if dest is not None and not _under(dest, self.directory):
+            return False
+        return self.moved_in.isdisjoint(ancestors(path))
 
     @property
     def once(self) -> bool:
@@ -282,8 +325,9 @@ class Grant:
             "op": self.kind.value,
             "scope": self.scope.value,
             "directory": self.directory,
-            "paths": sorted(self.paths)[:5],
-            "count": len(self.paths),
+            "paths": self.paths[:5],
+            "count": len(self.pairs),
+            "moved_in": len(self.moved_in),
             "rule": self.rule,
             "request": self.request,
             "answered_by": self.answered_by,
@@ -311,15 +355,17 @@ def grant_text(
             f"(until unmount, or `sandboxfs grants revoke`)"
         )
     stop = " without asking again" if scope is Answer.NEVER else ""
+    both = " (from and to it)" if kind is Kind.RENAME else ""
     return (
-        f"{verb} {kind.value} under {directory}/{stop}, for this session "
+        f"{verb} {kind.value} under {directory}/{both}{stop}, for this session "
         f"(until unmount, or `sandboxfs grants revoke`)"
     ).replace("//", "/")
 
 
 def preview(request: Request, answer: Answer) -> str:
     directory = request.directory if answer in (Answer.DIR, Answer.NEVER) else None
-    return grant_text(answer in ALLOWS, answer, request.kind, directory, request.paths)
+    shown = [shown_as(path, dest) for path, dest in request.pairs]
+    return grant_text(answer in ALLOWS, answer, request.kind, directory, shown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +383,11 @@ class Outcome:
     limited: bool = False  # refused by the rate limit
 
 
+def _size(path: str, dest: str | None) -> int:
+    """What one path of a request holds, about (bounded: Broker.MAX_REQUEST_BYTES)."""
+    return len(path) + len(dest or "") + 64
+
+
 class ApprovalError(Exception):
     """An answer the broker cannot take (unknown or stale id, unknown answer)."""
 
@@ -344,7 +395,15 @@ class ApprovalError(Exception):
 class Broker:
     """Pending requests and grants of one mount or sandbox, for its session."""
 
-    MAX_PATHS = 10_000  # per request: what a ONCE or DENY answer covers
+    # Per request: the paths it holds (what a ONCE or DENY answer can cover) and their bytes;
+    # a path past either is refused without asking, until the request is answered.
+    MAX_PATHS = 1_000
+    MAX_REQUEST_BYTES = 128 << 10
+    # Per session: the grants, and the paths the ONCE and DENY ones hold, all together; an
+    # answer past either is refused (the user revokes some first).
+    MAX_GRANTS = 10_000
+    MAX_GRANT_PATHS = 50_000
+    MAX_MOVED_IN = 10_000  # per directory grant: past it the grant is withdrawn
 
     def __init__(
         self,
@@ -364,8 +423,18 @@ class Broker:
         self._clock = clock
         self._pending: dict[int, Request] = {}
         self._by_key: dict[tuple[str, Kind, int, str], Request] = {}
-        self._by_path: dict[tuple[Kind, str], Request] = {}  # a retry, by any process
+        # A retry, by any process: by kind, path and the other end.
+        self._by_path: dict[tuple[Kind, str, str | None], Request] = {}
         self._grants: dict[int, Grant] = {}
+        # The grants indexed, so a lookup walks the path's depth, never every grant: ONCE and
+        # DENY by path, DIR and NEVER by directory, EVERYWHERE by kind; and, for each
+        # directory, how many of the first two are below it (Broker.moved looks there only
+        # then).
+        self._by_once_path: dict[str, list[Grant]] = {}
+        self._by_directory: dict[str, list[Grant]] = {}
+        self._everywhere: dict[Kind, list[Grant]] = {}
+        self._below: dict[str, int] = {}
+        self._once_paths = 0
         self._recent: deque[float] = deque()  # when the last requests were made (rate limit)
         self._next_request = 1
         self._next_grant = 1
@@ -410,7 +479,7 @@ class Broker:
             return Outcome(True, rule)
         if rule.verdict is Verdict.BLOCKED:
             return Outcome(False, rule, f"{what} is blocked by approval rule {rule.id}")
-        grant = self._grant_for(kind, path)
+        grant = self._grant_for(kind, path, dest)
         if grant is not None and grant.allow:
             return Outcome(True, rule, f"{what}: allowed by grant {grant.id}", grant=grant)
         if grant is not None:
@@ -430,24 +499,22 @@ class Broker:
         dest: str | None = None,
         exclusions: bool = True,
     ) -> Outcome:
-        """Whether the operation may go ahead now. An ask with no grant becomes (or joins) a
-        pending request and is refused with a reason naming it. `exclusions` False: the
-        rules' exclude patterns do not apply (a file with other names, which may be the
-        user's)."""
+        """Whether the operation may go ahead now (`dest`: a rename's destination, a link's
+        source). An ask with no grant becomes (or joins) a pending request and is refused
+        with a reason naming it. `exclusions` False: the rules' exclude patterns do not
+        apply (a file with other names, which may be the user's)."""
         rule, kind = self.rule_for(trust, zone, kinds, path if exclusions else "", dest)
         if rule.verdict is Verdict.PRE_APPROVED:
             return Outcome(True, rule)
-        what = f"{kind.value} of {path}"
+        what = f"{kind.value} of {shown_as(path, dest)}"
         if rule.verdict is Verdict.BLOCKED:
             return Outcome(False, rule, f"{what} is blocked by approval rule {rule.id}")
         if self.mode is Mode.OFF:
             return Outcome(True, rule, f"{what}: rule {rule.id} asks; --no-approvals", unasked=True)
-        grant = self._grant_for(kind, path)
+        grant = self._grant_for(kind, path, dest)
         if grant is not None:
             if grant.once:
-                grant.paths.discard(path)
-                if not grant.paths:
-                    del self._grants[grant.id]
+                self._use_once(grant, (path, dest))
             if grant.allow:
                 return Outcome(True, rule, f"{what}: allowed by grant {grant.id}", grant=grant)
             return Outcome(
@@ -466,12 +533,21 @@ class Broker:
         now = self._clock()
         self.expire()
         key = (rule.id, kind, pid, parent_of(path, kind))
-        joined = self._by_path.get((kind, path)) or self._by_key.get(key)
+        joined = self._by_path.get((kind, path, dest)) or self._by_key.get(key)
         if joined is not None:
-            if (kind, path) not in self._by_path and len(joined.paths) < self.MAX_PATHS:
-                joined.paths.append(path)
-                joined.count += 1
-                self._by_path[(kind, path)] = joined
+            if (kind, path, dest) not in self._by_path:
+                size = _size(path, dest)
+                if len(joined.paths) >= self.MAX_PATHS or (
+                    joined.size + size > self.MAX_REQUEST_BYTES
+                ):
+                    reason = (
+                        f"{what} needs the user's approval (rule {rule.id}), but request "
+                        f"{joined.id} already holds {len(joined.paths)} paths (at most "
+                        f"{self.MAX_PATHS}, {self.MAX_REQUEST_BYTES >> 10} KiB): refused "
+                        f"without asking until it is answered"
+                    )
+                    return Outcome(False, rule, reason, limited=True)
+                self._join(joined, path, dest)
             return Outcome(False, rule, self._waiting(what, joined), request=joined)
         while self._recent and self._recent[0] <= now - 60:
             self._recent.popleft()
@@ -482,26 +558,50 @@ class Broker:
             )
             return Outcome(False, rule, reason, limited=True)
         self._recent.append(now)
+        request = self._request(kind, zone, path, dest, pid, comm, cmdline(), rule, now)
+        self._join(request, path, dest)
+        return Outcome(False, rule, self._waiting(what, request), request=request, new=True)
+
+    def _request(
+        self,
+        kind: Kind,
+        zone: str,
+        path: str,
+        dest: str | None,
+        pid: int,
+        comm: str,
+        cmdline: str,
+        rule: Rule,
+        now: float,
+    ) -> Request:
+        """A new pending request, holding no path yet (see _join)."""
+        directory = parent_of(path, kind)
         request = Request(
             self._next_request,
             kind,
             zone,
             path,
             dest,
-            parent_of(path, kind),
+            directory,
             pid,
             comm,
-            cmdline(),
+            cmdline,
             rule,
             now,
             now + self.timeout,
-            [path],
+            count=0,
         )
         self._next_request += 1
         self._pending[request.id] = request
-        self._by_key[key] = request
-        self._by_path[(kind, path)] = request
-        return Outcome(False, rule, self._waiting(what, request), request=request, new=True)
+        self._by_key[request.key] = request
+        return request
+
+    def _join(self, request: Request, path: str, dest: str | None) -> None:
+        request.paths.append(path)
+        request.dests.append(dest)
+        request.count = len(request.paths)
+        request.size += _size(path, dest)
+        self._by_path[(request.kind, path, dest)] = request
 
     @staticmethod
     def _waiting(what: str, request: Request) -> str:
@@ -510,12 +610,107 @@ class Broker:
             f"answers outside the sandbox (sandboxfs approve {request.id}); try again then"
         )
 
-    def _grant_for(self, kind: Kind, path: str) -> Grant | None:
-        """The grant that decides kind of path: a refusal before an allowance."""
-        found = [grant for grant in self._grants.values() if grant.covers(kind, path)]
+    def _grant_for(self, kind: Kind, path: str, dest: str | None = None) -> Grant | None:
+        """The grant that decides kind of path: a refusal before an allowance (the oldest
+        of either). It walks the path's directories, so it costs the path's depth."""
+        found = [g for g in self._by_once_path.get(path, ()) if g.covers(kind, path, dest)]
+        for directory in ancestors(path):
+            found += [
+                g for g in self._by_directory.get(directory, ()) if g.covers(kind, path, dest)
+            ]
+        found += self._everywhere.get(kind, [])
         refusals = [grant for grant in found if not grant.allow]
         chosen = refusals or found
-        return chosen[0] if chosen else None
+        return min(chosen, key=lambda g: g.id) if chosen else None
+
+    def _index(self, grant: Grant) -> None:
+        self._grants[grant.id] = grant
+        if grant.once:
+            for path in {path for path, _ in grant.pairs}:
+                self._by_once_path.setdefault(path, []).append(grant)
+                self._count_below(path, 1)
+            self._once_paths += len(grant.pairs)
+        elif grant.scope is Answer.EVERYWHERE:
+            self._everywhere.setdefault(grant.kind, []).append(grant)
+        else:
+            assert grant.directory is not None
+            self._by_directory.setdefault(grant.directory, []).append(grant)
+            self._count_below(grant.directory, 1)
+
+    def _unindex(self, grant: Grant) -> None:
+        self._grants.pop(grant.id, None)
+        if grant.once:
+            for path in {path for path, _ in grant.pairs}:
+                self._unlist(self._by_once_path, path, grant)
+                self._count_below(path, -1)
+            self._once_paths -= len(grant.pairs)
+        elif grant.scope is Answer.EVERYWHERE:
+            self._unlist(self._everywhere, grant.kind, grant)
+        else:
+            assert grant.directory is not None
+            self._unlist(self._by_directory, grant.directory, grant)
+            self._count_below(grant.directory, -1)
+
+    @staticmethod
+    def _unlist(index: dict[Any, list[Grant]], key: Any, grant: Grant) -> None:
+        listed = index.get(key, [])
+        if grant in listed:
+            listed.remove(grant)
+        if not listed:
+            index.pop(key, None)
+
+    def _count_below(self, path: str, step: int) -> None:
+        for directory in ancestors(path)[1:]:
+            left = self._below.get(directory, 0) + step
+            if left:
+                self._below[directory] = left
+            else:
+                self._below.pop(directory, None)
+
+    def _use_once(self, grant: Grant, pair: tuple[str, str | None]) -> None:
+        """One path of a ONCE or DENY grant is used (or no longer means what was shown)."""
+        if pair not in grant.pairs:
+            return
+        grant.pairs.discard(pair)
+        self._once_paths -= 1
+        path = pair[0]
+        # The same path with another other end: only a rename's, link's or overwrite's.
+        two_ended = grant.kind in (Kind.RENAME, Kind.CREATE, Kind.OVERWRITE)
+        if not (two_ended and any(other == path for other, _ in grant.pairs)):
+            self._unlist(self._by_once_path, path, grant)
+            self._count_below(path, -1)
+        if not grant.pairs:
+            self._grants.pop(grant.id, None)
+
+    def moved(self, src: str, dst: str) -> list[Grant]:
+        """An allowed rename moved `src` (and what is below it) to `dst`: what a grant covered
+        there before is gone, and what was moved in is not what the user allowed. Each
+        directory grant that covers `dst` but did not cover `src` leaves it out; a once-grant
+        at or below `dst` is dropped; a directory grant whose directory is below `dst` (its
+        directory is what was moved in) is withdrawn. The grants withdrawn (a directory grant
+        past MAX_MOVED_IN is too), for the audit log."""
+        withdrawn: list[Grant] = []
+        for directory in ancestors(dst):
+            for grant in list(self._by_directory.get(directory, ())):
+                if not grant.allow or grant.covers(grant.kind, src):
+                    continue
+                if grant.covers(grant.kind, dst):
+                    grant.moved_in.add(dst)
+                    if len(grant.moved_in) > self.MAX_MOVED_IN:
+                        self._unindex(grant)
+                        withdrawn.append(grant)
+        if not self._below.get(dst) and dst not in self._by_once_path:
+            return withdrawn
+        for path in [p for p in self._by_once_path if _under(p, dst)]:
+            for grant in list(self._by_once_path.get(path, ())):
+                for pair in [pair for pair in grant.pairs if pair[0] == path]:
+                    self._use_once(grant, pair)
+        for directory in [d for d in self._by_directory if d != dst and _under(d, dst)]:
+            for grant in list(self._by_directory[directory]):
+                if grant.allow:
+                    self._unindex(grant)
+                    withdrawn.append(grant)
+        return withdrawn
 
     def expire(self) -> list[Request]:
         """Drop the requests nobody answered in time; those dropped."""
@@ -529,9 +724,9 @@ class Broker:
         self._pending.pop(request.id, None)
         if self._by_key.get(request.key) is request:
             del self._by_key[request.key]
-        for path in request.paths:
-            if self._by_path.get((request.kind, path)) is request:
-                del self._by_path[(request.kind, path)]
+        for path, dest in request.pairs:
+            if self._by_path.get((request.kind, path, dest)) is request:
+                del self._by_path[(request.kind, path, dest)]
 
     def pending(self) -> list[Request]:
         return sorted(self._pending.values(), key=lambda r: r.id)
@@ -539,16 +734,62 @@ class Broker:
     def grants(self) -> list[Grant]:
         return sorted(self._grants.values(), key=lambda g: g.id)
 
-    def answer(self, request_id: int, answer: Answer, who: str) -> tuple[Request, Grant]:
-        """Answer a pending request; the grant it makes (consulted by the retries)."""
+    def answer(
+        self, request_id: int, answer: Answer, who: str, shown: int | None = None
+    ) -> tuple[Request, Grant, Request | None]:
+        """Answer a pending request; the request as answered (the paths its grant covers),
+        the grant it makes (consulted by the retries), and the request the rest of its paths
+        stay pending in (None: none). `shown` is the version the user saw (Request.describe):
+        the grant covers those first paths only, never one that joined after. An allow-once
+        needs it; a refusal without it covers every path the request holds."""
         request = self._pending.get(request_id)
         if request is None:
             raise ApprovalError(
                 f"no pending request {request_id} (answered, timed out or never made)"
             )
+        if shown is None and answer is Answer.ONCE:
+            raise ApprovalError(
+                f"an allow-once answer to request {request_id} names how many of its paths "
+                f'were shown (its "shown"; `sandboxfs approvals --list {request_id}`)'
+            )
+        held = len(request.paths)
+        if shown is not None and not 0 < shown <= held:
+            raise ApprovalError(
+                f"request {request_id} held {held} paths, not {shown}: answer what "
+                f"`sandboxfs approvals --list {request_id}` shows"
+            )
+        covered = held if shown is None or answer not in (Answer.ONCE, Answer.DENY) else shown
+        if len(self._grants) >= self.MAX_GRANTS or (
+            answer in (Answer.ONCE, Answer.DENY)
+            and self._once_paths + covered > self.MAX_GRANT_PATHS
+        ):
+            raise ApprovalError(
+                f"this session holds {len(self._grants)} grants for {self._once_paths} paths "
+                f"(at most {self.MAX_GRANTS}, {self.MAX_GRANT_PATHS} paths): revoke some "
+                f"first (sandboxfs grants --revoke ID)"
+            )
         self._drop(request)
+        rest = request.pairs[covered:]
+        del request.paths[covered:], request.dests[covered:]
+        request.count = covered
+        remainder = None
+        if rest:  # joined after the user looked: still the user's to answer
+            first, dest = rest[0]
+            remainder = self._request(
+                request.kind,
+                request.zone,
+                first,
+                dest,
+                request.pid,
+                request.comm,
+                request.cmdline,
+                request.rule,
+                self._clock(),
+            )
+            for path, other in rest:
+                self._join(remainder, path, other)
         directory = request.directory if answer in (Answer.DIR, Answer.NEVER) else None
-        paths = set(request.paths) if answer in (Answer.ONCE, Answer.DENY) else set()
+        pairs = set(request.pairs) if answer in (Answer.ONCE, Answer.DENY) else set()
         grant = Grant(
             self._next_grant,
             answer in ALLOWS,
@@ -558,11 +799,11 @@ class Broker:
             request.id,
             who,
             directory,
-            paths,
+            pairs,
         )
         self._next_grant += 1
-        self._grants[grant.id] = grant
-        return request, grant
+        self._index(grant)
+        return request, grant, remainder
 
     def settled(self, grant: Grant) -> list[Request]:
         """Drop the other pending requests that `grant` answers whole (a directory grant
@@ -570,17 +811,30 @@ class Broker:
         if grant.once:
             return []
         covered = [
-            r for r in self._pending.values() if all(grant.covers(r.kind, path) for path in r.paths)
+            r
+            for r in self._pending.values()
+            if all(grant.covers(r.kind, path, dest) for path, dest in r.pairs)
         ]
         for request in covered:
             self._drop(request)
         return covered
 
     def revoke(self, grant_id: int) -> Grant:
-        grant = self._grants.pop(grant_id, None)
+        grant = self._grants.get(grant_id)
         if grant is None:
             raise ApprovalError(f"no grant {grant_id} (see `sandboxfs grants`)")
+        self._unindex(grant)
         return grant
+
+    def listing(self, request_id: int) -> dict[str, Any]:
+        """One pending request with every path it holds (its version among them), for the
+        user to read before answering."""
+        request = self._pending.get(request_id)
+        if request is None:
+            raise ApprovalError(
+                f"no pending request {request_id} (answered, timed out or never made)"
+            )
+        return request.describe(self._clock(), self.MAX_PATHS)
 
     def snapshot(self) -> dict[str, Any]:
         """Pending requests and grants, for the control channel."""

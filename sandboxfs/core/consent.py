@@ -121,13 +121,15 @@ class Consent:
         if outcome.request is not None and outcome.new:
             self._entry(outcome.request, "asks the user", None)
             if self.approver is not None:  # the API's own prompt answers at once
-                answer = self.approver(outcome.request.describe(0))
+                given = outcome.request.describe(0)
+                answer = self.approver(given)
                 try:
                     choice = Answer(answer) if answer is not None else Answer.DENY
                 except ValueError:
                     choice = Answer.DENY
                 request = outcome.request.id
-                self.answer(request, choice, "the API's approver", caller.pid, caller.uid)
+                who = "the API's approver"
+                self.answer(request, choice, who, caller.pid, caller.uid, given["shown"])
                 outcome = self._consult(broker, caller, kinds, zone, path, dest, exclusions)
         if outcome.allowed:
             if outcome.grant is not None or outcome.unasked:
@@ -182,11 +184,20 @@ class Consent:
         request = outcome.request.id if outcome.request is not None else None
         return outcome.allowed, outcome.reason, request
 
-    def answer(self, request_id: int, answer: Answer, who: str, pid: int, uid: int) -> Grant:
-        """The user's answer to a pending request (ApprovalError: none such), audited; the
-        grant it made."""
+    def answer(
+        self,
+        request_id: int,
+        answer: Answer,
+        who: str,
+        pid: int,
+        uid: int,
+        shown: int | None = None,
+    ) -> Grant:
+        """The user's answer to a pending request (ApprovalError: none such, or not what was
+        shown), audited; the grant it made. `shown`: see Broker.answer; the paths that joined
+        after it stay pending as a new request, audited as asking."""
         assert self.broker is not None
-        request, grant = self.broker.answer(request_id, answer, who)
+        request, grant, remainder = self.broker.answer(request_id, answer, who, shown)
         self._record(
             AuditOp.APPROVAL,
             request.path,
@@ -208,10 +219,14 @@ class Consent:
                     "grant": grant.id,
                     "by": who,
                     "count": request.count,
+                    "shown": shown,
                     "op": request.kind.value,
+                    **({"remainder": remainder.id} if remainder is not None else {}),
                 }
             },
         )
+        if remainder is not None:
+            self._entry(remainder, f"joined request {request.id} after it was shown; asks", None)
         for other in self.broker.settled(grant):
             self._entry(other, f"answered by grant {grant.id}", grant.allow)
         return grant
@@ -233,6 +248,26 @@ class Consent:
             extra={"approval": {"grant": grant.id, "answer": "revoke", "by": who}},
         )
         return grant
+
+    def moved(self, src: str, dst: str, pid: int, uid: int) -> None:
+        """An allowed rename moved `src` to `dst`: the grants no longer cover what was moved
+        in (Broker.moved); a grant that is withdrawn for it is audited."""
+        if self.broker is None or self.probing:
+            return
+        for grant in self.broker.moved(src, dst):
+            self.revoked_grants.add(grant.id)
+            self._revoked()
+            self._record(
+                AuditOp.APPROVAL,
+                grant.directory,
+                None,
+                pid=pid,
+                uid=uid,
+                allowed=None,
+                detail=f"grant {grant.id} withdrawn: {dst} was moved in from {src}, which it "
+                f"did not cover: {grant.describe()['text']}",
+                extra={"approval": {"grant": grant.id, "answer": "withdrawn"}},
+            )
 
     def tidy(self) -> None:
         """Drop, audited, the requests nobody answered in time. (Not those of processes that

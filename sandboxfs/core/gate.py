@@ -492,6 +492,7 @@ class Gate:
             ) from None
         self._decide(lambda: Request(AuditOp.LINK, caller, src, node.zone, dest, node))
         result = action()
+        g.consent.moved(src, dest, caller.pid, caller.uid)  # the same file, by a new name
         g.did(caller, AuditOp.LINK, node, path=src, dest=dest)
         return result
 
@@ -588,6 +589,9 @@ class Gate:
         action(zone, src_st, src_layer, dst_st)
         if dst_st is not None and not exchange and dst_st.st_ino != src_st.st_ino:
             g.removed(zone, dst_st)
+        # What moved is not what a grant there covered (Consent.moved).
+        for moved_from, moved_to in [(src, dst), (dst, src)][: 2 if exchange else 1]:
+            g.consent.moved(moved_from, moved_to, caller.pid, caller.uid)
         g.record(AuditOp.RENAME, src, zone, pid=caller.pid, uid=caller.uid, dest=dst)
 
     # ----- changing attributes ---------------------------------------------------------------

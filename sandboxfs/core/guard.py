@@ -1098,7 +1098,8 @@ class Guard:
         self._check_layer(caller, parent, AuditOp.LINK, new_name)
         self._check_layer(caller, node, AuditOp.LINK)
         if self.consent.active:  # approvals
-            self.consent.check(caller, [Kind.CREATE], parent.zone, dest, AuditOp.LINK)
+            # The link's source goes with it: a grant for it covers that source only.
+            self.consent.check(caller, [Kind.CREATE], parent.zone, dest, AuditOp.LINK, src)
 
     def hidden_target(
         self, caller: Caller, op: AuditOp | Op, src: str, zone: Zone | None, dest: str, why: str

@@ -30,7 +30,7 @@ from sandboxfs.core.approvals import ApprovalError, Mode
 from sandboxfs.core.consent import Consent
 from sandboxfs.core.context import context_document
 from sandboxfs.core.entry import AuditOp
-from sandboxfs.core.guard import MountInfo
+from sandboxfs.core.guard import AuditSink, MountInfo
 from sandboxfs.core.policy import Trust, Zone
 from sandboxfs.core.store import (
     CONTEXT_NAME,
@@ -347,13 +347,13 @@ class Control:
         with conn:
             try:
                 with trio.move_on_after(10):
-                    await conn.send(await self._answer(conn))
+                    await control.send_whole(conn, await self._answer(conn))
             except OSError as exc:
                 log.warning("control connection: %s", exc)
             except Exception:  # no request may end the daemon
                 log.exception("control request failed")
                 with contextlib.suppress(OSError), trio.move_on_after(1):
-                    await conn.send(control.reply(False, error="internal error"))
+                    await control.send_whole(conn, control.reply(False, error="internal error"))
 
     async def _answer(self, conn: trio.socket.SocketType) -> bytes:
         peer = control.peer_of(conn)  # type: ignore[arg-type]
@@ -370,7 +370,13 @@ class Control:
             return control.reply(False, error=str(exc))
         guard = self.ops.guard
         if request["op"] == "status":
-            return control.reply(True, trust=guard.policy.trust.value, session=self.info.session)
+            return control.reply(
+                True,
+                trust=guard.policy.trust.value,
+                session=self.info.session,
+                mountpoint=self.info.mountpoint,
+                failing=_audit_failure(guard.audit),
+            )
         if request["op"] in ("approvals", "answer", "revoke", "connect"):
             return approvals_reply(guard.consent, request, peer.pid, peer.uid)
         trust: Trust = request["trust"]
@@ -399,6 +405,13 @@ class Control:
         return context_document(guard.policy, self.info, os.getpid(), guard.limits)
 
 
+def _audit_failure(audit: AuditSink) -> str | None:
+    """Why the mount fails closed (its audit log's last error), for `status`; None if not."""
+    if not audit.failing:
+        return None
+    return (audit.failure if isinstance(audit, AuditLog) else None) or "unknown error"
+
+
 def approvals_reply(consent: Consent, request: dict[str, Any], pid: int, uid: int) -> bytes:
     """The approvals ops of the control channel (sandboxfs.core.consent): list, answer,
     revoke, and `run`'s proxy asking about a host; every answer and revocation audited with
@@ -413,8 +426,11 @@ def approvals_reply(consent: Consent, request: dict[str, Any], pid: int, uid: in
         return control.reply(True, allowed=allowed, reason=reason, request=pending)
     try:
         if request["op"] == "answer":
-            grant = consent.answer(request["id"], request["answer"], who, pid, uid)
+            shown = request["shown"]
+            grant = consent.answer(request["id"], request["answer"], who, pid, uid, shown)
             return control.reply(True, grant=grant.describe())
+        if request["op"] == "approvals" and "id" in request:
+            return control.reply(True, request=broker.listing(request["id"]))
         if request["op"] == "revoke":
             revoked = consent.revoke(request["grant"], who, pid, uid)
             return control.reply(True, grant=revoked.describe())

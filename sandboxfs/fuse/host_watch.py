@@ -29,6 +29,8 @@ are (the attributes are fetched once more).
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import re
 import select
@@ -57,6 +59,8 @@ from sandboxfs.core.syscalls import (
     inotify_rm_watch,
     reports_changes,
 )
+
+log = logging.getLogger(__name__)
 
 UNWATCHED = -1  # Node.watch: no watch asked for yet
 UNWATCHABLE = -2  # Node.watch: a watch cannot cover this directory; short timeouts stay
@@ -114,6 +118,7 @@ class HostWatch:
         # removed or renamed through the mount, and what the daemon left there.
         self._made_here: dict[tuple[int, bytes], tuple[float, tuple[int, int] | None]] = {}
         self._next_prune = 0.0
+        self._told_spent = False  # the budget's end is logged once per mount
         # Whether the kernel holds no attributes of an inode but these (Replies.told): then a
         # change event (most often of a change made through the mount) needs no invalidation.
         self.told: Callable[[int, StatLike], bool] = lambda ino, st: False
@@ -135,20 +140,35 @@ class HostWatch:
         if node.watch != UNWATCHED:
             return
         if (
-            not node.is_dir
-            or node.key is None
-            or not self.watchable.get(node.zone)  # type: ignore[arg-type]
-            or len(self._nodes) >= self.budget
+            not node.is_dir or node.key is None or not self.watchable.get(node.zone)  # type: ignore[arg-type]
         ):
             node.watch = UNWATCHABLE
             return
+        if len(self._nodes) >= self.budget:
+            node.watch = UNWATCHABLE
+            self._spent(f"sandboxfs's share of it ({self.budget} watches) is in use")
+            return
         try:
             wd = inotify_add_watch(self.fd, self.store.dir_fd(node), _MASK)
-        except (OSError, SandboxError):
+        except (OSError, SandboxError) as exc:
             node.watch = UNWATCHABLE
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                self._spent(f"the kernel refused more ({len(self._nodes)} held here)")
             return
         node.watch = wd
         self._nodes.setdefault(wd, []).append(node)
+
+    def _spent(self, why: str) -> None:
+        """Say once that the watch budget ran out: past it, directories keep the short cache
+        timeouts (more requests, never a stale view), which a user may want to know."""
+        if self._told_spent:
+            return
+        self._told_spent = True
+        log.warning(
+            "inotify watch budget spent: %s; directories past it keep the short cache timeouts "
+            "(raise fs.inotify.max_user_watches for more: sysctl -w fs.inotify.max_user_watches=N)",
+            why,
+        )
 
     def dropped(self, node: Node) -> None:
         """A directory node the kernel forgot: its watch goes with the last node on it."""

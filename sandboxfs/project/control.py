@@ -7,14 +7,19 @@ mount's owner's or root's, in the daemon's own PID and user namespaces, so a pro
 `run` sandbox is refused even if it could reach the socket.
 
 Protocol (version 1): one request per connection, a JSON object on one line (at most 64 KiB),
-answered by one JSON line. Every request has `"v": 1` and an `"op"`:
+answered by one JSON line (at most 16 MiB), each sent whole (a stream socket's `send` may take
+only part of a long one) and read up to its newline. Every request has `"v": 1` and an `"op"`:
 
     {"v": 1, "op": "status"}                 -> {"v": 1, "ok": true, "trust": ..., "session": ...}
     {"v": 1, "op": "trust", "trust": LEVEL}  -> {"v": 1, "ok": true, "old": ..., "new": ...}
     {"v": 1, "op": "approvals"}              -> {"v": 1, "ok": true, "mode": ..., "pending": [...],
                                                  "grants": [...]}
+    {"v": 1, "op": "approvals", "id": N}     -> {"v": 1, "ok": true, "request": {...}} (every path)
     {"v": 1, "op": "answer", "id": N, "answer": once|dir|everywhere|deny|never,
-     "channel": terminal|command}            -> {"v": 1, "ok": true, "grant": {...}}
+     "shown": N, "channel": terminal|command} -> {"v": 1, "ok": true, "grant": {...}}
+
+`shown` is the version of the request the user saw (its "shown"): the answer covers those paths
+and none that joined after; an allow-once needs it.
     {"v": 1, "op": "revoke", "grant": N}     -> {"v": 1, "ok": true, "grant": {...}}
     {"v": 1, "op": "connect", "host": "HOST:PORT", "pid": N}
                                              -> {"v": 1, "ok": true, "allowed": ..., "reason":
@@ -33,10 +38,10 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from sandboxfs.core.approvals import Answer
 from sandboxfs.core.policy import Trust
@@ -46,6 +51,9 @@ from sandboxfs.layout import control_dir
 
 VERSION = 1
 MAX_REQUEST = 64 << 10
+# An answer past this is replaced by an error saying so, never cut: the approvals ops list
+# requests and grants that other bounds keep far below it.
+MAX_REPLY = 16 << 20
 _SUN_PATH_MAX = 100
 _UCRED = struct.Struct("3i")
 
@@ -112,7 +120,7 @@ def parse_request(data: bytes) -> dict[str, Any]:
             raise BadRequest(f"unknown trust level {level!r}; levels: {levels}") from None
         return {"op": op, "trust": trust}
     if op == "approvals":
-        return {"op": op}
+        return {"op": op, "id": _number(request, "id")} if "id" in request else {"op": op}
     if op == "answer":
         try:
             answer = Answer(str(request.get("answer")))
@@ -124,7 +132,14 @@ def parse_request(data: bytes) -> dict[str, Any]:
         channel = request.get("channel", "command")
         if channel not in CHANNELS:
             raise BadRequest(f"unknown channel {channel!r}; channels: {', '.join(CHANNELS)}")
-        return {"op": op, "id": _number(request, "id"), "answer": answer, "channel": channel}
+        shown = _number(request, "shown") if request.get("shown") is not None else None
+        return {
+            "op": op,
+            "id": _number(request, "id"),
+            "answer": answer,
+            "shown": shown,
+            "channel": channel,
+        }
     if op == "revoke":
         return {"op": op, "grant": _number(request, "grant")}
     if op == "connect":  # from `run`'s proxy: a host not on its allowlist
@@ -150,7 +165,24 @@ def _number(request: dict[str, Any], key: str) -> int:
 
 
 def reply(ok: bool, **fields: Any) -> bytes:
-    return (json.dumps({"v": VERSION, "ok": ok, **fields}) + "\n").encode()
+    """One answer line, at most MAX_REPLY bytes (an error saying so in place of a longer one)."""
+    data = (json.dumps({"v": VERSION, "ok": ok, **fields}) + "\n").encode()
+    if len(data) > MAX_REPLY:
+        error = f"the answer ({len(data)} bytes) is larger than {MAX_REPLY} bytes"
+        return (json.dumps({"v": VERSION, "ok": False, "error": error}) + "\n").encode()
+    return data
+
+
+class _Sender(Protocol):
+    def send(self, data: memoryview, /) -> Awaitable[int]: ...
+
+
+async def send_whole(conn: _Sender, data: bytes) -> None:
+    """All of `data` on the daemon's (trio) socket: one `send` takes only what the socket's
+    buffer holds (about 200 KiB), and the rest would be lost."""
+    view = memoryview(data)
+    while view:
+        view = view[await conn.send(view) :]
 
 
 def bind(path: Path) -> socket.socket:
@@ -268,16 +300,15 @@ def request(path: Path, message: dict[str, Any], timeout: float = 30.0) -> dict[
         try:
             socket_at(path, sock.connect)
             sock.sendall((json.dumps({"v": VERSION, **message}) + "\n").encode())
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
+            data = _reply_line(sock)
         except OSError as exc:
             raise Failure(
                 f"cannot reach the mount's control socket {path}: {exc.strerror or exc}"
             ) from None
+    if len(data) > MAX_REPLY:
+        raise Failure(f"the daemon's answer on {path} is larger than {MAX_REPLY} bytes")
+    if not data.endswith(b"\n"):
+        raise Failure(f"the daemon's answer on {path} was cut off after {len(data)} bytes")
     try:
         answer = json.loads(data)
     except ValueError:
@@ -285,6 +316,21 @@ def request(path: Path, message: dict[str, Any], timeout: float = 30.0) -> dict[
     if not isinstance(answer, dict):
         raise Failure(f"the daemon gave no valid answer on {path}")
     return answer
+
+
+def _reply_line(sock: socket.socket) -> bytes:
+    """The answer up to its newline (or the end), a little past MAX_REPLY at most."""
+    chunks: list[bytes] = []
+    size = 0
+    while size <= MAX_REPLY:
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+    return b"".join(chunks)
 
 
 def socket_at(path: Path, call: Any) -> None:

@@ -211,12 +211,16 @@ def _check_dev_fuse() -> None:
 
 
 NOT_YOURS = "not yours"
+# What a mount whose audit log cannot be written answers every operation with (ENOSPC, even
+# opening its read-only context.json): it fails closed until entries can be written.
+FAILING_CLOSED = "failing closed"
 
 
 def read_context(mountpoint: Path, timeout: float) -> dict[str, Any] | str:
     """A mount's context.json, or why not: "dead" (its daemon is gone: ENOTCONN), "not yours"
-    (another user's mount: EACCES), "unresponsive" (no answer within `timeout`: hung or very
-    busy), or "unreadable" (any other error).
+    (another user's mount: EACCES), "failing closed" (its audit log cannot be written:
+    ENOSPC), "unresponsive" (no answer within `timeout`: hung or very busy), or "unreadable"
+    (any other error).
 
     Opening the file always reaches the daemon (opens are never answered from the kernel's
     cache), so this tells a live mount from a dead one; a thread bounds a hung daemon.
@@ -232,6 +236,8 @@ def read_context(mountpoint: Path, timeout: float) -> dict[str, Any] | str:
                 result = "dead"
             elif exc.errno in (errno.EACCES, errno.EPERM):
                 result = NOT_YOURS
+            elif exc.errno == errno.ENOSPC:
+                result = FAILING_CLOSED
             else:
                 result = "unreadable"
         except ValueError:

@@ -137,6 +137,7 @@ def _prompt_loop(path: Path, fd: int, out: TextIO) -> int:
                     "op": "answer",
                     "id": request["id"],
                     "answer": answer.value,
+                    "shown": request["shown"],
                     "channel": "terminal",
                 },
             )
@@ -226,7 +227,12 @@ class RelayPrompt:
                 keys = "   ".join(f"{k}: {_LABELS[a]}" for k, a in KEYS.items())
                 self._say(f"  choose again: {keys}")
                 continue
-            message = {"op": "answer", "id": self.request["id"], "answer": self.choice.value}
+            message = {
+                "op": "answer",
+                "id": self.request["id"],
+                "answer": self.choice.value,
+                "shown": self.request["shown"],
+            }
             try:
                 reply = control.request(self.source[0], {**message, "channel": "run"}, timeout=5.0)
             except SandboxfsError as exc:

@@ -31,29 +31,42 @@ import re
 import secrets
 import shutil
 import stat
+import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from sandboxfs.audit.anchor import make_private_dirs
 from sandboxfs.audit.log import log_files, record_now
 from sandboxfs.core.entry import AuditOp
 from sandboxfs.core.syscalls import fstat
-from sandboxfs.errors import Failure, SandboxfsError
+from sandboxfs.errors import Failure, SandboxfsError, UserError
 from sandboxfs.layout import (
+    anchors_dir,
     audit_path,
     audit_reserve,
+    control_dir,
     log_path,
     pruning_dir,
     quota_parts,
+    run_dir,
     session_dir,
     sessions_dir,
     state_dir,
+    state_root,
     workspaces_dir,
 )
 from sandboxfs.project.zones import check_id
 
+_STATE_ROOT_KINDS = {
+    stat.S_IFREG: "a regular file",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a named pipe",
+    stat.S_IFSOCK: "a socket",
+}
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _DURATION_RE = re.compile(r"^(\d+)([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -449,3 +462,50 @@ def _writable_dirs(path: Path) -> None:
 def _unlink_quiet(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def check_state_root() -> None:
+    """UserError (one line) unless the user's state dir is a directory this process can write,
+    made (0700) when missing. `mount` and `run` check it before they write anything: the audit
+    log's key lives there, and a log opened without it would be written without macs."""
+    root = state_root()
+    problem = _state_root_problem(root)
+    if problem is None:
+        return
+    if os.environ.get("SANDBOXFS_STATE_DIR"):
+        source = "$SANDBOXFS_STATE_DIR"
+    elif os.path.isabs(os.environ.get("XDG_STATE_HOME", "")):
+        source = "$XDG_STATE_HOME/sandboxfs"
+    else:
+        source = "the default"
+    raise UserError(
+        f"state directory {root} ({source}) {problem}; set SANDBOXFS_STATE_DIR to a directory "
+        f"you can write (it holds the audit logs' keys and the mountpoints of runs)"
+    )
+
+
+def _state_root_problem(root: Path) -> str | None:
+    """What makes `root` unusable as the state dir, or None; a missing one is created."""
+    try:
+        make_private_dirs(root)
+    except OSError as exc:
+        return f"cannot be created ({exc.strerror})"
+    for directory in (root, anchors_dir(), control_dir(), run_dir()):
+        try:
+            st = os.stat(directory)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return f"cannot be looked at ({exc.strerror}: {directory})"
+        if not stat.S_ISDIR(st.st_mode):
+            kind = _STATE_ROOT_KINDS.get(stat.S_IFMT(st.st_mode), "not a directory")
+            if directory == root:
+                return f"is {kind}, not a directory"
+            return f"holds {directory.name}, {kind}, where a directory belongs"
+    try:
+        fd, probe = tempfile.mkstemp(dir=root, prefix=".writable-")
+    except OSError as exc:
+        return f"cannot be written ({exc.strerror})"
+    os.close(fd)
+    os.unlink(probe)
+    return None

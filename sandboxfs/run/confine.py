@@ -24,6 +24,7 @@ from typing import Literal
 
 from sandboxfs.config.inputs import ENV_NAME
 from sandboxfs.core.context import CONFINED_MOUNTPOINT
+from sandboxfs.errors import SetupError
 
 SANDBOX = CONFINED_MOUNTPOINT  # where the virtual tree is, inside
 GUIDE = f"{SANDBOX}/.sandboxfs/README"  # the mount's plain-text guide (core.context.guide)
@@ -391,7 +392,89 @@ def bwrap_args(
         "--chdir",
         cwd,
     ]
+    unsafe = targets_in_writable_binds(args)
+    if unsafe:
+        target, bind = unsafe[0]
+        raise SetupError(
+            f"bubblewrap would make {target} inside {bind}, which the sandbox shows writable "
+            f"(the program could have put a link there for bubblewrap to follow while it sets "
+            f"up: CVE-2026-87766); expose what lies inside it another way, or not at all"
+        )
     return args
+
+
+# bubblewrap's options by what they take: how many arguments, and for those that put something
+# at a path inside, which argument is that path (the last). `--args` is not used with these.
+_BWRAP_FLAGS = frozenset(
+    {
+        "--unshare-all", "--share-net", "--unshare-user", "--unshare-user-try", "--unshare-ipc",
+        "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup",
+        "--unshare-cgroup-try", "--disable-userns", "--assert-userns-disabled",
+        "--die-with-parent", "--new-session", "--clearenv", "--as-pid-1",
+    }
+)  # fmt: skip
+_BWRAP_ONE = frozenset(
+    {
+        "--hostname", "--seccomp", "--add-seccomp-fd", "--json-status-fd", "--info-fd",
+        "--sync-fd", "--block-fd", "--userns-block-fd", "--cap-drop", "--cap-add", "--chdir",
+        "--uid", "--gid", "--perms", "--size", "--unsetenv", "--exec-label", "--file-label",
+        "--lock-file", "--userns", "--userns2", "--pidns",
+    }
+)  # fmt: skip
+_BWRAP_MAKES_ONE = {
+    "--dir": None, "--tmpfs": "own", "--proc": "own", "--dev": "own", "--mqueue": "own",
+    "--remount-ro": None,
+}  # fmt: skip
+_BWRAP_MAKES_TWO = {
+    "--bind": "writable", "--bind-try": "writable", "--dev-bind": "writable",
+    "--dev-bind-try": "writable", "--bind-data": "writable", "--ro-bind": "read-only",
+    "--ro-bind-try": "read-only", "--ro-bind-data": "read-only", "--file": None,
+    "--symlink": None, "--setenv": "env", "--chmod": None,
+}  # fmt: skip
+
+
+def targets_in_writable_binds(args: Sequence[str]) -> list[tuple[str, str]]:
+    """(path, the writable bind it lies in) for every path bubblewrap makes or mounts on, in
+    `args`, inside a writable bind made before it. Everywhere else bubblewrap works in what it
+    made itself (its fresh tmpfs root, a tmpfs, /proc, /dev) or in a read-only bind, where it
+    can create nothing; inside a writable bind (the mount at /sandbox, a worktree's git
+    directory) the program may have planted links in an earlier session, which a bubblewrap
+    without the fix for CVE-2026-87766 (0.12.0, 0.11.2) follows while it makes the path.
+    ValueError for an option this does not know (so a new one is classified, never missed)."""
+    binds: list[tuple[str, str]] = [("/", "own")]  # (path inside, kind), in the order made
+    found: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        option = args[i]
+        if option in _BWRAP_FLAGS:
+            i += 1
+            continue
+        if option in _BWRAP_ONE:
+            i += 2
+            continue
+        if option in _BWRAP_MAKES_ONE:
+            target, kind = args[i + 1], _BWRAP_MAKES_ONE[option]
+            i += 2
+        elif option in _BWRAP_MAKES_TWO:
+            target, kind = args[i + 2], _BWRAP_MAKES_TWO[option]
+            i += 3
+            if kind == "env" or option == "--chmod":
+                continue
+        else:
+            raise ValueError(f"unknown bubblewrap option {option!r}")
+        target = os.path.normpath(target)
+        holder = max(
+            (b for b in binds if b[0] == target or _below(target, b[0])), key=lambda b: len(b[0])
+        )
+        if holder[1] == "writable" and holder[0] != target:
+            found.append((target, holder[0]))
+        if kind is not None:
+            binds.append((target, kind))
+    return found
+
+
+def _below(path: str, directory: str) -> bool:
+    return directory == "/" or path.startswith(directory.rstrip("/") + "/")
 
 
 def launcher_argv(tty: bool, command: Sequence[str]) -> list[str]:

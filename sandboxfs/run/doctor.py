@@ -27,6 +27,9 @@ from pathlib import Path
 from sandboxfs.run import confine
 
 BWRAP_MINIMUM = (0, 8, 0)  # --disable-userns, --size; with --json-status-fd, --perms, --cap-drop
+# CVE-2026-87766 (making a path inside a directory the program could write follows a link it
+# planted there) is fixed in 0.12.0 and, on the 0.11 branch, 0.11.2.
+BWRAP_CVE_2026_87766_FIXED = ((0, 11, 2), (0, 12, 0))
 PYTHON_MINIMUM = (3, 11)
 PYFUSE3_RANGE = ((3, 3), (4,))  # daemon.py relies on pyfuse3 3.x internals
 TRIAL_TIMEOUT = 10.0
@@ -348,6 +351,15 @@ def _pyfuse3() -> Check:
     where = spec.origin or "(namespace package)"
     if Path(where).name.startswith("__init__."):
         where = str(Path(where).parent)
+    failure = _import_failure("pyfuse3")
+    if failure is not None:
+        return Check(
+            "pyfuse3",
+            "mount",
+            False,
+            f"pyfuse3 {version} at {where} cannot be imported by {sys.executable}: {failure}",
+            install,
+        )
     found = _version(version)
     low, high = PYFUSE3_RANGE
     if found is not None and not low <= found < high:
@@ -359,6 +371,17 @@ def _pyfuse3() -> Check:
             install,
         )
     return Check("pyfuse3", "mount", True, f"pyfuse3 {version} at {where}", None)
+
+
+def _import_failure(module: str) -> str | None:
+    """Why `module` does not import here, in one line, or None: found is not enough, as its
+    compiled part may need a library that is gone (libfuse3). Imported in this process, the
+    one whose fork serves the mount, so its path and environment are the daemon's."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # an import runs the module's code: any error means unusable
+        return _one_line(f"{type(exc).__name__}: {exc}") or type(exc).__name__
+    return None
 
 
 # ----- run ----------------------------------------------------------------------------------------
@@ -408,7 +431,21 @@ def _bwrap_version(bwrap: str) -> Check:
             f"bubblewrap {found.group(1)} is older than {need} (run needs --disable-userns)",
             upgrade,
         )
-    return Check(name, "run", True, f"bubblewrap {found.group(1)}", None)
+    return Check(
+        name, "run", True, f"bubblewrap {found.group(1)}; {_cve_2026_87766(version)}", None
+    )
+
+
+def _cve_2026_87766(version: tuple[int, ...]) -> str:
+    """Whether this bubblewrap has the fix, and why `run` is safe with one that does not."""
+    branch, current = BWRAP_CVE_2026_87766_FIXED
+    if version >= current or (version[:2] == branch[:2] and version >= branch):
+        return "CVE-2026-87766: fixed in this version"
+    return (
+        "CVE-2026-87766: not fixed in this version (0.12.0, 0.11.2), and run is not exposed: "
+        "it never has bubblewrap make a path inside a writable bind (every run's options are "
+        "checked; a layout that would is refused)"
+    )
 
 
 def _user_namespaces(host: _Host) -> Check:

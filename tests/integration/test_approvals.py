@@ -155,7 +155,9 @@ def test_five_hundred_deletes_make_one_grouped_request(asking: Mount) -> None:
     [request] = pending(asking)
     assert request["count"] == 500 and request["directory"] == "/repo/many"
     assert request["paths"] == [f"/repo/many/f{n:03}" for n in range(5)]
-    assert sandboxfs("approve", str(request["id"]), "--mount", asking.mnt).returncode == 0
+    assert request["shown"] == 500  # all of them, listed by `approvals --list ID`
+    counted = ("--shown", "500", "--mount", str(asking.mnt))
+    assert sandboxfs("approve", str(request["id"]), *counted).returncode == 0
     assert sh(f"rm {asking.mnt / 'repo' / 'many'}/*").returncode == 0
     assert list(many.iterdir()) == []
 
@@ -704,3 +706,153 @@ def test_git_works_under_the_agent_profile_and_its_own_files_are_never_asked(
         refused = sh(f"rm {repo}/a/one")
         assert refused.returncode != 0 and "Permission denied" in refused.stderr
         assert [r["path"] for r in pending(m)] == ["/repo/a/one"]
+
+
+def test_replies_of_any_size_arrive_whole(tmp_path: Path, project: Path) -> None:
+    """30 pending deletes of long paths make an `approvals` reply far past what one `send`
+    takes (about 210 KB): `approvals` and `grants` still read it whole."""
+    (project / "sandboxfs.yaml").write_text(
+        "approvals:\n  timeout: 120\n  rules:\n"
+        "    - {id: repo-delete, ops: [delete], zones: [repo], decision: ask}\n"
+    )
+    long = "/".join(f"{i:02d}" + "d" * 198 for i in range(16))
+    for n in range(30):
+        (project / f"t{n:02d}" / long).mkdir(parents=True)
+        (project / f"t{n:02d}" / long / "f").write_text("x\n")
+    with mounted(tmp_path / "mnt", project, "full") as m:
+        for n in range(30):
+            rm = subprocess.run(
+                ["rm", str(m.mnt / "repo" / f"t{n:02d}" / long / "f")],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert rm.returncode == 1 and "Permission denied" in rm.stderr, rm.stderr
+        listed = sandboxfs("approvals", "--json", "--mount", m.mnt)
+        assert listed.returncode == 0, listed.stderr
+        assert len(listed.stdout) > 512 << 10
+        assert len(json.loads(listed.stdout)["pending"]) == 30
+        grants = sandboxfs("grants", "--json", "--mount", m.mnt)
+        assert grants.returncode == 0 and json.loads(grants.stdout) == [], grants.stderr
+        assert all((project / f"t{n:02d}" / long / "f").exists() for n in range(30))
+
+
+# ----- issue 34: a grant is exactly what was shown ---------------------------------------------
+
+
+def answer_as_shown(m: Mount, request: dict[str, Any], answer: str) -> dict[str, Any]:
+    """What the prompts send: the answer and the version of the request they showed."""
+    shown = request.get("shown")
+    message = {"op": "answer", "id": request["id"], "answer": answer, "shown": shown}
+    reply: dict[str, Any] = control.request(control.socket_path(m.daemon_pid()), message)
+    return reply
+
+
+@pytest.fixture
+def agent(tmp_path: Path, project: Path) -> Any:
+    configure(project)
+    (project / "sandboxfs.yaml").write_text("approvals: {profile: agent}\n")
+    (project / "src" / "main.py").write_text("main\n")
+    (project / "notes.txt").write_text("notes\n")
+    with mounted(tmp_path / "mnt", project, "full") as m:
+        yield m
+
+
+JOIN_LATER = r"""
+import os, sys, time
+first, flag, later = sys.argv[1:]
+for path in (first, later):
+    try:
+        os.unlink(path)
+        print("deleted", flush=True)
+    except PermissionError:
+        print("refused", flush=True)
+    while path == first and not os.path.exists(flag):
+        time.sleep(0.05)
+"""
+
+
+def test_a_path_that_joins_after_the_request_was_shown_is_not_covered(agent: Mount) -> None:
+    """Case 5: the user saw one path; a second joins before the answer; `once` lets the first
+    go and the second stays pending, refused; `approve ID` of a request of several paths asks
+    for the count the user listed."""
+    a = agent.mnt / "repo" / "a"
+    flag = agent.mnt.parent / "go"
+    program = subprocess.Popen(  # one process: its later deletes join its request
+        [PY, "-c", JOIN_LATER, str(a / "one"), str(flag), str(a / "two")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert program.stdout is not None and program.stdout.readline() == "refused\n"
+        [shown] = pending(agent)
+        assert shown["count"] == 1
+        flag.touch()
+        assert program.stdout.readline() == "refused\n"  # joined request 1 after it was shown
+    finally:
+        flag.touch()
+        program.communicate(timeout=30)
+    [joined] = pending(agent)
+    assert joined["id"] == shown["id"] and joined["count"] == 2
+    reply = answer_as_shown(agent, shown, "once")
+    assert reply["ok"], reply
+    assert sh(f"rm {a / 'one'}").returncode == 0
+    refused = sh(f"rm {a / 'two'}")
+    assert refused.returncode == 1 and (agent.project / "a" / "two").exists()
+    [rest] = pending(agent)
+    assert rest["paths"] == ["/repo/a/two"] and rest["id"] != shown["id"]
+    b = agent.mnt / "repo" / "b"
+    assert sh(f"rm {b / 'one'} {b / 'two'}").returncode == 1  # one request of two paths
+    [two] = [r for r in pending(agent) if r["directory"] == "/repo/b"]
+    bare = sandboxfs("approve", str(two["id"]), "--mount", agent.mnt)
+    assert bare.returncode == 2 and "holds 2 paths" in bare.stderr, bare.stderr
+    listed = sandboxfs("approvals", "--list", str(two["id"]), "--mount", agent.mnt)
+    assert "  /repo/b/one\n  /repo/b/two\n" in listed.stdout, listed.stdout
+    assert f"sandboxfs approve {two['id']} --shown 2" in listed.stdout
+    counted = ("--shown", "2", "--mount", str(agent.mnt))
+    assert sandboxfs("approve", str(two["id"]), *counted).returncode == 0
+    assert sh(f"rm {b / 'one'} {b / 'two'}").returncode == 0
+    entry = next(
+        e
+        for e in approvals_entries(agent)
+        if e["approval"].get("request") == shown["id"] and e["approval"].get("answer") == "once"
+    )
+    assert entry["approval"]["count"] == 1 and entry["approval"]["remainder"] == rest["id"]
+
+
+def test_a_rename_grant_does_not_allow_another_destination(agent: Mount) -> None:
+    """Case 6: allowing notes.txt -> notes.old does not let notes.txt go over src/main.py."""
+    repo = agent.mnt / "repo"
+    assert sh(f"mv {repo / 'notes.txt'} {repo / 'notes.old'}").returncode == 1
+    [request] = pending(agent)
+    assert (request["path"], request["dest"]) == ("/repo/notes.txt", "/repo/notes.old")
+    assert answer_as_shown(agent, request, "once")["ok"]
+    over = sh(f"mv {repo / 'notes.txt'} {repo / 'src' / 'main.py'}")
+    assert over.returncode == 1 and "Permission denied" in over.stderr
+    assert (agent.project / "src" / "main.py").read_text() == "main\n"
+    assert sh(f"mv {repo / 'notes.txt'} {repo / 'notes.old'}").returncode == 0
+    assert (agent.project / "notes.old").read_text() == "notes\n"
+
+
+def test_a_directory_grant_does_not_cover_what_is_moved_into_it(
+    tmp_path: Path, project: Path
+) -> None:
+    """Case 7: deletes under build/ are allowed for the session; src/ is then moved into
+    build/ (no rule asks about renames here) and deleting it there asks again."""
+    configure(project)  # deletes ask, renames do not
+    (project / "build").mkdir()
+    (project / "build" / "old.o").write_text("o\n")
+    (project / "src" / "main.py").write_text("main\n")
+    with mounted(tmp_path / "mnt", project, "full") as m:
+        repo = m.mnt / "repo"
+        assert sh(f"rm {repo / 'build' / 'old.o'}").returncode == 1
+        [request] = pending(m)
+        assert answer_as_shown(m, request, "dir")["ok"]
+        assert sh(f"mv {repo / 'src'} {repo / 'build' / 'src'}").returncode == 0
+        refused = sh(f"rm -r {repo / 'build' / 'src'}")
+        assert refused.returncode == 1 and "Permission denied" in refused.stderr
+        assert (project / "build" / "src" / "main.py").read_text() == "main\n"
+        listed = sandboxfs("grants", "--mount", m.mnt).stdout
+        assert "not the 1 entries moved in since" in listed, listed
+        made = sh(f"echo x > {repo / 'build' / 'new.o'} && rm {repo / 'build' / 'new.o'}")
+        assert made.returncode == 0, made.stderr  # what is made there is still covered

@@ -8,6 +8,7 @@ system calls that no tool exposes, with small python subprocesses calling os.* d
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -784,6 +785,25 @@ def test_full_audit_log_filesystem(mount_at: Callable[..., Any], small_fs: Path)
         assert len(readme) == 41, len(readme)
         assert all(e["op"] == "read" and e["errno"] == "ENOENT" for e in readme), readme
         assert_healthy(m, pid)
+
+
+def test_status_says_why_a_mount_fails_closed(mount_at: Callable[..., Any], small_fs: Path) -> None:
+    """While the audit log cannot be written, `status` says so and why, not `unreadable`."""
+    project = make_project(small_fs)
+    with mount_at("untrusted", proj=project) as m:
+        fill = f"{m.mnt}/session/working/fill"
+        refused(sh(f"head -c 2000000 /dev/zero > {fill}", timeout=30), "No space left on device")
+        sh(f"for i in $(seq 40); do cat {m.mnt}/repo/README.md; done", timeout=60)
+        assert "No space left" in sh(f"ls {m.mnt}/session", timeout=10).stderr
+        shown = sandboxfs("status", "--json", m.mnt)
+        assert shown.returncode == 0, shown.stderr
+        [row] = json.loads(shown.stdout)
+        assert row["state"] == "failing closed", row
+        assert row["reason"] == "the audit log cannot be written (No space left on device)"
+        assert (row["trust"], row["session"]) == ("untrusted", m.session)
+        table = sandboxfs("status", m.mnt).stdout
+        assert "failing closed" in table and "(No space left on device)" in table, table
+        (backing(m, "session") / "working" / "fill").unlink()
 
 
 # ----- backing directories removed or replaced while mounted ----------------------------------

@@ -566,3 +566,21 @@ def test_follow_table_rows(
         assert "DENIED" in row and "cat[" in row
         proc.terminate()
         proc.communicate(timeout=20)
+
+
+def test_refusals_are_counted_per_refused_system_call(tmp_path: Path) -> None:
+    """README: one `rm` of a name the level may not see is two refusals, its `newfstatat` and
+    its `unlinkat`, as each looks the name up and is refused."""
+    project = make_project(tmp_path)
+    with mounted(tmp_path / "mnt", project, "untrusted") as m:
+        removed = subprocess.run(["rm", str(m.mnt / "repo/.env")], capture_output=True, timeout=30)
+        assert removed.returncode == 1
+    assert (project / ".env").exists()
+    shown = sandboxfs("audit", "--project", project, "--denied", "--json")
+    entries = [json.loads(line) for line in shown.stdout.splitlines()]
+    refusals = [e for e in entries if e["path"] == "/repo/.env"]
+    assert sum(e.get("count", 1) for e in refusals) == 2, refusals
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert "the number of refusals is the number of refused system calls" in " ".join(
+        readme.split()
+    )

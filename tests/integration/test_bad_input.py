@@ -9,6 +9,7 @@ are tested below the table.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -346,3 +347,107 @@ def test_doctor_runs_without_pyfuse3() -> None:
     assert "Traceback" not in result.stderr, result.stderr
     assert '"pyfuse3"' in result.stdout
     assert result.returncode != 0  # pyfuse3 is a failed check
+
+
+def test_doctor_imports_pyfuse3_rather_than_locating_it(tmp_path: Path) -> None:
+    """A pyfuse3 that is found but fails to import (its libfuse3 gone) is a failed check."""
+    broken = tmp_path / "pyfuse3"
+    broken.mkdir()
+    message = "libfuse3.so.3: cannot open shared object file: No such file or directory"
+    (broken / "__init__.py").write_text(f"raise ImportError({message!r})\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run(
+        [*SANDBOXFS, "doctor", "--json"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert "Traceback" not in result.stderr, result.stderr
+    check = next(c for c in json.loads(result.stdout) if c["name"] == "pyfuse3")
+    assert not check["ok"], check
+    assert message in check["detail"] and "\n" not in check["detail"]
+    assert result.returncode == 1
+
+
+# ----- a state dir that cannot be used -----------------------------------------------------------
+
+
+def _unusable_state(root: Path, kind: str) -> Path:
+    if kind == "/dev/null":
+        return Path("/dev/null")
+    if kind == "a regular file":
+        (root / "state-file").write_text("")
+        return root / "state-file"
+    (root / "state-ro").mkdir(mode=0o555)
+    return root / "state-ro"
+
+
+@needs_root
+@pytest.mark.parametrize(
+    ("who", "kind"),
+    [
+        ("root", "/dev/null"),
+        ("root", "a regular file"),
+        ("nobody", "/dev/null"),
+        ("nobody", "a regular file"),
+        ("nobody", "a read-only directory"),
+    ],
+)
+def test_unusable_state_dir_is_one_line_and_leaves_the_log_keyed(
+    open_dir: Path, who: str, kind: str
+) -> None:
+    """`mount` and `run` check the state dir before anything is written: one line (exit 2;
+    run's 125), twice in a row, and the project's keyed log still verifies."""
+    for name in ("project", "home", "mnt"):
+        (open_dir / name).mkdir()
+    (open_dir / "project" / "README.md").write_text("readme\n")
+    prefix = NOBODY if who == "nobody" else []
+    if who == "nobody":
+        subprocess.run(["chown", "-R", "65534:65534", str(open_dir)], check=True)
+    bad = _unusable_state(open_dir, kind)
+    project, mnt = open_dir / "project", open_dir / "mnt"
+
+    def sandboxfs_as(state: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
+        env = {"HOME": str(open_dir / "home"), "PATH": "/usr/bin:/bin"}
+        env["SANDBOXFS_STATE_DIR"] = str(state)
+        return subprocess.run(
+            [*prefix, *SANDBOXFS, *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
+
+    good = open_dir / "state"
+    made = sandboxfs_as(good, "mount", mnt, "--project", project)
+    assert made.returncode == 0, made.stderr
+    assert sandboxfs_as(good, "umount", mnt).returncode == 0
+    for command in (["mount", mnt], ["run"], ["mount", mnt], ["run"]):
+        tail = ["--", "true"] if command == ["run"] else []
+        result = sandboxfs_as(bad, *command, "--project", project, *tail)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == (125 if command == ["run"] else 2), result.stderr
+        assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+        assert f"state directory {bad}" in lines[0] and "SANDBOXFS_STATE_DIR" in lines[0]
+        assert not os.path.ismount(mnt)
+    verified = sandboxfs_as(good, "audit", "verify", "--project", project)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "keyed" in verified.stdout and "unkeyed" not in verified.stdout, verified.stdout
+
+
+@pytest.mark.parametrize("name", ["", "cla\nude", "x\x1b[2Jy"])
+@pytest.mark.parametrize("command", ["run", "home seed"])
+def test_agent_name_empty_or_unprintable_is_one_escaped_line(
+    tmp_path: Path, name: str, command: str
+) -> None:
+    """`--agent ''` is not taken for no profile, and the name is escaped in the one line."""
+    project = make_project(tmp_path)
+    args = [*command.split(), "--project", str(project), "--agent", name]
+    if command == "run":
+        args += ["--", "true"]
+    result = subprocess.run(
+        [*SANDBOXFS, *args], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
+    )
+    assert result.returncode == (125 if command == "run" else 2), result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "\x1b" not in result.stderr, result.stderr
+    assert f"--agent {name!r}:" in lines[0]
+    assert "claude" in lines[0]  # the profiles there are

@@ -201,3 +201,20 @@ def test_git_rules_hold_at_a_git_dir_zone_root() -> None:
     link = policy.protected("/gitdir/evil", "evil", False, pointer=True, git_root=True)
     assert link is not None and "no symbolic link" in link.reason
     assert policy.may_protect_under("", git_root=True)
+
+
+def test_nothing_is_exposed_inside_the_writable_git_directory(tmp_path: Path) -> None:
+    """The git directory is bound writable (through the mount): bubblewrap making a mount
+    point in it would follow what an earlier session planted there (CVE-2026-87766), so an
+    --expose below it is refused in one line, and nothing runs."""
+    main, wt = main_with_worktree(tmp_path)
+    (main / ".git" / "info").mkdir(exist_ok=True)
+    result = sbx(
+        "run", "--project", wt, "--trust", "full", "--expose", main / ".git" / "info",
+        "--", "touch", f"{main}/.git/ran",
+    )  # fmt: skip
+    assert result.returncode == 125, (result.stdout, result.stderr)
+    [line] = result.stderr.splitlines()
+    assert f"would make {main}/.git/info inside {main}/.git" in line and "CVE-2026-87766" in line
+    assert not (main / ".git" / "ran").exists()
+    assert ok(run_in(wt, "full", f"test -d {main}/.git/info && echo shown")) == "shown\n"

@@ -15,6 +15,7 @@ from sandboxfs.core.approvals import (
     Answer,
     ApprovalError,
     Broker,
+    Grant,
     Kind,
     Mode,
     Rule,
@@ -88,7 +89,7 @@ def test_ask_makes_a_pending_request_and_an_answer_lets_the_retry_pass() -> None
     assert b.pending()[0].cmdline == "rm x"
     again = b.consult("full", "repo", [Kind.DELETE], "/repo/x", pid=7)
     assert not again.allowed and not again.new and again.request is out.request
-    _, grant = b.answer(1, Answer.ONCE, "test")
+    _, grant, _ = b.answer(1, Answer.ONCE, "test", shown=1)
     assert not b.pending() and grant.allow
     assert b.consult("full", "repo", [Kind.DELETE], "/repo/x", pid=7).allowed
     # once: the next delete of the same path asks again
@@ -115,7 +116,7 @@ def test_deny_refuses_the_retry_and_never_stops_asking() -> None:
 def test_allow_directory_covers_the_directory_not_a_sibling() -> None:
     b = broker()
     delete(b, "/repo/a/one")
-    _, grant = b.answer(1, Answer.DIR, "test")
+    _, grant, _ = b.answer(1, Answer.DIR, "test")
     assert "under /repo/a/" in grant.describe()["text"]
     assert b.consult("full", "repo", [Kind.DELETE], "/repo/a/two", pid=9).allowed
     assert b.consult("full", "repo", [Kind.DELETE], "/repo/a/sub/three", pid=9).allowed
@@ -133,7 +134,7 @@ def test_a_directory_grant_settles_the_requests_below() -> None:
     delete(b, "/repo/a/one")
     delete(b, "/repo/a/sub/two")
     delete(b, "/repo/b/three")
-    _, grant = b.answer(1, Answer.DIR, "test")
+    _, grant, _ = b.answer(1, Answer.DIR, "test")
     assert [r.id for r in b.settled(grant)] == [2]
     assert [r.id for r in b.pending()] == [3]
 
@@ -142,7 +143,7 @@ def test_a_host_grant_covers_that_host_only() -> None:
     b = broker(Rule("hosts", Verdict.ASK, frozenset({Kind.CONNECT})))
     out = b.consult("full", "net", [Kind.CONNECT], "example.com:443", pid=1)
     assert out.request is not None and out.request.directory == "example.com:443"
-    _, grant = b.answer(1, Answer.DIR, "test")
+    _, grant, _ = b.answer(1, Answer.DIR, "test")
     assert grant.describe()["text"].startswith("allow connections to example.com:443, for")
     assert b.consult("full", "net", [Kind.CONNECT], "example.com:443", pid=2).allowed
     assert not b.consult("full", "net", [Kind.CONNECT], "api.example.com:443", pid=2).allowed
@@ -172,7 +173,7 @@ def test_same_rule_process_and_directory_make_one_request() -> None:
     ]
     shown = requests[0].describe(0)
     assert shown["count"] == 500 and shown["paths"] == [f"/repo/d/f{n}" for n in range(5)]
-    b.answer(1, Answer.ONCE, "test")
+    b.answer(1, Answer.ONCE, "test", shown=shown["shown"])
     assert all(delete_ok(b, f"/repo/d/f{n}") for n in range(500))
 
 
@@ -209,7 +210,7 @@ def test_a_retry_by_another_process_joins_its_request() -> None:
     first = delete(b, "/repo/x", pid=7)
     again = delete(b, "/repo/x", pid=99)
     assert again.request is first.request and first.request.count == 1  # type: ignore[attr-defined]
-    b.answer(1, Answer.ONCE, "test")
+    b.answer(1, Answer.ONCE, "test", shown=1)
     assert delete_ok(b, "/repo/x")
 
 
@@ -384,3 +385,182 @@ def test_the_permission_probe_judges_approvals_without_asking(tmp_path: Path) ->
         assert not sb.check_permission("delete", "/repo/b/one").allowed
         assert len(asked) == 1
     assert (project / "a" / "two").exists() and (project / "b" / "one").exists()
+
+
+# ----- issue 34: a grant is exactly what was shown ---------------------------------------------
+
+ASK_RENAME = Rule("repo-rename", Verdict.ASK, frozenset({Kind.RENAME}), frozenset({"repo"}))
+
+
+def rename(b: Broker, path: str, dest: str, pid: int = 7) -> bool:
+    kinds = [Kind.RENAME]
+    return b.consult("full", "repo", kinds, path, pid=pid, comm="mv", dest=dest).allowed
+
+
+def test_once_covers_the_paths_shown_not_those_that_joined_after() -> None:
+    """Case 5: the answer carries the version it saw; paths that joined later stay pending
+    in a request of their own and are refused until it is answered."""
+    b = broker()
+    for n in range(7):
+        delete(b, f"/repo/d/f{n}")
+    shown = b.pending()[0].describe(0)
+    assert shown["shown"] == 7 and len(shown["paths"]) == 5  # "and N more", listed on request
+    assert b.listing(1)["paths"] == [f"/repo/d/f{n}" for n in range(7)]
+    for n in range(7, 10):  # joined after the user looked
+        delete(b, f"/repo/d/f{n}")
+    request, grant, remainder = b.answer(1, Answer.ONCE, "test", shown=shown["shown"])
+    assert request.count == 7 and len(grant.pairs) == 7 and "7 paths" in grant.describe()["text"]
+    assert remainder is not None and remainder.paths == [f"/repo/d/f{n}" for n in range(7, 10)]
+    assert all(delete_ok(b, f"/repo/d/f{n}") for n in range(7))
+    assert not any(delete_ok(b, f"/repo/d/f{n}") for n in range(7, 10))
+    assert [r.id for r in b.pending()] == [remainder.id]
+
+
+def test_an_answer_must_match_what_the_request_held() -> None:
+    b = broker()
+    delete(b, "/repo/d/a")
+    delete(b, "/repo/d/b")
+    with pytest.raises(ApprovalError, match="names how many of its paths were shown"):
+        b.answer(1, Answer.ONCE, "test")
+    with pytest.raises(ApprovalError, match="held 2 paths, not 3"):
+        b.answer(1, Answer.ONCE, "test", shown=3)
+    _, grant, remainder = b.answer(1, Answer.ONCE, "test", shown=1)
+    assert grant.paths == ["/repo/d/a"] and remainder is not None
+    assert remainder.paths == ["/repo/d/b"]
+
+
+def test_the_api_approver_covers_only_what_it_was_given(tmp_path: Path) -> None:
+    project = api_project(tmp_path)
+    given: list[dict[str, object]] = []
+
+    def approver(request: dict[str, object]) -> str:
+        given.append(request)
+        return "once"
+
+    with Sandbox.open(project, trust="full", approver=approver) as sb:
+        sb.delete("/repo/a/one")
+        sb.delete("/repo/a/two")  # its own request: the first grant covered one path
+    assert [r["shown"] for r in given] == [1, 1]
+    assert [r["path"] for r in given] == ["/repo/a/one", "/repo/a/two"]
+
+
+def test_a_rename_grant_binds_source_and_destination() -> None:
+    """Case 6: once for notes.txt -> notes.old is not notes.txt -> src/main.py; a directory
+    grant for renames needs both ends under it."""
+    b = broker(ASK_RENAME)
+    assert not rename(b, "/repo/notes.txt", "/repo/notes.old")
+    _, grant, _ = b.answer(1, Answer.ONCE, "test", shown=1)
+    assert grant.paths == ["/repo/notes.txt -> /repo/notes.old"]
+    assert not rename(b, "/repo/notes.txt", "/repo/src/main.py")
+    assert rename(b, "/repo/notes.txt", "/repo/notes.old")
+    b = broker(ASK_RENAME)
+    assert not rename(b, "/repo/docs/a", "/repo/docs/b")
+    _, grant, _ = b.answer(1, Answer.DIR, "test")
+    assert "under /repo/docs/ (from and to it)" in grant.describe()["text"]
+    assert rename(b, "/repo/docs/c", "/repo/docs/sub/d")
+    assert not rename(b, "/repo/docs/c", "/repo/src/main.py")
+    assert not rename(b, "/repo/src/main.py", "/repo/docs/x")
+
+
+def test_grouped_renames_keep_each_destination() -> None:
+    b = broker(ASK_RENAME)
+    rename(b, "/repo/a", "/repo/a.old")
+    rename(b, "/repo/b", "/repo/b.old")
+    assert b.listing(1)["dests"] == ["/repo/a.old", "/repo/b.old"]
+    b.answer(1, Answer.ONCE, "test", shown=2)
+    assert not rename(b, "/repo/a", "/repo/b.old")
+    assert rename(b, "/repo/a", "/repo/a.old") and rename(b, "/repo/b", "/repo/b.old")
+
+
+def test_a_directory_grant_does_not_cover_what_is_moved_in() -> None:
+    """Case 7: src/ moved into build/ after the grant for build/ is not deletable under it;
+    what is made or moved within build/ still is."""
+    b = broker()
+    delete(b, "/repo/build/old.o")
+    _, grant, _ = b.answer(1, Answer.DIR, "test")
+    assert b.moved("/repo/src", "/repo/build/src") == []
+    assert b.moved("/repo/build/a.o", "/repo/build/b.o") == []  # within: still covered
+    assert not delete_ok(b, "/repo/build/src/main.py")
+    assert not delete_ok(b, "/repo/build/src")
+    assert delete_ok(b, "/repo/build/b.o") and delete_ok(b, "/repo/build/new.o")
+    b.moved("/repo/build/src", "/repo/build/src2")  # moved on: still not covered
+    assert not delete_ok(b, "/repo/build/src2/main.py")
+    assert grant.describe()["moved_in"] == 2
+
+
+def test_moving_onto_a_granted_path_or_above_a_granted_directory_drops_the_grant() -> None:
+    b = broker()
+    delete(b, "/repo/build/old.o")
+    b.answer(1, Answer.ONCE, "test", shown=1)
+    b.moved("/repo/src/main.py", "/repo/build/old.o")  # not the file the user saw
+    assert not delete_ok(b, "/repo/build/old.o")
+    b = broker()
+    delete(b, "/repo/a/build/x")
+    _, grant, _ = b.answer(1, Answer.DIR, "test")
+    b.moved("/repo/a", "/repo/a.gone")
+    assert b.moved("/repo/src", "/repo/a") == [grant]  # a/build/ may now be src/build/
+    assert not delete_ok(b, "/repo/a/build/x") and not b.grants()
+
+
+def test_lookups_are_indexed_and_requests_bounded() -> None:
+    """Case 29: ~10,000 grants cost a lookup its path's depth (counted, not timed); a
+    request holds at most MAX_PATHS paths and MAX_REQUEST_BYTES, the rest refused unasked."""
+    b = broker(per_minute=100_000)
+    for n in range(10_000):
+        delete(b, f"/repo/d{n}/x", pid=n)
+        b.answer(n + 1, Answer.DIR if n % 2 else Answer.ONCE, "test", shown=1)
+    calls = 0
+    real = Grant.covers
+
+    def counting(self: Grant, kind: Kind, path: str, dest: str | None = None) -> bool:
+        nonlocal calls
+        calls += 1
+        return real(self, kind, path, dest)
+
+    Grant.covers = counting  # type: ignore[method-assign]
+    try:
+        assert delete_ok(b, "/repo/d9999/sub/y") and not delete_ok(b, "/repo/other/y")
+    finally:
+        Grant.covers = real  # type: ignore[method-assign]
+    assert calls <= 4
+    b = broker()
+    for n in range(Broker.MAX_PATHS + 5):
+        out = b.consult("full", "repo", [Kind.DELETE], f"/repo/d/f{n}", pid=7)
+    assert b.pending()[0].count == Broker.MAX_PATHS
+    assert out.limited and "already holds 1000 paths" in out.reason
+    long = "x" * 4000
+    b = broker()
+    for n in range(100):
+        out = b.consult("full", "repo", [Kind.DELETE], f"/repo/d/{long}{n}", pid=7)
+    assert b.pending()[0].size <= Broker.MAX_REQUEST_BYTES and out.limited
+
+
+def test_the_grants_of_a_session_are_bounded() -> None:
+    b = broker(per_minute=100)
+    b.MAX_GRANTS = 2  # type: ignore[misc]
+    for n in range(3):
+        delete(b, f"/repo/d{n}/x")
+    b.answer(1, Answer.DIR, "test")
+    b.answer(2, Answer.DIR, "test")
+    with pytest.raises(ApprovalError, match=r"holds 2 grants.*revoke some first"):
+        b.answer(3, Answer.DIR, "test")
+
+
+def test_a_link_grant_binds_its_source_and_a_new_name_is_not_made_there() -> None:
+    """Case 6 and 7 for links: a grant for a link names its source; a second name for a file
+    from outside a directory grant is not covered by it (writing through it writes the file)."""
+    ask_create = Rule("c", Verdict.ASK, frozenset({Kind.CREATE}), frozenset({"repo"}))
+    b = broker(ask_create)
+
+    def create(path: str, source: str | None = None) -> bool:
+        return b.consult("full", "repo", [Kind.CREATE], path, pid=7, dest=source).allowed
+
+    assert not create("/repo/n", "/repo/notes.txt")
+    b.answer(1, Answer.ONCE, "test", shown=1)
+    assert not create("/repo/n", "/repo/src/main.py") and not create("/repo/n")
+    assert create("/repo/n", "/repo/notes.txt")
+    b = broker()
+    delete(b, "/repo/build/old.o")
+    b.answer(1, Answer.DIR, "test")
+    b.moved("/repo/src/main.py", "/repo/build/main.o")  # what Gate.link tells it
+    assert not delete_ok(b, "/repo/build/main.o")

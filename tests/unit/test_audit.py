@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
 import stat
 import subprocess
 import threading
@@ -43,6 +44,7 @@ from sandboxfs.audit.log import (
     read_entries,
     verify,
 )
+from sandboxfs.errors import Failure
 from sandboxfs.fuse import daemon
 from sandboxfs.layout import state_root
 from tests.support.audit import T0, _entry, _ts
@@ -1143,21 +1145,46 @@ def test_malformed_anchor_is_said_plainly(tmp_path: Path) -> None:
     assert f"unkeyed check only (the anchor {anchor_path(path)} is malformed" in result.message
 
 
-def test_without_a_usable_state_dir_entries_are_written_unkeyed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_without_a_usable_state_dir_the_log_is_not_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    blocker = tmp_path / "not-a-directory"
-    blocker.write_text("")
-    monkeypatch.setenv("SANDBOXFS_STATE_DIR", str(blocker / "state"))
+    """No key, no entry: an unkeyed entry after keyed ones reads as a rebuilt chain forever."""
     path = tmp_path / "audit.jsonl"
     log = AuditLog(path)
     log.record(_entry(allowed=False))
     log.close()
-    assert "cannot use its anchor" in caplog.text
-    assert [("mac" in e) for e in read_entries(path)] == [False]
-    result = verify(path)
-    assert result.ok and not result.keyed
-    assert "Not a directory" in result.message
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("SANDBOXFS_STATE_DIR", str(blocker / "state"))
+    with pytest.raises(Failure, match=r"Not a directory.*no entry is written without its key"):
+        AuditLog(path)
+    assert [("mac" in e) for e in read_entries(path)] == [True]
+
+
+def test_an_anchor_that_cannot_be_made_again_fails_the_log_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The anchor deleted under a live log and its directory unusable: entries stay queued
+    (the log is failing, so the mount refuses operations), none is written without a mac."""
+    monkeypatch.setattr(audit_mod, "_RETRY_EVERY", 0.0)
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    try:
+        log.record(_entry(path="/keyed"))
+        log.flush()
+        anchors = anchor_path(path).parent
+        shutil.rmtree(anchors)
+        anchors.write_text("")
+        log.record(_entry(path="/queued"))
+        assert not log.try_flush()
+        assert log.failing
+        assert [e["path"] for e in read_entries(path)] == ["/keyed"]
+        anchors.unlink()
+        assert log.try_flush() and not log.failing
+    finally:
+        log.close()
+    assert [("mac" in e) for e in read_entries(path)] == [True, True]
+    assert verify(path).ok
 
 
 # ----- the reserve: a denial reaches the disk even when it is full ----------------------------

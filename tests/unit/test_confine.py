@@ -10,13 +10,16 @@ import os
 import random
 import resource
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from sandboxfs.config.model import load
-from sandboxfs.errors import UserError
-from sandboxfs.run import confine
+from sandboxfs.core.policy import Trust
+from sandboxfs.errors import SetupError, UserError
+from sandboxfs.project import gitdir, zones
+from sandboxfs.run import confine, toolchain
 
 
 def fake_etc(root: Path) -> Path:
@@ -417,3 +420,57 @@ def test_the_childs_descriptors_are_each_their_own_source(tmp_path: Path) -> Non
         os.close(fd)
     # The last two: fd 209 and listdir's own descriptor (nothing above the targets is left).
     assert report.startswith("[] [209, "), report
+
+
+# ----- CVE-2026-87766: nothing is made inside a writable bind ------------------------------------
+
+
+def test_a_runs_targets_are_never_inside_a_writable_bind(tmp_path: Path) -> None:
+    """Every path bubblewrap makes for a run with a persistent home, a worktree's git
+    directory, the nest and --expose (a tree holding a masked .env) lies in what bubblewrap
+    made itself or in a read-only bind; the only writable binds are the mount and the git
+    directory, and nothing is made inside either."""
+    main, project = tmp_path / "main", tmp_path / "wt"
+    for cmd in (
+        ["init", "-q", str(main)],
+        ["-C", str(main), "commit", "-q", "--allow-empty", "-m", "i"],
+        ["-C", str(main), "worktree", "add", "-q", str(project)],
+    ):
+        git = ["git", "-c", "user.name=a", "-c", "user.email=a@b.invalid", *cmd]
+        subprocess.run(git, check=True, capture_output=True)  # fmt: skip
+    exposed = tmp_path / "tools"
+    (exposed / "bin").mkdir(parents=True)
+    (exposed / ".env").write_text("TOKEN=x\n")
+    config = gitdir.with_git_dir(
+        zones.with_home(load(project), project, "default", Trust.FULL), project
+    )
+    mnt = tmp_path / "mnt"
+    limits = toolchain.Limits.of(project, [tmp_path / "state"], home=str(tmp_path / "home"))
+    tools = toolchain.expose([(str(exposed), "--expose")], caller_env={}, limits=limits)
+    options = [
+        *gitdir.bwrap_binds(config, Trust.FULL, mnt),
+        "--ro-bind", str(tmp_path / "nest"), "/sandboxfs",
+        *tools.bwrap_args(),
+    ]  # fmt: skip
+    args = confine.bwrap_args(mountpoint=mnt, cwd="/sandbox/repo", net="none", tools=options)
+    assert confine.targets_in_writable_binds(args) == []
+    writable = [args[i + 2] for i, a in enumerate(args) if a == "--bind"]
+    assert writable == ["/sandbox", str(main / ".git")]
+    assert f"--ro-bind /dev/null {exposed}/.env" in " ".join(args)
+
+
+def test_a_target_inside_a_writable_bind_is_refused() -> None:
+    made = [
+        "--bind", "/m", "/sandbox", "--dir", "/sandbox/x", "--ro-bind", "/t", "/sandbox/t",
+        "--ro-bind", "/dev/null", "/sandbox/t/.env", "--tmpfs", "/tmp", "--dir", "/tmp/a",
+    ]  # fmt: skip
+    assert confine.targets_in_writable_binds(made) == [
+        ("/sandbox/x", "/sandbox"),
+        ("/sandbox/t", "/sandbox"),
+    ]
+    with pytest.raises(ValueError, match="--overlay-src"):
+        confine.targets_in_writable_binds(["--overlay-src", "/a"])
+    with pytest.raises(SetupError, match="CVE-2026-87766"):
+        confine.bwrap_args(
+            mountpoint=Path("/m"), cwd="/sandbox", net="none", tools=["--dir", "/sandbox/x"]
+        )

@@ -424,3 +424,23 @@ def test_exit_code() -> None:
     assert doctor.exit_code([]) == 0
     assert doctor.exit_code([GOOD, WARN]) == 0
     assert doctor.exit_code([GOOD, WARN, BAD]) == 1
+
+
+@pytest.mark.parametrize(
+    ("version", "fixed"),
+    [("0.8.0", False), ("0.11.1", False), ("0.11.2", True), ("0.12.0", True), ("0.13.1", True)],
+)
+def test_bwrap_version_says_whether_cve_2026_87766_is_fixed(
+    tmp_path: Path, version: str, fixed: bool
+) -> None:
+    """Fixed in 0.12.0 and 0.11.2; an older one is still ok, and doctor says why."""
+    which = finding(bwrap=fake_bwrap(tmp_path, version=version))
+    checks = by_name(doctor.run_checks(trial=False, proc=fake_proc(tmp_path), which=which))
+    check = checks["bubblewrap-version"]
+    assert check.ok and check.detail.startswith(f"bubblewrap {version}; CVE-2026-87766: ")
+    if fixed:
+        assert check.detail.endswith("CVE-2026-87766: fixed in this version")
+    else:
+        assert "not fixed in this version (0.12.0, 0.11.2)" in check.detail
+        assert "never has bubblewrap make a path inside a writable bind" in check.detail
+    assert "\n" not in check.detail

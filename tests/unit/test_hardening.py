@@ -7,17 +7,23 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+import trio
 
 from sandboxfs.config.model import ALWAYS_PROTECTED, ProjectConfig, _merge, defaults
 from sandboxfs.core.policy import Patterns, Policy, Trust, Zone, fold
 from sandboxfs.core.store import ZONE_INO
+from sandboxfs.errors import Failure
+from sandboxfs.project import control
 from tests.support.adapter import CTX, Ctx, Harness, fails, make, no_mounts_left_behind
 
 __all__ = ["make", "no_mounts_left_behind"]
@@ -367,3 +373,48 @@ def test_an_undumpable_requester_is_identifiable_while_its_request_is_open() -> 
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert result.stdout.strip() == "[True, True, True, False]", result.stderr
+
+
+# ----- the control channel's framing ----------------------------------------------------------
+
+
+def test_a_control_reply_is_sent_whole_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Trickle:
+        """A socket whose `send` takes 7 bytes at a time, as a full buffer would."""
+
+        def __init__(self) -> None:
+            self.sent = b""
+
+        async def send(self, data: memoryview, /) -> int:
+            self.sent += bytes(data[:7])
+            return min(7, len(data))
+
+    conn = Trickle()
+    answer = control.reply(True, pending=["x" * 1000])
+    trio.run(control.send_whole, conn, answer)
+    assert conn.sent == answer
+    monkeypatch.setattr(control, "MAX_REPLY", 100)
+    error = control.reply(True, pending=["x" * 1000])
+    assert error.endswith(b"\n") and len(error) <= 100
+    assert b'"ok": false' in error and b"larger than 100 bytes" in error
+
+
+def test_a_cut_control_reply_is_said_plainly(tmp_path: Path) -> None:
+    path = tmp_path / "c.sock"
+    listener = control.bind(path)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b'{"v": 1, "ok": true, "pending": [')
+            conn.shutdown(socket.SHUT_WR)
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        with pytest.raises(Failure, match="was cut off after 33 bytes"):
+            control.request(path, {"op": "status"}, timeout=5)
+    finally:
+        server.join(5)
+        listener.close()

@@ -34,7 +34,7 @@ from sandboxfs.core.store import (
     SPARE_INO_BASE,
     ZONE_INO,
 )
-from sandboxfs.fuse import operations
+from sandboxfs.fuse import host_watch, operations
 from sandboxfs.fuse.operations import SandboxOperations
 from tests.support.adapter import (
     COMM,
@@ -1540,3 +1540,46 @@ def test_process_names_follow_exec_and_forget_dead_processes() -> None:
             p.wait()
         names.close()
     assert names._fds == {}
+
+
+# ----- the inotify watch budget --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spent", ["sandboxfs's share", "the kernel's"])
+def test_a_spent_watch_budget_is_logged_once(
+    make: Callable[[str], Harness],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    spent: str,
+) -> None:
+    """Past the budget, directories keep short timeouts (slower, still right): the daemon's
+    log says so once, not on every directory."""
+    h = make("full")
+    root = h.store.zone_roots[Zone.REPO]
+    for n in range(5):
+        (h.project / f"d{n}").mkdir()
+    nodes = []
+    for n in range(5):
+        st = h.store.stat_child(root, f"d{n}".encode())
+        assert st is not None
+        nodes.append(h.store.remember(root, f"d{n}".encode(), st))
+    watch = host_watch.HostWatch(h.store)
+    try:
+        if spent == "the kernel's":
+
+            def full(fd: int, dir_fd: int, mask: int) -> int:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+            monkeypatch.setattr(host_watch, "inotify_add_watch", full)
+        else:
+            watch.budget = 2
+        with caplog.at_level("INFO", logger="sandboxfs.fuse.host_watch"):
+            for node in nodes:
+                watch.cover(node)
+        assert [n.watch >= 0 for n in nodes].count(True) == (2 if watch.budget == 2 else 0)
+        warnings = [r for r in caplog.records if r.name == "sandboxfs.fuse.host_watch"]
+        assert len(warnings) == 1, caplog.text
+        assert warnings[0].levelname == "WARNING"
+        assert "max_user_watches" in warnings[0].getMessage()
+    finally:
+        watch.close()
