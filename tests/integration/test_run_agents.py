@@ -310,19 +310,14 @@ def test_home_persists_per_workspace_and_trust_level(caller: Caller) -> None:
     assert any(e["path"] == "/home/state.txt" for e in writes), writes
 
 
+SHOW_LOGIN = "cat ~/.claude/.credentials.json; ls -A ~/.claude"
+
+
 def test_home_seed_copies_and_reset_empties(caller: Caller) -> None:
     seeded = caller.sbx("home", "seed", "--agent", "claude", "--project", caller.project)
     assert seeded.returncode == 0, seeded.stderr
     assert "copied 2 files (~/.claude) into the home of workspace default" in seeded.stdout
-    result = caller.run(
-        "-q",
-        "--trust",
-        "untrusted",
-        "--",
-        "sh",
-        "-c",
-        "cat ~/.claude/.credentials.json; ls -A ~/.claude",
-    )
+    result = caller.run("-q", "--trust", "session", "--", "sh", "-c", SHOW_LOGIN)
     assert result.stdout.splitlines() == [
         '{"token": "seeded"}',
         ".credentials.json",
@@ -358,14 +353,38 @@ def test_home_seed_copies_and_reset_empties(caller: Caller) -> None:
     one_line(refused, 2, "refused: ~/.ssh is secret")
     log = [e for e in audit(caller.project, "--op", "home")]
     assert [e["detail"].split(":")[0] for e in log][:2] == [
-        "seed 2 files into every trust level",
+        "seed 2 files into trust session, workspace, full",
         "seed 2 files into trust session",
     ]
 
     reset = caller.sbx("home", "reset", "--yes", "--project", caller.project)
     assert reset.returncode == 0, reset.stderr
-    result = caller.run("-q", "--trust", "untrusted", "--", "ls", "-A", "/sandbox/home")
+    result = caller.run("-q", "--trust", "session", "--", "ls", "-A", "/sandbox/home")
     assert (result.returncode, result.stdout) == (0, ""), result
+
+
+def test_home_seed_gives_untrusted_nothing_unless_named(caller: Caller) -> None:
+    """The agent's login goes to the levels named; untrusted only when named, with a warning."""
+    seeded = caller.sbx("home", "seed", "--agent", "claude", "--project", caller.project)
+    assert seeded.returncode == 0, seeded.stderr
+    assert "at trust session, workspace, full" in seeded.stdout
+    assert "untrusted not seeded" in seeded.stdout
+    untrusted = caller.run("-q", "--trust", "untrusted", "--", "sh", "-c", SHOW_LOGIN)
+    assert "seeded" not in untrusted.stdout and "No such file" in untrusted.stderr, untrusted
+
+    named = caller.sbx(
+        "home", "seed", "--agent", "claude", "--trust", "workspace", "--trust", "full",
+        "--project", caller.project,
+    )  # fmt: skip
+    assert named.returncode == 0 and "at trust workspace, full" in named.stdout, named
+
+    explicit = caller.sbx(
+        "home", "seed", "--agent", "claude", "--trust", "untrusted", "--project", caller.project
+    )
+    assert explicit.returncode == 0, explicit.stderr
+    assert explicit.stderr.startswith("sandboxfs: warning: the untrusted home now holds"), explicit
+    untrusted = caller.run("-q", "--trust", "untrusted", "--", "sh", "-c", SHOW_LOGIN)
+    assert untrusted.stdout.splitlines()[0] == '{"token": "seeded"}', untrusted.stderr
 
 
 # ----- agent profiles -----------------------------------------------------------------------------
