@@ -56,7 +56,13 @@ from sandboxfs.project.mounts import (
     sandboxfs_mounts,
     validate_mountpoint,
 )
-from sandboxfs.project.zones import check_id, find_project, validate_project
+from sandboxfs.project.zones import (
+    check_home_project,
+    check_id,
+    find_project,
+    home_project_config,
+    validate_project,
+)
 from sandboxfs.run import confine, nest, netproxy, toolchain
 from sandboxfs.run import doctor as doctor_mod
 from sandboxfs.run import supervisor as run_mod
@@ -349,6 +355,12 @@ def _project_options(parser: argparse.ArgumentParser) -> None:
         "--config", type=Path, help="config file (default: <project>/sandboxfs.yaml)"
     )
     parser.add_argument(
+        "--allow-home-project",
+        action="store_true",
+        help="let the project be a home directory (or one holding a home or sandboxfs's "
+        "state); its logins (~/.gitconfig, ~/.config/gh, ~/.claude...) stay hidden",
+    )
+    parser.add_argument(
         "--worker",
         metavar="NAME",
         help="narrow to what NAME.worker declares (in .workers or SANDBOXFS_WORKERS_PATH): "
@@ -510,7 +522,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
     run_mod.sweep_dead_runs()
     read_only, cache = _apply_mount_options(args)
     project = validate_project(args.project)
+    home = check_home_project(project, args.allow_home_project)
     cfg = config_mod.load(project, args.config)
+    if home:
+        cfg = home_project_config(cfg, project)
     if cache:
         cfg = cfg.model_copy(update={"cache": cfg.cache.model_copy(update=cache)})
     mountpoint = validate_mountpoint(args.mountpoint, project)
@@ -629,7 +644,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not command:
         raise UserError("run needs a command: sandboxfs run [OPTIONS] -- CMD [ARG...]")
     project = validate_project(args.project)
+    home = check_home_project(project, args.allow_home_project)
     cfg = config_mod.load(project, args.config)
+    if home:
+        cfg = home_project_config(cfg, project)
     workspace = check_id("workspace", args.workspace)
     user = userconfig.load()
     profile = userconfig.agent(args.agent, user) if args.agent else None

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import SANDBOXFS
 from tests.support.mounts import make_project
 from tests.support.run import NOBODY, NOBODY_UID, audit, fuse_mounts, nobody_env, nobody_home, sbx
 
@@ -429,3 +430,64 @@ def test_profile_programs_are_there_for_a_shell(caller: Caller) -> None:
     assert result.returncode == 0, result.stderr
     assert "node-agent: helper from its package" in result.stdout
     assert "py-agent: module from its venv" in result.stdout
+
+
+# ----- a home is no project unless the user says so ---------------------------------------------
+
+HOME_SECRETS_READ = (
+    "for f in .gitconfig .config/gh/hosts.yml .claude/.credentials.json .claude.json "
+    "other/.sandbox/workspaces/default/homes/full/.claude/.credentials.json notes.txt; do "
+    'if cat "/sandbox/repo/$f" >/dev/null 2>&1; then echo "$f: read"; else echo "$f: refused"; fi; '
+    "done"
+)
+
+
+def plant_home_logins(home: Path) -> None:
+    """The logins a whole home holds: git's token, the GitHub CLI's, Claude's (from
+    install_agents), and another project's seeded agent home."""
+    (home / ".gitconfig").write_text("[credential]\n\thelper = store\n[github]\n\ttoken = ghp_x\n")
+    (home / ".config" / "gh").mkdir(parents=True)
+    (home / ".config" / "gh" / "hosts.yml").write_text("github.com:\n  oauth_token: gho_x\n")
+    (home / ".claude.json").write_text('{"oauthAccount": "x"}\n')
+    seeded = home / "other" / ".sandbox" / "workspaces" / "default" / "homes" / "full" / ".claude"
+    seeded.mkdir(parents=True)
+    (seeded / ".credentials.json").write_text('{"token": "other project"}\n')
+    (home / "other" / ".sandbox" / "audit.jsonl").write_text("")
+
+
+def test_a_home_is_no_project_unless_named(caller: Caller) -> None:
+    plant_home_logins(caller.home)
+    if caller.name == "nobody":
+        subprocess.run(["chown", "-R", f"{NOBODY_UID}:{NOBODY_UID}", str(caller.home)], check=True)
+    started = subprocess.run(  # from the home, without --project: as a newcomer would
+        [*caller.prefix, *SANDBOXFS, "run", "--trust", "full", "--", "sh", "-c", "cat .gitconfig"],
+        cwd=caller.home,
+        env=caller.env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    one_line(started, 125, "is your home directory", "--allow-home-project")
+    assert "ghp_x" not in started.stdout
+    named = caller.sbx("run", "--project", caller.home, "--trust", "full", "--", "true")
+    one_line(named, 125, "is your home directory")
+    above = caller.sbx("run", "--project", caller.home.parent, "--trust", "full", "--", "true")
+    one_line(above, 125, "holds your home directory")
+    mount = caller.sbx("mount", "--project", caller.home, caller.home.parent / "mnt")
+    one_line(mount, 2, "is your home directory")
+    assert not (caller.home / ".sandbox").exists()  # refused before anything was written
+
+    allowed = caller.sbx(
+        "run", "-q", "--allow-home-project", "--project", caller.home, "--trust", "full",
+        "--", "sh", "-c", HOME_SECRETS_READ,
+    )  # fmt: skip
+    assert allowed.returncode == 0, allowed.stderr
+    assert allowed.stdout.splitlines() == [
+        ".gitconfig: refused",
+        ".config/gh/hosts.yml: refused",
+        ".claude/.credentials.json: refused",
+        ".claude.json: refused",
+        "other/.sandbox/workspaces/default/homes/full/.claude/.credentials.json: refused",
+        "notes.txt: read",
+    ], allowed.stderr
