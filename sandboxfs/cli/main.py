@@ -23,6 +23,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
+from sandboxfs.audit.log import record_now
 from sandboxfs.cli import approvals as approvals_cli
 from sandboxfs.cli import audit as audit_cli
 from sandboxfs.cli import completion, manpage, staged_parser, subcommands
@@ -32,6 +33,7 @@ from sandboxfs.cli import workers as workers_cli
 from sandboxfs.config import model as config_mod
 from sandboxfs.config import user as userconfig
 from sandboxfs.config.inputs import cut
+from sandboxfs.core.entry import AuditOp
 from sandboxfs.core.policy import Trust
 from sandboxfs.core.syscalls import die_with_parent
 from sandboxfs.errors import (
@@ -42,7 +44,7 @@ from sandboxfs.errors import (
     SetupError,
     UserError,
 )
-from sandboxfs.layout import state_dir, state_root
+from sandboxfs.layout import audit_path, state_dir, state_root
 from sandboxfs.project import control, gitdir, state, workers
 from sandboxfs.project import zones as project_mod
 from sandboxfs.project.mounts import (
@@ -651,12 +653,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     workspace = check_id("workspace", args.workspace)
     user = userconfig.load()
     profile = userconfig.agent(args.agent, user) if args.agent else None
-    net = args.net or ("allow" if profile and profile.allow_hosts else cfg.run.network)
-    hosts = args.allow_host or ([] if args.net and args.net != "allow" else cfg.run.allow_hosts)
+    source = str(args.config) if args.config is not None else config_mod.PROJECT_CONFIG_NAME
+    chosen = userconfig.network_choice(args.net, args.allow_host, profile, user, cfg.run, source)
+    net, hosts = chosen.mode, chosen.hosts
     if args.allow_host and net != "allow":
         raise UserError("--allow-host needs --net allow")
-    if profile is not None:
-        hosts = list(dict.fromkeys([*profile.allow_hosts, *hosts]))
+    if chosen.ignored is not None:
+        _ignored_network(project, workspace, chosen.ignored)
     try:
         allow = tuple(netproxy.parse_allow_host(h) for h in hosts) if net == "allow" else ()
         env = profile.environment(os.environ) if profile is not None else {}
@@ -667,7 +670,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if net == "allow" and not allow:
         raise UserError(
             "--net allow needs at least one --allow-host HOST[:PORT] (or run.allow_hosts in "
-            "the config); use --net none for no network"
+            f"{userconfig.path()}); use --net none for no network"
         )
     trust = args.trust or cfg.default_trust
     full = gitdir.with_git_dir(project_mod.with_home(cfg, project, workspace, trust), project)
@@ -703,6 +706,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         return run_mod.run(req)
     finally:
         workers.discard_attachments(narrowed)  # copies: what was given is in the audit log
+
+
+def _ignored_network(project: Path, workspace: str, ignored: str) -> None:
+    """What the project's file asked of the network beyond the user's choice: one line, and
+    an entry in the audit log (op net, refused), before anything starts."""
+    print(f"sandboxfs: {ignored}", file=sys.stderr)
+    record_now(
+        audit_path(project),
+        AuditOp.NET,
+        zone=None,
+        workspace=workspace,
+        detail="project config",
+        allowed=False,
+        reason=ignored,
+        nothing_done="; nothing was started",
+    )
 
 
 def _run_toolchain(
