@@ -680,7 +680,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         except ValueError:
             raise UserError("--within: not a worker scope") from None
     narrowed = _for_worker(args, project, full, trust)
-    tools = _run_toolchain(args, project, command, env, user, profile)
+    tools = _run_toolchain(args, project, command, env, user, profile, cfg.deny)
     narrowed, session, _ = _session_with_attachments(
         args, project, workspace, full, narrowed, trust
     )
@@ -731,15 +731,17 @@ def _run_toolchain(
     env: dict[str, str],
     user: userconfig.UserConfig,
     profile: userconfig.AgentProfile | None,
+    deny: list[str],
 ) -> toolchain.Toolchain:
-    """What CMD needs of the host and what the user exposes (sandboxfs.run.toolchain): one line
-    and exit 125 for a path that may not be exposed, 127 when CMD cannot run inside."""
+    """What CMD needs of the host and what the user exposes (sandboxfs.run.toolchain), the
+    project's deny list holding in it: one line and exit 125 for a path that may not be
+    exposed, 127 when CMD cannot run inside."""
     limits = toolchain.Limits.of(project, [state_dir(project), state_root()])
     exposed = [(path, f"{userconfig.path()}: expose:") for path in user.expose]
     if profile is not None:
         exposed += [(path, f"--agent {args.agent}: expose:") for path in profile.expose]
     exposed += [(path, "--expose") for path in args.expose]
-    tools = toolchain.expose(exposed, caller_env=os.environ, limits=limits, tools=None)
+    tools = toolchain.expose(exposed, caller_env=os.environ, limits=limits, tools=None, deny=deny)
     for program in profile.programs if profile is not None else ():
         if program == command[0]:
             continue

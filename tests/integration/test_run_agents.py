@@ -291,6 +291,47 @@ def test_user_config_exposes_and_is_strict(caller: Caller) -> None:
     one_line(caller.run("--", "true"), 125, "exposed: unknown key; accepted keys: expose, agents")
 
 
+EXPOSED_SIBLING = (
+    "cd $1; for f in README.md .env sub/deep/.env config/.env.local sub/.ssh/id_rsa "
+    "keys/server.pem .sandbox/workspaces/default/homes/full/.claude/.credentials.json "
+    "sub/.sandbox/audit.jsonl; do "
+    'if [ -s "$f" ] && cat "$f" >/dev/null 2>&1; then echo "$f: $(cat "$f")"; '
+    'else echo "$f: hidden"; fi; done; find .sandbox sub/.sandbox -mindepth 1 | wc -l'
+)
+
+
+def test_an_exposed_tree_gets_the_deny_list_and_no_state_dir(caller: Caller) -> None:
+    """A sibling project exposed: its .env files at every depth, its keys and every project's
+    state dir (with the login `home seed` copied there) are hidden; the rest is shown."""
+    other = caller.home / "other"
+    files = {
+        "README.md": "other readme",
+        ".env": "TOP=secret",
+        "sub/deep/.env": "DEEP=secret",
+        "config/.env.local": "LOCAL=secret",
+        "sub/.ssh/id_rsa": "private key",
+        "keys/server.pem": "-----BEGIN PRIVATE KEY-----",
+        ".sandbox/workspaces/default/homes/full/.claude/.credentials.json": "oauth",
+        "sub/.sandbox/audit.jsonl": "log",
+    }
+    for rel, text in files.items():
+        (other / rel).parent.mkdir(parents=True, exist_ok=True)
+        (other / rel).write_text(text + "\n")
+    if caller.name == "nobody":
+        subprocess.run(["chown", "-R", f"{NOBODY_UID}:{NOBODY_UID}", str(other)], check=True)
+    result = caller.run("-q", "--expose", other, "--", "sh", "-c", EXPOSED_SIBLING, "p", other)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "README.md: other readme",
+        *(f"{rel}: hidden" for rel in list(files)[1:]),
+        "0",
+    ], result.stderr
+    inside = caller.run(
+        "--expose", other / ".sandbox" / "workspaces" / "default" / "homes", "--", "true"
+    )
+    one_line(inside, 125, "refused: ", "a project's state dir")
+
+
 # ----- the persistent home ------------------------------------------------------------------------
 
 
