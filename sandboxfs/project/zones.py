@@ -412,6 +412,8 @@ def project_zone_dirs(project: Path, config: Config, source: str) -> dict[Zone, 
                 f"{where}: {path} is in your sandboxfs state dir ({user_state}), which holds "
                 f"the audit log's key; no zone may show it"
             )
+        if not _inside(path, project):
+            _check_beside(project, path, where)
         for other, label, other_chain in [
             (state, "the state dir", [state]),
             (workers, "/workers", [workers]),
@@ -425,6 +427,21 @@ def project_zone_dirs(project: Path, config: Config, source: str) -> dict[Zone, 
 
 def _inside(path: Path, other: Path) -> bool:
     return path != other and path.is_relative_to(other)
+
+
+def _check_beside(project: Path, path: Path, where: str) -> None:
+    """A zone outside the project, which a project's file names: never what `run --expose`
+    would refuse to show (a home or what holds one, a secret, an agent's login, a system
+    directory), nor another project with its state dir: a repository's own config shows
+    nothing of the user's that the user would not expose."""
+    from sandboxfs.run import toolchain
+
+    limits = toolchain.Limits.of(project, [state_dir(project), state_root()])
+    why = limits.refusal(os.path.realpath(path))
+    if why is None and _has_state(path):
+        why = f"{path} holds a project's state dir ({STATE_DIR_NAME})"
+    if why is not None:
+        raise UserError(f"{where}: refused: {why}")
 
 
 def _overlaps(path: Path, other: Path) -> bool:
