@@ -108,11 +108,13 @@ NESTED_STATE_DIR = f"*/{STATE_DIR_NAME}/"
 
 
 def homes_within(project: Path) -> list[Path]:
-    """The home directories `project` is or holds: the caller's ($HOME) and every account's
-    (a home of `/` is no home here: `/` is never a project)."""
+    """The home directories `project` is or holds: the caller's ($HOME, and their account's),
+    root's and every person's (uid 1000 up, not nobody's; system accounts' "homes" such as
+    /var/www hold no logins). A home of `/` is no home here: `/` is never a project."""
     import pwd
 
-    homes = {os.environ.get("HOME", ""), *(entry.pw_dir for entry in pwd.getpwall())}
+    people = [e for e in pwd.getpwall() if e.pw_uid in (0, os.getuid()) or 1000 <= e.pw_uid < 65534]
+    homes = {os.environ.get("HOME", ""), *(entry.pw_dir for entry in people)}
     found: list[Path] = []
     for home in sorted(h for h in homes if os.path.isabs(h)):
         real = Path(os.path.realpath(home))
