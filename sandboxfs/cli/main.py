@@ -44,7 +44,7 @@ from sandboxfs.errors import (
     SetupError,
     UserError,
 )
-from sandboxfs.layout import audit_path, state_dir, state_root
+from sandboxfs.layout import STATE_DIR_NAME, audit_path, state_dir, state_root
 from sandboxfs.project import control, gitdir, state, workers
 from sandboxfs.project import zones as project_mod
 from sandboxfs.project.mounts import (
@@ -528,6 +528,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     cfg = config_mod.load(project, args.config)
     if home:
         cfg = home_project_config(cfg, project)
+    _check_zones_beside(project, cfg, args.config)
     if cache:
         cfg = cfg.model_copy(update={"cache": cfg.cache.model_copy(update=cache)})
     mountpoint = validate_mountpoint(args.mountpoint, project)
@@ -650,6 +651,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_mod.load(project, args.config)
     if home:
         cfg = home_project_config(cfg, project)
+    _check_zones_beside(project, cfg, args.config)
     workspace = check_id("workspace", args.workspace)
     user = userconfig.load()
     profile = userconfig.agent(args.agent, user) if args.agent else None
@@ -706,6 +708,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         return run_mod.run(req)
     finally:
         workers.discard_attachments(narrowed)  # copies: what was given is in the audit log
+
+
+def _check_zones_beside(project: Path, cfg: config_mod.Config, config_file: Path | None) -> None:
+    """A zone outside the project, which a project's file names: never what `run --expose`
+    would refuse to show (a home or what holds one, a secret, an agent's login, a system
+    directory), nor another project with its state dir: a repository's own config shows
+    nothing of the user's that the user would not expose. One line, exit 2 (run: 125)."""
+    source = str(config_file) if config_file is not None else config_mod.PROJECT_CONFIG_NAME
+    limits = toolchain.Limits.of(project, [state_dir(project), state_root()])
+    for name, zone in cfg.zones.items():
+        path = Path(os.path.realpath(project / Path(zone.path).expanduser()))
+        if path.is_relative_to(project) or project.is_relative_to(path):
+            continue  # in the project; the project or what holds it is refused later
+        why = limits.refusal(str(path))
+        if why is None and (path / STATE_DIR_NAME).is_dir():
+            why = f"{path} holds a project's state dir ({STATE_DIR_NAME})"
+        if why is not None:
+            raise UserError(f"{source}: zones.{name}.path: {zone.path!r}: refused: {why}")
 
 
 def _ignored_network(project: Path, workspace: str, ignored: str) -> None:

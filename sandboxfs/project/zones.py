@@ -160,14 +160,33 @@ def home_project_config(config: Config, project: Path) -> Config:
     return config.model_copy(update={"deny": [*config.deny, NESTED_STATE_DIR]})
 
 
+def hidden_names(project: Path) -> dict[bytes, set[tuple[int, int]]]:
+    """In each home `project` is or holds: name -> the directories (identities) where an entry
+    of that name is never shown (HOME_CREDENTIALS, those named exactly and those found), so
+    that a login its program replaces while mounted (`git config --global`, an agent
+    rewriting ~/.claude.json) stays hidden as the one that was there."""
+    found: dict[bytes, set[tuple[int, int]]] = {}
+    for home in homes_within(project):
+        exact = [str(home / rel) for rel in HOME_CREDENTIALS if "*" not in rel]
+        for login in {*exact, *_home_logins_of(home)}:
+            parent, name = os.path.split(login)
+            with contextlib.suppress(OSError):
+                st = os.stat(parent)
+                found.setdefault(os.fsencode(name), set()).add((st.st_dev, st.st_ino))
+    return found
+
+
 def _home_logins(project: Path) -> list[str]:
     """The logins of each home `project` is or holds (HOME_CREDENTIALS that exist)."""
+    return [login for home in homes_within(project) for login in _home_logins_of(home)]
+
+
+def _home_logins_of(home: Path) -> list[str]:
     import glob
 
     found: list[str] = []
-    for home in homes_within(project):
-        for pattern in HOME_CREDENTIALS:
-            found += glob.glob(os.path.join(glob.escape(str(home)), pattern))
+    for pattern in HOME_CREDENTIALS:
+        found += glob.glob(os.path.join(glob.escape(str(home)), pattern))
     return found
 
 
@@ -414,8 +433,6 @@ def project_zone_dirs(project: Path, config: Config, source: str) -> dict[Zone, 
                 f"{where}: {path} is in your sandboxfs state dir ({user_state}), which holds "
                 f"the audit log's key; no zone may show it"
             )
-        if not _inside(path, project):
-            _check_beside(project, path, where)
         for other, label, other_chain in [
             (state, "the state dir", [state]),
             (workers, "/workers", [workers]),
@@ -429,21 +446,6 @@ def project_zone_dirs(project: Path, config: Config, source: str) -> dict[Zone, 
 
 def _inside(path: Path, other: Path) -> bool:
     return path != other and path.is_relative_to(other)
-
-
-def _check_beside(project: Path, path: Path, where: str) -> None:
-    """A zone outside the project, which a project's file names: never what `run --expose`
-    would refuse to show (a home or what holds one, a secret, an agent's login, a system
-    directory), nor another project with its state dir: a repository's own config shows
-    nothing of the user's that the user would not expose."""
-    from sandboxfs.run import toolchain
-
-    limits = toolchain.Limits.of(project, [state_dir(project), state_root()])
-    why = limits.refusal(os.path.realpath(path))
-    if why is None and _has_state(path):
-        why = f"{path} holds a project's state dir ({STATE_DIR_NAME})"
-    if why is not None:
-        raise UserError(f"{where}: refused: {why}")
 
 
 def _overlaps(path: Path, other: Path) -> bool:

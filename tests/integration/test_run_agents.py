@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import SANDBOXFS
+from tests.support.cli import SANDBOXFS, wait_until
 from tests.support.mounts import make_project
 from tests.support.run import NOBODY, NOBODY_UID, audit, fuse_mounts, nobody_env, nobody_home, sbx
 
@@ -532,3 +532,32 @@ def test_a_home_is_no_project_unless_named(caller: Caller) -> None:
         "other/.sandbox/workspaces/default/homes/full/.claude/.credentials.json: refused",
         "notes.txt: read",
     ], allowed.stderr
+
+    # A login its program replaces while the run goes on (git config --global, an agent
+    # rewriting ~/.claude.json: a new file renamed over the old) stays hidden.
+    replace = (
+        "touch /sandbox/repo/started; "
+        'while [ "$(cat /sandbox/repo/notes.txt)" != go ]; do sleep 0.1; done; '
+        "for f in .gitconfig .claude.json; do "
+        'if cat "/sandbox/repo/$f" >/dev/null 2>&1; then echo "$f: read"; '
+        'else echo "$f: refused"; fi; done; ls -A /sandbox/repo | grep -c -e gitconfig -e claude'
+    )
+    proc = subprocess.Popen(
+        [*caller.prefix, *SANDBOXFS, "run", "-q", "--allow-home-project", "--project",
+         caller.home, "--trust", "full", "--", "sh", "-c", replace],
+        env=caller.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert wait_until(lambda: (caller.home / "started").exists(), timeout=60)
+        for name in (".gitconfig", ".claude.json"):
+            fresh = caller.home / f"{name}.new"
+            fresh.write_text("[github]\n\ttoken = ghp_new\n")
+            os.replace(fresh, caller.home / name)
+        (caller.home / "notes.txt").write_text("go\n")
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert out.splitlines() == [".gitconfig: refused", ".claude.json: refused", "0"], err

@@ -296,22 +296,3 @@ def test_default_config_that_is_a_link_protects_its_target(proj: Path) -> None:
     assert {"/sandboxfs.yaml", "/docs/policy.yaml"} <= set(patterns)
     (proj / "sandboxfs.yaml").unlink()
     assert protected_patterns(proj, defaults(), None) == list(defaults().protect)
-
-
-def test_a_project_file_shows_no_zone_the_user_would_not_expose(
-    proj: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A repository's own sandboxfs.yaml naming the user's logins, home or another project
-    (with its state dir and the agents' logins `home seed` copied there) as a zone."""
-    home = tmp_path / "home"
-    (home / ".config" / "gh").mkdir(parents=True)
-    (home / ".claude").mkdir()
-    (home / ".claude" / ".credentials.json").write_text("{}\n")
-    (home / "other" / ".sandbox" / "workspaces").mkdir(parents=True)
-    monkeypatch.setenv("HOME", str(home))
-    refused(proj, str(home / ".config" / "gh"), "refused: ~/.config/gh is secret")
-    refused(proj, str(home / ".claude"), "refused: ", "~/.claude/.credentials.json")
-    refused(proj, str(home), "refused: ~ is your home")
-    refused(proj, str(home / "other"), "holds a project's state dir")
-    refused(proj, str(home / "other" / ".sandbox"), "a project's state dir")
-    refused(proj, "/etc", "refused: /etc is under /etc")
