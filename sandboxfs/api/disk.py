@@ -29,6 +29,7 @@ from sandboxfs.project.zones import check_id as project_check_id
 from sandboxfs.project.zones import (
     config_source,
     hidden_identities,
+    hidden_names,
     make_guard,
     prepare_zones,
     worker_layers,
@@ -221,7 +222,7 @@ def open_disk(
     """The store, guard and audit log of an API sandbox on `project` (already validated), laid
     out as daemon.prepare_store does for a mount."""
     dirs = prepare_zones(project, workspace, session, config, config_source(project, config_file))
-    store = Store(dirs, worker_layers(project), hidden_identities(project))
+    store = Store(dirs, worker_layers(project), hidden_identities(project), hidden_names(project))
     try:  # the session is in use while the sandbox is open, as while a mount has it
         root = store.zone_roots[Zone.SESSION].key
         in_use = hold(dirs[Zone.SESSION], root[1:] if root is not None else None)

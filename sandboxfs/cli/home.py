@@ -8,8 +8,10 @@ what the profile names (`~/.claude/.credentials.json`, `~/.claude.json`, ...: th
 exist), `--from PATH` (repeatable) a file or directory of the real home, to the same place
 below the sandbox's home. Links are followed; secrets (`~/.ssh`, keys, `.env` files...) are
 refused, and left out of a copied directory. A file already there is kept unless `--force`
-(the agent may have refreshed its login since). Every level's home by default, `--trust
-LEVEL` for one. `reset` empties them (asks first, or `--yes`); a home that a `run` is using
+(the agent may have refreshed its login since). `--trust LEVEL` (repeatable) names the
+levels whose homes get the copies; by default every level's but untrusted's, the level for a
+program nobody vouches for, which gets the user's logins only when named (with a warning).
+`reset` empties them (asks first, or `--yes`); a home that a `run` is using
 is left alone. `show` lists them. `seed` and `reset` are audited (op `home`).
 """
 
@@ -76,13 +78,20 @@ def add_parser(sub: argparse._SubParsersAction[P]) -> None:
             "--project", type=Path, default=Path("."), metavar="DIR", help="default: ."
         )
         parser.add_argument("--workspace", default="default", metavar="ID", help="default: default")
-    for parser in (seeding, reset):
-        parser.add_argument(
-            "--trust",
-            type=subcommands.trust_level,
-            metavar="LEVEL",
-            help="only the home of this trust level (default: every level's)",
-        )
+    seeding.add_argument(
+        "--trust",
+        type=subcommands.trust_level,
+        action="append",
+        metavar="LEVEL",
+        help="the home of this trust level (repeatable; default: every level's but "
+        "untrusted's, which gets copies only when named)",
+    )
+    reset.add_argument(
+        "--trust",
+        type=subcommands.trust_level,
+        metavar="LEVEL",
+        help="only the home of this trust level (default: every level's)",
+    )
     show.add_argument("--json", action="store_true", help="a JSON list, not a table")
     seeding.add_argument(
         "--from",
@@ -112,9 +121,10 @@ def main(args: argparse.Namespace) -> int:
     action = args.home_action or "show"
     if action == "show":
         return _show(project, workspace, args.json)
-    levels = [args.trust] if args.trust is not None else list(Trust)
     if action == "seed":
-        return _seed(project, workspace, levels, args)
+        named = args.trust or [level for level in Trust if level is not Trust.UNTRUSTED]
+        return _seed(project, workspace, [lv for lv in Trust if lv in named], args)
+    levels = [args.trust] if args.trust is not None else list(Trust)
     return _reset(project, workspace, levels, args.yes)
 
 
@@ -169,15 +179,22 @@ def _seed(project: Path, workspace: str, levels: list[Trust], args: argparse.Nam
         f"seed {files} files into {_levels(levels)}: "
         + ", ".join(sorted({e.rel.split("/")[0] for e in entries})),
     )
+    what = ", ".join(sorted({"~/" + e.rel.split("/")[0] for e in entries}))
+    if Trust.UNTRUSTED in levels:
+        print(
+            f"sandboxfs: warning: the untrusted home now holds copies of {what}: every program "
+            f"run at trust untrusted can read them",
+            file=sys.stderr,
+        )
     kept = copied = 0
     for level in levels:
         result = seed(ensure_home(project, workspace, level), entries, args.force)
         copied, kept = max(copied, result.copied), max(kept, result.kept)
-    what = ", ".join(sorted({"~/" + e.rel.split("/")[0] for e in entries}))
     print(
         f"sandboxfs: copied {copied} file{'s' * (copied != 1)} ({what}) into the home of "
         f"workspace {workspace} at {_levels(levels)}"
         + (f"; kept {kept} already there (--force replaces them)" if kept else "")
+        + ("; untrusted not seeded (name it with --trust untrusted)" if args.trust is None else "")
     )
     return 0
 

@@ -23,6 +23,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
+from sandboxfs.audit.log import record_now
 from sandboxfs.cli import approvals as approvals_cli
 from sandboxfs.cli import audit as audit_cli
 from sandboxfs.cli import completion, manpage, staged_parser, subcommands
@@ -32,6 +33,7 @@ from sandboxfs.cli import workers as workers_cli
 from sandboxfs.config import model as config_mod
 from sandboxfs.config import user as userconfig
 from sandboxfs.config.inputs import cut
+from sandboxfs.core.entry import AuditOp
 from sandboxfs.core.policy import Trust
 from sandboxfs.core.syscalls import die_with_parent
 from sandboxfs.errors import (
@@ -42,7 +44,7 @@ from sandboxfs.errors import (
     SetupError,
     UserError,
 )
-from sandboxfs.layout import control_dir, state_dir, state_root
+from sandboxfs.layout import STATE_DIR_NAME, audit_path, control_dir, state_dir, state_root
 from sandboxfs.project import control, gitdir, state, workers
 from sandboxfs.project import zones as project_mod
 from sandboxfs.project.mounts import (
@@ -57,7 +59,13 @@ from sandboxfs.project.mounts import (
     sandboxfs_mounts,
     validate_mountpoint,
 )
-from sandboxfs.project.zones import check_id, find_project, validate_project
+from sandboxfs.project.zones import (
+    check_home_project,
+    check_id,
+    find_project,
+    home_project_config,
+    validate_project,
+)
 from sandboxfs.run import confine, nest, netproxy, toolchain
 from sandboxfs.run import doctor as doctor_mod
 from sandboxfs.run import supervisor as run_mod
@@ -350,6 +358,12 @@ def _project_options(parser: argparse.ArgumentParser) -> None:
         "--config", type=Path, help="config file (default: <project>/sandboxfs.yaml)"
     )
     parser.add_argument(
+        "--allow-home-project",
+        action="store_true",
+        help="let the project be a home directory (or one holding a home or sandboxfs's "
+        "state); its logins (~/.gitconfig, ~/.config/gh, ~/.claude...) stay hidden",
+    )
+    parser.add_argument(
         "--worker",
         metavar="NAME",
         help="narrow to what NAME.worker declares (in .workers or SANDBOXFS_WORKERS_PATH): "
@@ -512,7 +526,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
     run_mod.sweep_dead_runs()
     read_only, cache = _apply_mount_options(args)
     project = validate_project(args.project)
+    home = check_home_project(project, args.allow_home_project)
     cfg = config_mod.load(project, args.config)
+    if home:
+        cfg = home_project_config(cfg, project)
+    _check_zones_beside(project, cfg, args.config)
     if cache:
         cfg = cfg.model_copy(update={"cache": cfg.cache.model_copy(update=cache)})
     mountpoint = validate_mountpoint(args.mountpoint, project)
@@ -632,16 +650,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not command:
         raise UserError("run needs a command: sandboxfs run [OPTIONS] -- CMD [ARG...]")
     project = validate_project(args.project)
+    home = check_home_project(project, args.allow_home_project)
     cfg = config_mod.load(project, args.config)
+    if home:
+        cfg = home_project_config(cfg, project)
+    _check_zones_beside(project, cfg, args.config)
     workspace = check_id("workspace", args.workspace)
     user = userconfig.load()
     profile = userconfig.agent(args.agent, user) if args.agent is not None else None
-    net = args.net or ("allow" if profile and profile.allow_hosts else cfg.run.network)
-    hosts = args.allow_host or ([] if args.net and args.net != "allow" else cfg.run.allow_hosts)
+    source = str(args.config) if args.config is not None else config_mod.PROJECT_CONFIG_NAME
+    chosen = userconfig.network_choice(args.net, args.allow_host, profile, user, cfg.run, source)
+    net, hosts = chosen.mode, chosen.hosts
     if args.allow_host and net != "allow":
         raise UserError("--allow-host needs --net allow")
-    if profile is not None:
-        hosts = list(dict.fromkeys([*profile.allow_hosts, *hosts]))
+    if chosen.ignored is not None:
+        _ignored_network(project, workspace, chosen.ignored)
     try:
         allow = tuple(netproxy.parse_allow_host(h) for h in hosts) if net == "allow" else ()
         env = profile.environment(os.environ) if profile is not None else {}
@@ -652,7 +675,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if net == "allow" and not allow:
         raise UserError(
             "--net allow needs at least one --allow-host HOST[:PORT] (or run.allow_hosts in "
-            "the config); use --net none for no network"
+            f"{userconfig.path()}); use --net none for no network"
         )
     trust = args.trust or cfg.default_trust
     full = gitdir.with_git_dir(project_mod.with_home(cfg, project, workspace, trust), project)
@@ -662,7 +685,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         except ValueError:
             raise UserError("--within: not a worker scope") from None
     narrowed = _for_worker(args, project, full, trust)
-    tools = _run_toolchain(args, project, command, env, user, profile)
+    tools = _run_toolchain(args, project, command, env, user, profile, cfg.deny)
     narrowed, session, _ = _session_with_attachments(
         args, project, workspace, full, narrowed, trust
     )
@@ -690,6 +713,40 @@ def cmd_run(args: argparse.Namespace) -> int:
         workers.discard_attachments(narrowed)  # copies: what was given is in the audit log
 
 
+def _check_zones_beside(project: Path, cfg: config_mod.Config, config_file: Path | None) -> None:
+    """A zone outside the project, which a project's file names: never what `run --expose`
+    would refuse to show (a home or what holds one, a secret, an agent's login, a system
+    directory), nor another project with its state dir: a repository's own config shows
+    nothing of the user's that the user would not expose. One line, exit 2 (run: 125)."""
+    source = str(config_file) if config_file is not None else config_mod.PROJECT_CONFIG_NAME
+    limits = toolchain.Limits.of(project, [state_dir(project), state_root()])
+    for name, zone in cfg.zones.items():
+        path = Path(os.path.realpath(project / Path(zone.path).expanduser()))
+        if path.is_relative_to(project) or project.is_relative_to(path):
+            continue  # in the project; the project or what holds it is refused later
+        why = limits.refusal(str(path))
+        if why is None and (path / STATE_DIR_NAME).is_dir():
+            why = f"{path} holds a project's state dir ({STATE_DIR_NAME})"
+        if why is not None:
+            raise UserError(f"{source}: zones.{name}.path: {zone.path!r}: refused: {why}")
+
+
+def _ignored_network(project: Path, workspace: str, ignored: str) -> None:
+    """What the project's file asked of the network beyond the user's choice: one line, and
+    an entry in the audit log (op net, refused), before anything starts."""
+    print(f"sandboxfs: {ignored}", file=sys.stderr)
+    record_now(
+        audit_path(project),
+        AuditOp.NET,
+        zone=None,
+        workspace=workspace,
+        detail="project config",
+        allowed=False,
+        reason=ignored,
+        nothing_done="; nothing was started",
+    )
+
+
 def _run_toolchain(
     args: argparse.Namespace,
     project: Path,
@@ -697,15 +754,17 @@ def _run_toolchain(
     env: dict[str, str],
     user: userconfig.UserConfig,
     profile: userconfig.AgentProfile | None,
+    deny: list[str],
 ) -> toolchain.Toolchain:
-    """What CMD needs of the host and what the user exposes (sandboxfs.run.toolchain): one line
-    and exit 125 for a path that may not be exposed, 127 when CMD cannot run inside."""
+    """What CMD needs of the host and what the user exposes (sandboxfs.run.toolchain), the
+    project's deny list holding in it: one line and exit 125 for a path that may not be
+    exposed, 127 when CMD cannot run inside."""
     limits = toolchain.Limits.of(project, [state_dir(project), state_root()])
     exposed = [(path, f"{userconfig.path()}: expose:") for path in user.expose]
     if profile is not None:
         exposed += [(path, f"--agent {args.agent}: expose:") for path in profile.expose]
     exposed += [(path, "--expose") for path in args.expose]
-    tools = toolchain.expose(exposed, caller_env=os.environ, limits=limits, tools=None)
+    tools = toolchain.expose(exposed, caller_env=os.environ, limits=limits, tools=None, deny=deny)
     for program in profile.programs if profile is not None else ():
         if program == command[0]:
             continue

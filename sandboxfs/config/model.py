@@ -172,12 +172,13 @@ class DaemonConfig(_Strict):
 
 
 class RunConfig(_Strict):
-    """Defaults of `sandboxfs run`: its network mode and, for `allow`, the hosts it may reach.
+    """Defaults of `sandboxfs run`: its network mode and, for `allow`, the hosts it may reach
+    (None: not said; see sandboxfs.config.user.network_choice for who may widen it).
 
     Deliberately nothing else: no setting of a project file can switch confinement off.
     """
 
-    network: Literal["none", "allow", "host"] = "none"
+    network: Literal["none", "allow", "host"] | None = None
     allow_hosts: list[str] = Field(default_factory=list)
 
 

@@ -2,12 +2,14 @@
 `~/.config/sandboxfs/config.yaml`) and the agent profiles of `sandboxfs run --agent NAME`.
 
 What may widen a sandbox lives here, outside every project and every sandbox's view: the
-paths always exposed read-only (`expose:`) and the agent profiles (`agents:`): the hosts an
-agent reaches with `--net allow`, the environment variables it is given, paths it needs
-exposed, and what `sandboxfs home seed --agent NAME` copies into the sandbox's home. A
-project's `sandboxfs.yaml` has none of these keys: a project never widens confinement.
+paths always exposed read-only (`expose:`), `run`'s network by default (`run:`), and the agent
+profiles (`agents:`): the hosts an agent reaches with `--net allow`, the environment variables
+it is given, paths it needs exposed, and what `sandboxfs home seed --agent NAME` copies into
+the sandbox's home. A project's `sandboxfs.yaml` has none of these keys but `run:`, which may
+only narrow the network (`network_choice`): a project never widens confinement.
 
     expose: [~/tools/bin]
+    run: {network: allow, allow_hosts: [pypi.org]}
     agents:
       claude:                       # adds to the built-in profile of that name
         allow_hosts: [mcp.example.com]
@@ -24,13 +26,14 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sandboxfs.config import inputs
 from sandboxfs.config.inputs import shown
-from sandboxfs.config.model import ApprovalsConfig, _validate
+from sandboxfs.config.model import PROJECT_CONFIG_NAME, ApprovalsConfig, RunConfig, _validate
 from sandboxfs.errors import ConfigError, UserError
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
@@ -110,6 +113,8 @@ class AgentProfile(_Strict):
 class UserConfig(_Strict):
     expose: list[str] = Field(default_factory=list)
     agents: dict[str, AgentProfile] = Field(default_factory=dict)
+    # `run`'s network where the command line says nothing (a project's file may only narrow it).
+    run: RunConfig = RunConfig()
     # Approval rules for every project; a project's own can only add to them.
     approvals: ApprovalsConfig = ApprovalsConfig()
 
@@ -240,3 +245,59 @@ def agent(name: str, user: UserConfig) -> AgentProfile:
 
 def profiles(user: UserConfig) -> dict[str, AgentProfile]:
     return {name: agent(name, user) for name in sorted({*BUILTIN_AGENTS, *user.agents})}
+
+
+# How much of the network each mode gives: a project's file may only move down this order.
+NETWORK_WIDTH = {"none": 0, "allow": 1, "host": 2}
+
+
+@dataclass(frozen=True)
+class NetworkChoice:
+    """`run`'s network: its mode, the hosts of `allow`, and what the project's file asked
+    beyond the user's choice, ignored (in words, for one line and the audit log)."""
+
+    mode: str
+    hosts: list[str]
+    ignored: str | None = None
+
+
+def network_choice(
+    net: str | None,
+    allow_host: list[str],
+    profile: AgentProfile | None,
+    user: UserConfig,
+    project: RunConfig,
+    source: str = PROJECT_CONFIG_NAME,
+) -> NetworkChoice:
+    """The network of a run. Only the user widens it: the command line (`net`, `allow_host`),
+    the agent profile they name, their own config. The project's file (`project`, the run:
+    of sandboxfs.yaml, which a repository's author writes) may only narrow what the user's
+    config and profile chose: a narrower mode, or fewer of the user's hosts; what it asks
+    beyond them is ignored. The command line wins over both. `source`: the file's name."""
+    mode = net or ("allow" if profile and profile.allow_hosts else user.run.network or "none")
+    wider: list[str] = []
+    if net is None and project.network is not None and project.network != mode:
+        if NETWORK_WIDTH[project.network] < NETWORK_WIDTH[mode]:
+            mode = project.network
+        else:
+            wider.append(f"run.network: {project.network}")
+    hosts = allow_host or ([] if net not in (None, "allow") else user.run.allow_hosts)
+    if profile is not None:
+        hosts = list(dict.fromkeys([*profile.allow_hosts, *hosts]))
+    if project.allow_hosts and not allow_host and mode == "allow":
+        kept = [h for h in hosts if h in project.allow_hosts]
+        beyond = [h for h in project.allow_hosts if h not in hosts]
+        if beyond:
+            wider.append(f"run.allow_hosts: {', '.join(beyond)}")
+        hosts = kept or hosts
+    elif project.allow_hosts and not allow_host and wider:
+        wider.append(f"run.allow_hosts: {', '.join(project.allow_hosts)}")
+    if not wider:
+        return NetworkChoice(mode, hosts)
+    return NetworkChoice(
+        mode,
+        hosts,
+        f"{source} asks for {'; '.join(wider)}: ignored, a project's file may "
+        f"only narrow the network (this run's: {mode}); --net, --allow-host or {path()} "
+        f"widen it",
+    )

@@ -525,6 +525,34 @@ class Guard:
             decision = self.policy.private_key_decision(vpath, pattern, what)
             raise self.refuse(caller, op, src or vpath, zone, decision, dest=dest)
 
+    def names_private_key(self, node: Node) -> bool:
+        """Whether `node`, a file, matches a private-key pattern (so that a handle on it is
+        checked again when its file changes: may_read_open_key)."""
+        if self.keys is None or node.parent is None or node.zone is None:
+            return False
+        relpath = relpath_of(node.parent, node.name) if self.policy.private_keys.has_paths else ""
+        text = node.name.decode("utf-8", "surrogateescape")
+        return self.policy.private_keys.match(text, relpath, False) is not None
+
+    def may_read_open_key(self, caller: Caller, node: Node, fd: int) -> None:
+        """Reading through a handle on a file matching a private-key pattern that has changed
+        since it was checked: a key written into it since (by the user's own tool, outside) is
+        refused to the handle as it is to a fresh open, audited."""
+        keys = self.keys
+        zone = node.zone
+        if keys is None or zone is None or node.parent is None:
+            return
+        what = keys.holds_key_open(fd)
+        if what is not None:
+            text = node.name.decode("utf-8", "surrogateescape")
+            relpath = (
+                relpath_of(node.parent, node.name) if self.policy.private_keys.has_paths else ""
+            )
+            pattern = self.policy.private_keys.match(text, relpath, False) or text
+            vpath = node.vpath()
+            decision = self.policy.private_key_decision(vpath, pattern, what)
+            raise self.refuse(caller, Op.READ, vpath, zone, decision)
+
     def _reject_private_key_node(
         self, caller: Caller, op: AuditOp | Op, node: Node, dest: str | None = None
     ) -> None:

@@ -148,8 +148,20 @@ class KeyScanner:
             self._known.move_to_end(stamp)
             return self._known[stamp]
         read, data = self.contents.head(parent, name, layer, SCAN_BYTES)
-        found = private_key_in(data)
-        self._known[_stamp(read)] = found
+        return self._remember(read, private_key_in(data))
+
+    def holds_key_open(self, fd: int) -> str | None:
+        """What private key the file open at `fd` holds now (in words), or None: for a handle
+        opened before the key was written into its file."""
+        st = os.fstat(fd)
+        stamp = _stamp(st)
+        if stamp in self._known:
+            self._known.move_to_end(stamp)
+            return self._known[stamp]
+        return self._remember(st, private_key_in(os.pread(fd, SCAN_BYTES, 0)))
+
+    def _remember(self, st: StatLike, found: str | None) -> str | None:
+        self._known[_stamp(st)] = found
         if len(self._known) > self._capacity:
             self._known.popitem(last=False)
         return found

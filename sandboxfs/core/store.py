@@ -210,8 +210,12 @@ class Store:
         zone_dirs: dict[Zone, Path],
         worker_layers: list[Path],
         hidden: set[Identity],
+        hidden_names: dict[bytes, set[Identity]] | None = None,
     ) -> None:
         self.hidden = hidden
+        # name: the directories (identities) where an entry of that name is never shown,
+        # whatever it is now (a login a home holds, replaced by its program while mounted).
+        self.hidden_names = hidden_names or {}
         self.root = Node(ROOT_INO, None, None, b"", True, lookups=1)
         self.control = Node(CONTROL_INO, None, self.root, CONTROL_NAME, True)
         self.context = Node(CONTEXT_INO, None, self.control, CONTEXT_NAME, False)
@@ -534,6 +538,11 @@ class Store:
             return None
         if self.hidden and (st.st_dev, st.st_ino) in self.hidden:
             raise HiddenEntry("it is sandboxfs's own state or mountpoint, not part of any zone")
+        where = self.hidden_names.get(name)
+        if where is not None:
+            parent = os.fstat(dir_fd)
+            if (parent.st_dev, parent.st_ino) in where:
+                raise HiddenEntry("it is a login in a home made the project, not shown")
         return st
 
     def stat_child(self, parent: Node, name: bytes, layer: int = 0) -> Stat | None:
@@ -645,10 +654,14 @@ class Store:
             return union
         fd = self.checked_dir_fd(node)
         dev = node.key[1] if node.key is not None else os.stat(fd).st_dev
+        names: set[bytes] = set()
+        if self.hidden_names:
+            here = node.key[1:] if node.key is not None else None
+            names = {n for n, where in self.hidden_names.items() if here in where}
         return [
             (name, node.layer, ino, is_dir)
             for name, ino, is_dir in self.allocating(_scan, fd)
-            if (dev, ino) not in self.hidden
+            if (dev, ino) not in self.hidden and name not in names
         ]
 
     def open_path_fd(self, node: Node) -> int:

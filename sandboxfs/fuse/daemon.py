@@ -54,6 +54,7 @@ from sandboxfs.project.zones import (
     approval_broker,
     config_source,
     hidden_identities,
+    hidden_names,
     make_guard,
     prepare_zones,
     worker_layers,
@@ -81,7 +82,8 @@ def prepare_store(req: MountRequest) -> Store:
     )
     # The mountpoint is the directory under the mount (what a listing's d_ino names); once
     # mounted, lookups see a mount root, which is never entered anyway.
-    return Store(dirs, worker_layers(req.project), hidden_identities(req.project, req.mountpoint))
+    hidden = hidden_identities(req.project, req.mountpoint)
+    return Store(dirs, worker_layers(req.project), hidden, hidden_names(req.project))
 
 
 def _identity(node: Node) -> tuple[int, int] | None:

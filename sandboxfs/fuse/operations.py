@@ -113,6 +113,10 @@ class FileHandle:
     # Opened with O_APPEND on an existing file: judged a write, not an overwrite, so a cut
     # (ftruncate) or a write below the end through it is still asked about as one.
     appends: bool = False
+    # Its file matches a private-key pattern: each read checks the file again for a key once
+    # its (mtime_ns, size, ctime_ns) differ from `key_stamp`, those when it was last checked.
+    key_named: bool = False
+    key_stamp: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass(slots=True)
@@ -595,6 +599,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         handle.grant = grant
         handle.appends = wants_write and appends and not truncate and not node.created_here
         handle.read_generation = handle.write_generation = self.guard.generation
+        handle.key_named = read and self.guard.names_private_key(node)
+        handle.key_stamp = _key_stamp(st)
         node.open_fds = (*node.open_fds, fd)
         return self._new_handle(handle, keep_cache=keep_cache, direct_io=bool(flags & os.O_DIRECT))
 
@@ -629,7 +635,21 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             )
             handle.read_generation = self.guard.generation
         self.replies.changing(handle.node)  # the kernel stops trusting a read file's atime
-        return os.pread(handle.fd, size, off)
+        if not handle.key_named:
+            return os.pread(handle.fd, size, off)
+        self._no_key_since(handle)
+        data = os.pread(handle.fd, size, off)
+        self._no_key_since(handle)  # a key written while it was read is not handed out
+        return data
+
+    def _no_key_since(self, handle: FileHandle) -> None:
+        """A handle on a file named as keys are: once the file changed since it was last
+        checked (the user's tool wrote a key into it), reading it is refused if it holds one
+        now, as opening it would be (mapped pages come through read too: direct_io is off)."""
+        stamp = _key_stamp(os.fstat(handle.fd))
+        if stamp != handle.key_stamp:
+            self.guard.may_read_open_key(handle, handle.node, handle.fd)
+            handle.key_stamp = stamp
 
     @_guarded
     def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -1069,3 +1089,8 @@ class _Caller:
 
 def _text(name: bytes) -> str:
     return name.decode("utf-8", "replace")
+
+
+def _key_stamp(st: os.stat_result) -> tuple[int, int, int]:
+    """What changes when a file is written, for FileHandle.key_stamp."""
+    return (st.st_mtime_ns, st.st_size, st.st_ctime_ns)

@@ -59,13 +59,144 @@ def check_id(kind: str, value: str) -> str:
     return value
 
 
+# The logins a home holds, by their path below it (globs): never shown when the user makes a
+# home, or a directory holding one, the project (`--allow-home-project`).
+HOME_CREDENTIALS = (
+    ".gitconfig",
+    ".config/git",
+    ".git-credentials",
+    ".netrc",
+    ".ssh",
+    ".gnupg",
+    ".aws",
+    ".azure",
+    ".docker",
+    ".kube",
+    ".npmrc",
+    ".pypirc",
+    ".pgpass",
+    ".my.cnf",
+    ".vault-token",
+    ".password-store",
+    ".terraform.d",
+    ".config/gh",
+    ".config/hub",
+    ".config/gcloud",
+    ".config/op",
+    ".config/rclone",
+    ".config/sandboxfs",
+    ".config/opencode",
+    ".config/google-chrome",
+    ".config/chromium",
+    ".mozilla",
+    ".claude",
+    ".claude.json*",
+    ".codex",
+    ".gemini",
+    ".aider*",
+    ".local/share/opencode",
+    ".local/share/keyrings",
+    ".local/state/sandboxfs",
+    ".cargo/credentials*",
+    ".gem/credentials",
+    ".m2/settings.xml",
+    ".gradle/gradle.properties",
+)
+# Another project's state dir below a home made the project (its agents' homes hold the logins
+# `home seed` copied there): a deny pattern, since where such projects are is not known.
+NESTED_STATE_DIR = f"*/{STATE_DIR_NAME}/"
+
+
+def homes_within(project: Path) -> list[Path]:
+    """The home directories `project` is or holds: the caller's ($HOME, and their account's),
+    root's and every person's (uid 1000 up, not nobody's; system accounts' "homes" such as
+    /var/www hold no logins). A home of `/` is no home here: `/` is never a project."""
+    import pwd
+
+    people = [e for e in pwd.getpwall() if e.pw_uid in (0, os.getuid()) or 1000 <= e.pw_uid < 65534]
+    homes = {os.environ.get("HOME", ""), *(entry.pw_dir for entry in people)}
+    found: list[Path] = []
+    for home in sorted(h for h in homes if os.path.isabs(h)):
+        real = Path(os.path.realpath(home))
+        if real != Path("/") and real.is_relative_to(project) and real not in found:
+            found.append(real)
+    return found
+
+
+def check_home_project(project: Path, allowed: bool) -> bool:
+    """Whether `project` (resolved) is a home directory, holds one, or holds the user's
+    sandboxfs state dir; UserError then, unless the user said so (`allowed`): run from `~`, the
+    whole home would otherwise be the project, its logins readable wherever /repo is."""
+    root = Path(os.path.realpath(state_root()))
+    homes = homes_within(project)
+    if not homes and not root.is_relative_to(project):
+        return False
+    if allowed:
+        return True
+    mine = Path(os.path.realpath(os.environ.get("HOME") or "/"))
+    what = (
+        "is your home directory"
+        if project == mine
+        else "holds your home directory"
+        if mine in homes
+        else f"is the home directory {homes[0]}"
+        if project in homes
+        else f"holds the home directory {homes[0]}"
+        if homes
+        else f"holds your sandboxfs state dir {root}"
+    )
+    raise UserError(
+        f"project {project} {what}: the sandbox would see every login in it as /repo; run in "
+        f"one project's directory (or --project DIR), or give --allow-home-project to mean it "
+        f"(its credentials are then hidden)"
+    )
+
+
+def home_project_config(config: Config, project: Path) -> Config:
+    """`config` for a home made the project (check_home_project): other projects' state dirs
+    deny-listed too (the home's own logins are hidden by identity: hidden_identities)."""
+    if not homes_within(project) or NESTED_STATE_DIR in config.deny:
+        return config
+    return config.model_copy(update={"deny": [*config.deny, NESTED_STATE_DIR]})
+
+
+def hidden_names(project: Path) -> dict[bytes, set[tuple[int, int]]]:
+    """In each home `project` is or holds: name -> the directories (identities) where an entry
+    of that name is never shown (HOME_CREDENTIALS, those named exactly and those found), so
+    that a login its program replaces while mounted (`git config --global`, an agent
+    rewriting ~/.claude.json) stays hidden as the one that was there."""
+    found: dict[bytes, set[tuple[int, int]]] = {}
+    for home in homes_within(project):
+        exact = [str(home / rel) for rel in HOME_CREDENTIALS if "*" not in rel]
+        for login in {*exact, *_home_logins_of(home)}:
+            parent, name = os.path.split(login)
+            with contextlib.suppress(OSError):
+                st = os.stat(parent)
+                found.setdefault(os.fsencode(name), set()).add((st.st_dev, st.st_ino))
+    return found
+
+
+def _home_logins(project: Path) -> list[str]:
+    """The logins of each home `project` is or holds (HOME_CREDENTIALS that exist)."""
+    return [login for home in homes_within(project) for login in _home_logins_of(home)]
+
+
+def _home_logins_of(home: Path) -> list[str]:
+    import glob
+
+    found: list[str] = []
+    for pattern in HOME_CREDENTIALS:
+        found += glob.glob(os.path.join(glob.escape(str(home)), pattern))
+    return found
+
+
 def hidden_identities(project: Path, mountpoint: Path | None = None) -> set[tuple[int, int]]:
     """(st_dev, st_ino) of the directories no zone ever shows: the state dir, hidden by
     identity rather than name (on case-folding storage `.SANDBOX` is the same directory), the
     user's own state dir (the audit log's key) should the project contain it, and the
-    mountpoint."""
+    mountpoint; in a home made the project, the logins it holds (HOME_CREDENTIALS)."""
     hidden: set[tuple[int, int]] = set()
-    for path in (state_dir(project), state_root(), mountpoint):
+    for path in (state_dir(project), state_root(), mountpoint, *_home_logins(project)):
         if path is None:
             continue
         try:
@@ -73,6 +204,10 @@ def hidden_identities(project: Path, mountpoint: Path | None = None) -> set[tupl
         except FileNotFoundError:
             continue
         hidden.add((st.st_dev, st.st_ino))
+    for login in _home_logins(project):  # a link to a login too, not only what it leads to
+        with contextlib.suppress(OSError):
+            st = os.lstat(login)
+            hidden.add((st.st_dev, st.st_ino))
     return hidden
 
 

@@ -40,6 +40,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sandboxfs.core.policy import Patterns, fold
 from sandboxfs.errors import CannotExecute, NotRunnable, UserError
 from sandboxfs.run import confine
 
@@ -122,6 +123,12 @@ HIDDEN_IN_TREES = (
     ".git-credentials",
     ".env",
 )
+# A project's state dir (its sessions, its agents' homes with the logins `home seed` copied):
+# never shown, in a tree exposed or as a path.
+STATE_DIR_NAME = ".sandbox"
+# Entries of an exposed directory looked at for what to cover: past this, it is refused (a
+# narrower directory is what the program needs).
+MAX_EXPOSED_ENTRIES = 100_000
 _MAX_LINKS = 40
 _MAX_DEPTH = 8  # interpreters of interpreters
 _SHEBANG_MAX = 256  # what the kernel reads of a `#!` line
@@ -135,6 +142,8 @@ class Toolchain:
     links: dict[str, str] = field(default_factory=dict)  # path inside -> the link's text
     path: list[str] = field(default_factory=list)  # before the system's on the PATH inside
     shown: list[str] = field(default_factory=list)  # what was exposed, for the user
+    # Inside exposed trees: (path, is a directory) covered with an empty one (see covered)
+    covers: list[tuple[str, bool]] = field(default_factory=list)
 
     def bind(self, path: str) -> None:
         if any(_within(path, other) for other in self.binds):
@@ -144,14 +153,20 @@ class Toolchain:
 
     def bwrap_args(self) -> list[str]:
         """bubblewrap options: the trees (bound read-only, credentials in them covered: see
-        HIDDEN_IN_TREES), then the links on the way to them (a link inside a bound tree is there
-        already). bubblewrap makes the directories above each, in the sandbox's own root."""
+        HIDDEN_IN_TREES and `covered`), then the links on the way to them (a link inside a
+        bound tree is there already). bubblewrap makes the directories above each, in the
+        sandbox's own root."""
         args: list[str] = []
         for path in self.binds:
             args += ["--ro-bind", path, path]
             for rel in HIDDEN_IN_TREES:
                 if os.path.isfile(os.path.join(path, rel)):
                     args += ["--ro-bind", "/dev/null", os.path.join(path, rel)]
+        for path, is_dir in self.covers:  # after the trees they are in
+            if is_dir:
+                args += ["--tmpfs", path, "--remount-ro", path]
+            else:
+                args += ["--ro-bind", "/dev/null", path]
         for location, target in self.links.items():
             if not any(_within(location, tree) for tree in self.binds):
                 args += ["--symlink", target, location]
@@ -219,6 +234,9 @@ class Limits:
         for state in self.state_dirs:
             if _within(path, state) or _within(state, path):
                 return f"{show} {'is in' if _within(path, state) else 'holds'} sandboxfs's state"
+        for part in path.split("/"):
+            if fold(part) == STATE_DIR_NAME:
+                return f"{show} is in a project's state dir ({part})"
         return None
 
 
@@ -521,16 +539,62 @@ def resolve(
     return tools
 
 
+def covered(tree: str, deny: Patterns) -> list[tuple[str, bool]]:
+    """What of the directory `tree` an exposure covers, at every depth: entries the deny list
+    (`deny`, the project's) or SECRET_NAMES name, and every project's state dir; a link so
+    named covers what it leads to in the tree. UserError past MAX_EXPOSED_ENTRIES."""
+    found: list[tuple[str, bool]] = []
+    pending = [tree]
+    seen = 0
+    while pending:
+        directory = pending.pop()
+        try:
+            entries = list(os.scandir(directory))
+        except OSError:
+            continue  # unreadable to the caller: unreadable inside too
+        for entry in entries:
+            seen += 1
+            if seen > MAX_EXPOSED_ENTRIES:
+                raise UserError(
+                    f"{tree} holds more than {MAX_EXPOSED_ENTRIES} entries to check for "
+                    f"secrets; expose the directories the program needs"
+                )
+            try:
+                is_dir = entry.is_dir(follow_symlinks=False)
+                is_link = entry.is_symlink()
+            except OSError:
+                continue
+            rel = os.path.relpath(entry.path, tree)
+            folded = fold(entry.name)
+            secret = (
+                folded == STATE_DIR_NAME
+                or deny.match(entry.name, rel, is_dir or entry.is_dir()) is not None
+                or any(fnmatch.fnmatchcase(entry.name.casefold(), p) for p in SECRET_NAMES)
+            )
+            if secret and is_link:
+                target = os.path.realpath(entry.path)
+                if _within(target, tree) and target != tree and os.path.lexists(target):
+                    found.append((target, os.path.isdir(target)))
+            elif secret:
+                found.append((entry.path, is_dir))
+            elif is_dir:
+                pending.append(entry.path)
+    return found
+
+
 def expose(
     paths: Iterable[tuple[str, str]],
     *,
     caller_env: Mapping[str, str],
     limits: Limits,
     tools: Toolchain | None = None,
+    deny: Sequence[str] = (),
 ) -> Toolchain:
     """Show each of `paths` ((the path as written, where it was written)) read-only at the
-    same path, with the links on the way; the caller's PATH directories inside them go on
-    the sandbox's PATH. UserError (exit 2, run's 125) naming the path and why not."""
+    same path, with the links on the way, the deny list (`deny`) holding at every depth
+    (`covered`); the caller's PATH directories inside them go on the sandbox's PATH.
+    UserError (exit 2, run's 125) naming the path and why not."""
+    patterns = Patterns(list(deny))
     tools = tools if tools is not None else Toolchain()
     for written, source in paths:
         path = os.path.abspath(os.path.expanduser(written))
@@ -548,6 +612,11 @@ def expose(
                 raise UserError(f"{source} {written}: refused: {why}")
         if _shown_as_is(real):
             continue  # the system: there already
+        if os.path.isdir(real):
+            try:
+                tools.covers += covered(real, patterns)
+            except UserError as exc:
+                raise UserError(f"{source} {written}: refused: {exc.message}") from None
         tools.bind(real)
         tools.links.update(links)
         tools.shown.append(path)

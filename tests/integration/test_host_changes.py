@@ -141,3 +141,74 @@ def test_watched_entries_outlive_the_plain_timeouts(
         time.sleep(0.3)  # the log is written as requests are answered
         asked = requests_for(log, b"main.py", ino) - before
         assert asked == (0 if watch else 1), log.read_text(errors="replace")[-3000:]
+
+
+# ----- a key written into a file open inside ------------------------------------------------------
+
+CERT = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+KEY = "-----BEGIN PRIVATE KEY-----\nMIIE" + "A" * 8000 + "\n-----END PRIVATE KEY-----\n"
+MMAP_READ = """
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+print(os.pread(fd, 64, 0).decode(), flush=True)
+sys.stdin.readline()  # the key is written now
+size = os.fstat(fd).st_size
+try:
+    data = mmap.mmap(fd, size, prot=mmap.PROT_READ)[:size]
+    print("read:", "PRIVATE KEY" in data.decode(), flush=True)
+except OSError as exc:
+    print("refused:", exc.errno, flush=True)
+"""
+
+
+@pytest.mark.parametrize("watch", [True, False])
+def test_a_key_written_under_an_open_descriptor_is_refused(
+    tmp_path: Path, project: Path, watch: bool
+) -> None:
+    """A .pem opened while it held a certificate: after the user's own tool writes a key into
+    it (in place, outside), reading through that descriptor is refused and audited, as a fresh
+    open is; a mapping made after it never shows the key (SIGBUS, or nothing)."""
+    import signal
+    import subprocess
+    import sys
+
+    configure(project, 1, watch=watch)
+    (project / "cert.pem").write_text(CERT)
+    with mounted(tmp_path / "mnt", project, "workspace") as m:
+        inside = m.mnt / "repo" / "cert.pem"
+        fd = os.open(inside, os.O_RDONLY)
+        try:
+            assert os.pread(fd, 64, 0).decode().startswith("-----BEGIN CERTIFICATE")
+            with open(project / "cert.pem", "r+") as f:  # in place: the same inode
+                f.write(KEY)
+            assert shows(lambda: os.fstat(fd).st_size == len(KEY))
+            with pytest.raises(PermissionError):
+                os.pread(fd, 64, 4096)  # past what the kernel held
+            with pytest.raises(PermissionError):
+                os.pread(fd, 64, 0)
+        finally:
+            os.close(fd)
+        with pytest.raises(PermissionError):
+            inside.read_text()  # a fresh open, as before
+
+        def refusals() -> int:  # repeated refusals are one entry with a count
+            entries = [e for e in m.audit("--denied") if e["path"] == "/repo/cert.pem"]
+            return sum(int(e.get("count", 1)) for e in entries if e["op"] == "read")
+
+        assert wait_until(lambda: refusals() >= 3, timeout=SHORT), refusals()
+
+        (project / "cert.pem").write_text(CERT)
+        reader = subprocess.Popen(
+            [sys.executable, "-c", MMAP_READ, str(inside)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert reader.stdin is not None and reader.stdout is not None
+        assert reader.stdout.readline().startswith("-----BEGIN CERTIFICATE")
+        with open(project / "cert.pem", "r+") as f:
+            f.write(KEY)
+        assert shows(lambda: size(inside) == len(KEY))
+        out, _ = reader.communicate("\n", timeout=30)
+        assert reader.returncode == -signal.SIGBUS or out.startswith("refused"), out
+        assert "read: True" not in out

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import SANDBOXFS, wait_until
 from tests.support.mounts import make_project
 from tests.support.run import NOBODY, NOBODY_UID, audit, fuse_mounts, nobody_env, nobody_home, sbx
 
@@ -290,6 +291,47 @@ def test_user_config_exposes_and_is_strict(caller: Caller) -> None:
     one_line(caller.run("--", "true"), 125, "exposed: unknown key; accepted keys: expose, agents")
 
 
+EXPOSED_SIBLING = (
+    "cd $1; for f in README.md .env sub/deep/.env config/.env.local sub/.ssh/id_rsa "
+    "keys/server.pem .sandbox/workspaces/default/homes/full/.claude/.credentials.json "
+    "sub/.sandbox/audit.jsonl; do "
+    'if [ -s "$f" ] && cat "$f" >/dev/null 2>&1; then echo "$f: $(cat "$f")"; '
+    'else echo "$f: hidden"; fi; done; find .sandbox sub/.sandbox -mindepth 1 | wc -l'
+)
+
+
+def test_an_exposed_tree_gets_the_deny_list_and_no_state_dir(caller: Caller) -> None:
+    """A sibling project exposed: its .env files at every depth, its keys and every project's
+    state dir (with the login `home seed` copied there) are hidden; the rest is shown."""
+    other = caller.home / "other"
+    files = {
+        "README.md": "other readme",
+        ".env": "TOP=secret",
+        "sub/deep/.env": "DEEP=secret",
+        "config/.env.local": "LOCAL=secret",
+        "sub/.ssh/id_rsa": "private key",
+        "keys/server.pem": "-----BEGIN PRIVATE KEY-----",
+        ".sandbox/workspaces/default/homes/full/.claude/.credentials.json": "oauth",
+        "sub/.sandbox/audit.jsonl": "log",
+    }
+    for rel, text in files.items():
+        (other / rel).parent.mkdir(parents=True, exist_ok=True)
+        (other / rel).write_text(text + "\n")
+    if caller.name == "nobody":
+        subprocess.run(["chown", "-R", f"{NOBODY_UID}:{NOBODY_UID}", str(other)], check=True)
+    result = caller.run("-q", "--expose", other, "--", "sh", "-c", EXPOSED_SIBLING, "p", other)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "README.md: other readme",
+        *(f"{rel}: hidden" for rel in list(files)[1:]),
+        "0",
+    ], result.stderr
+    inside = caller.run(
+        "--expose", other / ".sandbox" / "workspaces" / "default" / "homes", "--", "true"
+    )
+    one_line(inside, 125, "refused: ", "a project's state dir")
+
+
 # ----- the persistent home ------------------------------------------------------------------------
 
 
@@ -310,19 +352,14 @@ def test_home_persists_per_workspace_and_trust_level(caller: Caller) -> None:
     assert any(e["path"] == "/home/state.txt" for e in writes), writes
 
 
+SHOW_LOGIN = "cat ~/.claude/.credentials.json; ls -A ~/.claude"
+
+
 def test_home_seed_copies_and_reset_empties(caller: Caller) -> None:
     seeded = caller.sbx("home", "seed", "--agent", "claude", "--project", caller.project)
     assert seeded.returncode == 0, seeded.stderr
     assert "copied 2 files (~/.claude) into the home of workspace default" in seeded.stdout
-    result = caller.run(
-        "-q",
-        "--trust",
-        "untrusted",
-        "--",
-        "sh",
-        "-c",
-        "cat ~/.claude/.credentials.json; ls -A ~/.claude",
-    )
+    result = caller.run("-q", "--trust", "session", "--", "sh", "-c", SHOW_LOGIN)
     assert result.stdout.splitlines() == [
         '{"token": "seeded"}',
         ".credentials.json",
@@ -358,14 +395,38 @@ def test_home_seed_copies_and_reset_empties(caller: Caller) -> None:
     one_line(refused, 2, "refused: ~/.ssh is secret")
     log = [e for e in audit(caller.project, "--op", "home")]
     assert [e["detail"].split(":")[0] for e in log][:2] == [
-        "seed 2 files into every trust level",
+        "seed 2 files into trust session, workspace, full",
         "seed 2 files into trust session",
     ]
 
     reset = caller.sbx("home", "reset", "--yes", "--project", caller.project)
     assert reset.returncode == 0, reset.stderr
-    result = caller.run("-q", "--trust", "untrusted", "--", "ls", "-A", "/sandbox/home")
+    result = caller.run("-q", "--trust", "session", "--", "ls", "-A", "/sandbox/home")
     assert (result.returncode, result.stdout) == (0, ""), result
+
+
+def test_home_seed_gives_untrusted_nothing_unless_named(caller: Caller) -> None:
+    """The agent's login goes to the levels named; untrusted only when named, with a warning."""
+    seeded = caller.sbx("home", "seed", "--agent", "claude", "--project", caller.project)
+    assert seeded.returncode == 0, seeded.stderr
+    assert "at trust session, workspace, full" in seeded.stdout
+    assert "untrusted not seeded" in seeded.stdout
+    untrusted = caller.run("-q", "--trust", "untrusted", "--", "sh", "-c", SHOW_LOGIN)
+    assert "seeded" not in untrusted.stdout and "No such file" in untrusted.stderr, untrusted
+
+    named = caller.sbx(
+        "home", "seed", "--agent", "claude", "--trust", "workspace", "--trust", "full",
+        "--project", caller.project,
+    )  # fmt: skip
+    assert named.returncode == 0 and "at trust workspace, full" in named.stdout, named
+
+    explicit = caller.sbx(
+        "home", "seed", "--agent", "claude", "--trust", "untrusted", "--project", caller.project
+    )
+    assert explicit.returncode == 0, explicit.stderr
+    assert explicit.stderr.startswith("sandboxfs: warning: the untrusted home now holds"), explicit
+    untrusted = caller.run("-q", "--trust", "untrusted", "--", "sh", "-c", SHOW_LOGIN)
+    assert untrusted.stdout.splitlines()[0] == '{"token": "seeded"}', untrusted.stderr
 
 
 # ----- agent profiles -----------------------------------------------------------------------------
@@ -410,3 +471,93 @@ def test_profile_programs_are_there_for_a_shell(caller: Caller) -> None:
     assert result.returncode == 0, result.stderr
     assert "node-agent: helper from its package" in result.stdout
     assert "py-agent: module from its venv" in result.stdout
+
+
+# ----- a home is no project unless the user says so ---------------------------------------------
+
+HOME_SECRETS_READ = (
+    "for f in .gitconfig .config/gh/hosts.yml .claude/.credentials.json .claude.json "
+    "other/.sandbox/workspaces/default/homes/full/.claude/.credentials.json notes.txt; do "
+    'if cat "/sandbox/repo/$f" >/dev/null 2>&1; then echo "$f: read"; else echo "$f: refused"; fi; '
+    "done"
+)
+
+
+def plant_home_logins(home: Path) -> None:
+    """The logins a whole home holds: git's token, the GitHub CLI's, Claude's (from
+    install_agents), and another project's seeded agent home."""
+    (home / ".gitconfig").write_text("[credential]\n\thelper = store\n[github]\n\ttoken = ghp_x\n")
+    (home / ".config" / "gh").mkdir(parents=True)
+    (home / ".config" / "gh" / "hosts.yml").write_text("github.com:\n  oauth_token: gho_x\n")
+    (home / ".claude.json").write_text('{"oauthAccount": "x"}\n')
+    seeded = home / "other" / ".sandbox" / "workspaces" / "default" / "homes" / "full" / ".claude"
+    seeded.mkdir(parents=True)
+    (seeded / ".credentials.json").write_text('{"token": "other project"}\n')
+    (home / "other" / ".sandbox" / "audit.jsonl").write_text("")
+
+
+def test_a_home_is_no_project_unless_named(caller: Caller) -> None:
+    plant_home_logins(caller.home)
+    if caller.name == "nobody":
+        subprocess.run(["chown", "-R", f"{NOBODY_UID}:{NOBODY_UID}", str(caller.home)], check=True)
+    started = subprocess.run(  # from the home, without --project: as a newcomer would
+        [*caller.prefix, *SANDBOXFS, "run", "--trust", "full", "--", "sh", "-c", "cat .gitconfig"],
+        cwd=caller.home,
+        env=caller.env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    one_line(started, 125, "is your home directory", "--allow-home-project")
+    assert "ghp_x" not in started.stdout
+    named = caller.sbx("run", "--project", caller.home, "--trust", "full", "--", "true")
+    one_line(named, 125, "is your home directory")
+    above = caller.sbx("run", "--project", caller.home.parent, "--trust", "full", "--", "true")
+    one_line(above, 125, "holds your home directory")
+    mount = caller.sbx("mount", "--project", caller.home, caller.home.parent / "mnt")
+    one_line(mount, 2, "is your home directory")
+    assert not (caller.home / ".sandbox").exists()  # refused before anything was written
+
+    allowed = caller.sbx(
+        "run", "-q", "--allow-home-project", "--project", caller.home, "--trust", "full",
+        "--", "sh", "-c", HOME_SECRETS_READ,
+    )  # fmt: skip
+    assert allowed.returncode == 0, allowed.stderr
+    assert allowed.stdout.splitlines() == [
+        ".gitconfig: refused",
+        ".config/gh/hosts.yml: refused",
+        ".claude/.credentials.json: refused",
+        ".claude.json: refused",
+        "other/.sandbox/workspaces/default/homes/full/.claude/.credentials.json: refused",
+        "notes.txt: read",
+    ], allowed.stderr
+
+    # A login its program replaces while the run goes on (git config --global, an agent
+    # rewriting ~/.claude.json: a new file renamed over the old) stays hidden.
+    replace = (
+        "touch /sandbox/repo/started; "
+        'while [ "$(cat /sandbox/repo/notes.txt)" != go ]; do sleep 0.1; done; '
+        "for f in .gitconfig .claude.json; do "
+        'if cat "/sandbox/repo/$f" >/dev/null 2>&1; then echo "$f: read"; '
+        'else echo "$f: refused"; fi; done; ls -A /sandbox/repo | grep -c -e gitconfig -e claude'
+    )
+    proc = subprocess.Popen(
+        [*caller.prefix, *SANDBOXFS, "run", "-q", "--allow-home-project", "--project",
+         caller.home, "--trust", "full", "--", "sh", "-c", replace],
+        env=caller.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert wait_until(lambda: (caller.home / "started").exists(), timeout=60)
+        for name in (".gitconfig", ".claude.json"):
+            fresh = caller.home / f"{name}.new"
+            fresh.write_text("[github]\n\ttoken = ghp_new\n")
+            os.replace(fresh, caller.home / name)
+        (caller.home / "notes.txt").write_text("go\n")
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert out.splitlines() == [".gitconfig: refused", ".claude.json: refused", "0"], err

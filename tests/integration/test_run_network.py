@@ -404,3 +404,49 @@ def test_a_daemon_killed_mid_run_is_reported(project: Path, status: int, expecte
     assert end["mount_lost"] == "was killed by signal 9 (SIGKILL)", end
     assert (end["status"], end["exit"]) == (status, expected)
     assert json.dumps(end)  # a plain entry
+
+
+# ----- only the user widens the network ----------------------------------------------------------
+
+REACH_PROBE = (
+    "via_proxy=$(curl -sS -m 5 --noproxy '' http://127.0.0.1:$1/ 2>/dev/null || echo no); "
+    "direct=$(curl -sS -m 5 --noproxy '*' http://127.0.0.1:$1/ 2>/dev/null || echo no); "
+    'echo "proxy: $via_proxy"; echo "direct: $direct"'
+)
+
+
+@needs_curl
+@pytest.mark.parametrize("mode", ["allow", "host"])
+def test_a_project_file_never_widens_the_network(project: Path, tmp_path: Path, mode: str) -> None:
+    """A repository's sandboxfs.yaml asking for the network and the host's 127.0.0.1 services:
+    ignored with one line and an audit entry; the same in the user's own config is honoured."""
+    with http_server("host service\n") as port:
+        (project / "sandboxfs.yaml").write_text(
+            f"run: {{network: {mode}, allow_hosts: ['127.0.0.1:{port}']}}\n"
+        )
+        env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")}
+        result = sbx("run", "-q", "--project", project, "--", "sh", "-c", REACH_PROBE, "p",
+                     str(port), env=env)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines() == ["proxy: no", "direct: no"], result.stderr
+        [line] = [ln for ln in result.stderr.splitlines() if "sandboxfs.yaml asks" in ln]
+        assert line.startswith(f"sandboxfs: sandboxfs.yaml asks for run.network: {mode}; "), line
+        assert f"run.allow_hosts: 127.0.0.1:{port}: ignored" in line, line
+        [entry] = audit(project, "--op", "net", "--denied")
+        assert entry["reason"] == line.removeprefix("sandboxfs: "), entry
+
+        mine = tmp_path / "config" / "sandboxfs" / "config.yaml"
+        mine.parent.mkdir(parents=True)
+        mine.write_text(f"run: {{network: allow, allow_hosts: ['127.0.0.1:{port}']}}\n")
+        (project / "sandboxfs.yaml").write_text("run: {network: host}\n")
+        widened = sbx("run", "-q", "--project", project, "--", "sh", "-c", REACH_PROBE, "p",
+                      str(port), env=env)  # fmt: skip
+        assert widened.returncode == 0, widened.stderr
+        assert widened.stdout.splitlines() == ["proxy: host service", "direct: no"], widened
+        assert "sandboxfs.yaml asks for run.network: host: ignored" in widened.stderr
+
+        (project / "sandboxfs.yaml").write_text("run: {network: none}\n")  # narrowing holds
+        narrowed = sbx("run", "-q", "--project", project, "--", "sh", "-c", REACH_PROBE, "p",
+                       str(port), env=env)  # fmt: skip
+        assert narrowed.stdout.splitlines() == ["proxy: no", "direct: no"], narrowed
+        assert "asks for" not in narrowed.stderr

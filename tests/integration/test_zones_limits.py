@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.cli import assert_one_line_error, sandboxfs, sh
+from tests.support.cli import SANDBOXFS, assert_one_line_error, sandboxfs, sh
 from tests.support.mounts import Mount, make_project, mounted
 from tests.support.zones import denial, failed, is_mounted, ok
 
@@ -644,3 +645,39 @@ def test_bad_config_stops_run_with_125(case: str, tmp_path: Path, project: Path)
     state = os.environ["SANDBOXFS_STATE_DIR"]
     mounts = Path("/proc/self/mounts").read_text().splitlines()
     assert not [line for line in mounts if "fuse.sandboxfs" in line and state in line]
+
+
+def test_a_project_file_shows_no_zone_the_user_would_not_expose(tmp_path: Path) -> None:
+    """A repository's own sandboxfs.yaml naming the user's logins, home, a system directory
+    or another project (with its state dir and the logins `home seed` copied there) as a
+    zone: `mount` and `run` refuse it in one line, nothing mounted."""
+    home = tmp_path / "home"
+    (home / ".config" / "gh").mkdir(parents=True)
+    (home / ".claude").mkdir()
+    (home / ".claude" / ".credentials.json").write_text("{}\n")
+    (home / "other" / ".sandbox" / "workspaces").mkdir(parents=True)
+    project = make_project(tmp_path)
+    (tmp_path / "mnt").mkdir()
+    env = {**os.environ, "HOME": str(home)}
+    for path, why in [
+        (home / ".config" / "gh", "refused: ~/.config/gh is secret"),
+        (home / ".claude", "~/.claude/.credentials.json"),
+        (home, "refused: ~ is your home"),
+        (home / "other", "holds a project's state dir"),
+        (home / "other" / ".sandbox", "a project's state dir"),
+        (Path("/etc"), "refused: /etc is under /etc"),
+    ]:
+        (project / "sandboxfs.yaml").write_text(f"zones: {{z: {{path: {str(path)!r}}}}}\n")
+        for command, status in (["mount", str(tmp_path / "mnt")], 2), (["run", "--", "true"], 125):
+            try:
+                result = subprocess.run(
+                    [*SANDBOXFS, command[0], "--project", str(project), *command[1:]],
+                    capture_output=True, text=True, env=env, timeout=60,
+                )  # fmt: skip
+            finally:
+                if is_mounted(tmp_path / "mnt"):
+                    sandboxfs("umount", tmp_path / "mnt")
+            lines = result.stderr.splitlines()
+            assert result.returncode == status and len(lines) == 1, (path, result.stderr)
+            assert "sandboxfs.yaml: zones.z.path: " in lines[0] and why in lines[0], lines
+        assert not is_mounted(tmp_path / "mnt")

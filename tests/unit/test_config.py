@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from sandboxfs.config import model as config
+from sandboxfs.config import user as userconfig
 from sandboxfs.core.policy import BUILTIN_ZONES, Trust, Zone, ZoneAccess
 from sandboxfs.errors import UserError
 
@@ -453,3 +454,41 @@ def test_the_command_loads_no_pydantic_plugin() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
     )
     assert (out.returncode, out.stdout) == (0, "None\n"), out.stderr
+
+
+# ----- run's network: only the user widens it -----------------------------------------------------
+
+
+def _choice(
+    net: str | None = None,
+    allow_host: tuple[str, ...] = (),
+    agent: str | None = None,
+    mine: str = "",
+    project: str = "",
+) -> userconfig.NetworkChoice:
+    user = userconfig.UserConfig.model_validate(yaml.safe_load(mine) or {})
+    profile = userconfig.agent(agent, user) if agent else None
+    run = config.RunConfig.model_validate(yaml.safe_load(project) or {})
+    return userconfig.network_choice(net, list(allow_host), profile, user, run)
+
+
+def test_a_project_file_only_narrows_the_network() -> None:
+    wider = _choice(project="{network: allow, allow_hosts: ['127.0.0.1:5432']}")
+    assert (wider.mode, wider.hosts) == ("none", [])
+    assert wider.ignored is not None and "run.network: allow" in wider.ignored
+    assert "127.0.0.1:5432" in wider.ignored
+    assert _choice(project="{network: host}").mode == "none"
+    # What the user chose, narrowed: a narrower mode, or fewer of the user's hosts.
+    agent = _choice(agent="claude", project="{network: none}")
+    assert (agent.mode, agent.ignored) == ("none", None)
+    fewer = _choice(agent="claude", project="{allow_hosts: [api.anthropic.com, evil.example]}")
+    assert fewer.hosts == ["api.anthropic.com"]
+    assert fewer.ignored is not None and "evil.example" in fewer.ignored
+    mine = "run: {network: allow, allow_hosts: [pypi.org]}"
+    assert _choice(mine=mine, project="{network: host}").mode == "allow"
+    assert _choice(mine=mine).hosts == ["pypi.org"]
+    # The command line wins over both files.
+    cli = _choice("allow", ("example.org",), project="{network: none, allow_hosts: [x.org]}")
+    assert (cli.mode, cli.hosts, cli.ignored) == ("allow", ["example.org"], None)
+    assert _choice("host", project="{network: none}").mode == "host"
+    assert _choice("allow", project="{allow_hosts: [x.org]}").hosts == []

@@ -11,7 +11,7 @@ import pytest
 
 from sandboxfs.config import user as userconfig
 from sandboxfs.config.model import load
-from sandboxfs.core.policy import Op, Trust, Zone
+from sandboxfs.core.policy import Op, Patterns, Trust, Zone
 from sandboxfs.errors import NotRunnable, UserError
 from sandboxfs.project.zones import HOME_ZONE, prepare_zones, with_home
 from sandboxfs.run import confine, netproxy, toolchain
@@ -421,3 +421,24 @@ def test_credentials_in_a_bound_tree_are_covered(tmp_path: Path) -> None:
         "--ro-bind", str(prefix), str(prefix),
         "--ro-bind", "/dev/null", f"{prefix}/etc/npmrc",
     ]  # fmt: skip
+
+
+def test_an_exposed_tree_is_covered_at_every_depth(tmp_path: Path) -> None:
+    tree = tmp_path / "other"
+    (tree / "a" / "b" / ".sandbox").mkdir(parents=True)
+    (tree / "a" / "b" / ".env").write_text("x\n")
+    (tree / "a" / "b" / ".env.example").write_text("x\n")
+    (tree / "a" / "plain.txt").write_text("x\n")
+    (tree / "a" / "data.txt").write_text("x\n")
+    (tree / "a" / "secrets").mkdir()
+    (tree / ".env").symlink_to("a/data.txt")  # a link so named covers what it leads to
+    found = toolchain.covered(str(tree), Patterns(["secrets/", ".env", "!.env.example"]))
+    assert sorted(found) == sorted(
+        [
+            (str(tree / "a" / "b" / ".sandbox"), True),
+            (str(tree / "a" / "b" / ".env"), False),
+            (str(tree / "a" / "b" / ".env.example"), False),  # a secret name all the same
+            (str(tree / "a" / "secrets"), True),
+            (str(tree / "a" / "data.txt"), False),
+        ]
+    )
