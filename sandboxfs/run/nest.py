@@ -11,7 +11,9 @@ included — is refused with the usual line, audited (op `run`, denied) before t
 back. An accepted one starts an ordinary `sandboxfs run` outside, as the user, with the
 parent's zones as its ceiling (`--within`), its worker, `--net none`, at the lower of the run's
 trust level and the mount's current one, in a new session; its exit status goes back to the
-client.
+client. The current level is the daemon's, asked over its control socket (which nothing inside
+reaches), never read through the mount, where a program can make the read fail: when the daemon
+gives no level, the child is refused.
 
 Nothing here changes the parent's mount or policy: the child is another mount, another
 sandbox. The socket is reachable only inside this sandbox and in the user's own 0700 run
@@ -41,7 +43,7 @@ from typing import Any, Concatenate
 from sandboxfs.config.model import Config, WorkerScope
 from sandboxfs.core.entry import AuditOp
 from sandboxfs.core.policy import Trust
-from sandboxfs.errors import UserError
+from sandboxfs.errors import SandboxfsError, UserError
 from sandboxfs.project import control
 
 NEST_DIR = "/sandboxfs"  # inside: nest.sock and bin/sandboxfs, the client
@@ -152,14 +154,14 @@ class NestServer:
         config: Config,
         trust: Trust,
         child_argv: Callable[[str, Trust, list[str], list[str], int | None], list[str]],
-        live_trust: Callable[[], Trust | None],
         record: Callable[Concatenate[AuditOp, ...], None],  # RunAudit.record
     ) -> None:
         self._project = project
         self._config = config
         self._trust = trust
         self._child_argv = child_argv
-        self._live_trust = live_trust
+        # The daemon's control socket, once it answers: where the current level is asked.
+        self.control: Path | None = None
         self._record = record
         self.host_dir = run_dir / NEST_HOST_DIR
         self.host_dir.mkdir(mode=0o700)
@@ -185,6 +187,22 @@ class NestServer:
         asks, each with the label the prompt shows."""
         with self._lock:
             return list(self._prompts.items())
+
+    def _current_trust(self) -> Trust:
+        """The mount's trust level now, as its daemon holds it; UserError when the daemon does
+        not say (not up yet, gone, a bad answer): the child is then refused, never started at
+        a level the run may no longer have."""
+        if self.control is None:
+            raise UserError("this run's mount is not ready: no child worker yet")
+        refused = "the run's daemon did not say its current trust level: no child worker"
+        try:
+            reply = control.request(self.control, {"op": "status"}, timeout=10.0)
+        except SandboxfsError as exc:
+            raise UserError(f"{refused} ({exc.message})") from None
+        level = reply.get("trust")
+        if reply.get("ok") is not True or level not in {t.value for t in Trust}:
+            raise UserError(refused)
+        return Trust(level)
 
     def _learn_control(self, report: int, label: str) -> Path | None:
         """The child's control socket, as its `run` reports it once its mount answers."""
@@ -265,9 +283,8 @@ class NestServer:
         ):
             raise ValueError("expected a worker's name, a command and the caller's stdio")
         _check_stdio(fds)
-        live = self._live_trust()
-        trust = self._trust if live is None else lower(self._trust, live)
         try:
+            trust = lower(self._trust, self._current_trust())
             # The authoritative check: the parent's own config, as this supervisor holds it.
             worker = workers.find(self._project, name, self._config)
             workers.narrow(self._config, trust, worker)

@@ -879,7 +879,7 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         # The git directory of a worktree project, at the path its .git file names (gitdir).
         binds = gitdir.bwrap_binds(req.config, req.trust, mnt)
         # Child workers started from inside, never with more than this sandbox (sandboxfs.run.nest).
-        nest = _nest_server(req, audit, run_dir, mnt)
+        nest = _nest_server(req, audit, run_dir)
         env["PATH"] = f"{NEST_DIR}/bin:{env['PATH']}"
         options = confine.bwrap_args(
             mountpoint=mnt,
@@ -904,6 +904,7 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
             raise SetupError(exc.message) from None
         raise
     _record_process(run_dir / "daemon", daemon)  # the sweep clears the mount if it dies
+    nest.control = control.socket_path(daemon)  # where children's level is asked
     if req.report_control is not None:  # a nested child: its parent's terminal asks for it
         with contextlib.suppress(OSError):
             write_all(req.report_control, str(control.socket_path(daemon)).encode())
@@ -1005,19 +1006,12 @@ def _abandon_daemon(starting: Starting, lifeline_w: int, mnt: Path) -> None:
         print(f"sandboxfs: {problem}", file=sys.stderr)
 
 
-def _nest_server(req: RunRequest, audit: RunAudit, run_dir: Path, mnt: Path) -> NestServer:
+def _nest_server(req: RunRequest, audit: RunAudit, run_dir: Path) -> NestServer:
     """The socket a program inside starts child workers through (sandboxfs.run.nest), with this
-    run's config as their ceiling and its mount's current trust level as their highest."""
-
-    def live_trust() -> Trust | None:
-        try:
-            text = (mnt / ".sandboxfs" / "context.json").read_text()
-            return Trust(json.loads(text)["trust"])
-        except (OSError, ValueError, KeyError):
-            return None
-
+    run's config as their ceiling and its mount's current trust level (its daemon's, once
+    `control` is set) as their highest."""
     build = child_argv(req.project, req.workspace, req.config_file, req.config.worker)
-    return NestServer(run_dir, req.project, req.config, req.trust, build, live_trust, audit.record)
+    return NestServer(run_dir, req.project, req.config, req.trust, build, audit.record)
 
 
 def _daemon_ended(daemon: int) -> str | None:

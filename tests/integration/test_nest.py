@@ -1,0 +1,165 @@
+"""Nested workers under `sandboxfs run` against a hostile parent (issue 34): a child's level is
+the daemon's current one, never what a file read through the mount says; nesting is bounded
+in depth and in runs alive per top-level run; a child's command is one its parent could run;
+idle connections to the nest socket are bounded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli import SANDBOXFS
+from tests.support.mounts import make_project
+from tests.support.run import (
+    NOBODY,
+    TIMEOUT,
+    needs_bwrap,
+    nobody_env,
+    nobody_home,
+    nothing_left_behind,
+)
+
+__all__ = ["nobody_home", "nothing_left_behind"]  # fixtures, used by name
+
+pytestmark = needs_bwrap
+
+
+def _worker(project: Path, name: str, zones: str) -> None:
+    (project / ".workers" / f"{name}.worker").write_text(
+        f"---\nname: {name}\nsandbox:\n  zones:\n{zones}---\n"
+    )
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    proj = make_project(tmp_path)
+    (proj / ".workers" / "review.worker").unlink()  # not in the .worker format
+    _worker(proj, "repo-reader", "    - {name: repo, mode: ro}\n")
+    _worker(proj, "nester", "    - {name: repo, mode: ro}\n    - {name: session, mode: rw}\n")
+    return proj
+
+
+class Parent:
+    """A `sandboxfs run` whose program is driven line by line on its stdin."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.seen: list[str] = []
+
+    def line_until(self, wanted: str) -> list[str]:
+        assert self.proc.stdout is not None
+        while wanted not in self.seen:
+            line = self.proc.stdout.readline()
+            assert line, f"{wanted!r} not seen before EOF: {self.seen}"
+            self.seen.append(line.rstrip("\n"))
+        return self.seen
+
+    def send(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text)
+        self.proc.stdin.flush()
+
+    def finish(self) -> tuple[str, str]:
+        out, err = self.proc.communicate(timeout=TIMEOUT)
+        self.seen += out.splitlines()
+        return out, err
+
+
+@contextmanager
+def parent_run(
+    *args: str | Path, prefix: list[str] | None = None, env: dict[str, str] | None = None
+) -> Iterator[Parent]:
+    proc = subprocess.Popen(
+        [*(prefix or []), *SANDBOXFS, "run", *map(str, args)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        yield Parent(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+
+
+def _run_dir_of(state: Path, pid: int) -> Path:
+    [run_dir] = (state / "run").glob(f"*-{pid}")
+    return run_dir
+
+
+def _sbx_as(prefix: list[str], env: dict[str, str] | None, *args: str | Path) -> str:
+    result = subprocess.run(
+        [*prefix, *SANDBOXFS, *map(str, args)], capture_output=True, text=True, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+# ----- 11: a demoted run's child is at the daemon's current level ------------------------------
+
+DEMOTED = """
+echo ready; read go
+sandboxfs run --worker repo-reader -- cat /sandbox/repo/README.md
+echo child=$?
+echo done; read go
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts over the run's context, which needs root")
+def test_a_demoted_run_never_nests_at_its_first_level_when_its_context_is_unreadable(
+    project: Path,
+) -> None:
+    """The program makes /sandbox/.sandboxfs/context.json unreadable to the supervisor (the
+    issue filled the disk until the audit log failed closed; here a tmpfs covers the file,
+    which needs no race): the child's level still comes from the daemon, the demoted one."""
+    state = Path(os.environ["SANDBOXFS_STATE_DIR"])
+    args = ["--project", project, "--trust", "full", "--quiet", "--", "sh", "-c", DEMOTED]
+    with parent_run(*args) as parent:
+        parent.line_until("ready")
+        mnt = _run_dir_of(state, parent.proc.pid) / "mnt"
+        assert "full -> untrusted" in _sbx_as([], None, "demote", mnt, "--trust", "untrusted")
+        cover = mnt / ".sandboxfs"
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "cover", cover], check=True)
+        try:
+            assert not (cover / "context.json").exists()
+            parent.send("go\n")
+            parent.line_until("done")
+        finally:
+            subprocess.run(["umount", "-l", cover], check=True)
+        parent.send("go\n")
+        _, err = parent.finish()
+    assert "# demo project" not in parent.seen, parent.seen  # the child never read the repo
+    assert "child=125" in parent.seen, (parent.seen, err)
+    assert "worker repo-reader: Child requests 'ro' on 'repo'" in err, err
+    assert "trust level untrusted" in err, err
+
+
+def test_an_ordinary_users_demoted_run_nests_at_the_demoted_level(nobody_home: Path) -> None:
+    """The supervisor (undumpable, an ordinary user's) asks its daemon for the level."""
+    project = nobody_home / "project"
+    (project / ".workers" / "review.worker").unlink()
+    _worker(project, "repo-reader", "    - {name: repo, mode: ro}\n")
+    subprocess.run(["chown", "-R", "65534:65534", str(project / ".workers")], check=True)
+    env = nobody_env(nobody_home)
+    state = Path(env["SANDBOXFS_STATE_DIR"])
+    args = ["--project", project, "--trust", "full", "--quiet", "--", "sh", "-c", DEMOTED]
+    with parent_run(*args, prefix=NOBODY, env=env) as parent:
+        parent.line_until("ready")
+        mnt = _run_dir_of(state, parent.proc.pid) / "mnt"
+        demoted = _sbx_as(NOBODY, env, "demote", mnt, "--trust", "untrusted")
+        assert "full -> untrusted" in demoted
+        parent.send("go\n")
+        parent.line_until("done")
+        parent.send("go\n")
+        _, err = parent.finish()
+    assert "the project readme" not in parent.seen and "child=125" in parent.seen, parent.seen
+    assert "Child requests 'ro' on 'repo'" in err and "trust level untrusted" in err, err
