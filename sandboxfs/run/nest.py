@@ -51,6 +51,10 @@ SOCKET_NAME = "nest.sock"
 NEST_HOST_DIR = "nest"  # in the run directory: what NEST_DIR shows
 MAX_CHILDREN = 8  # child workers running at once, per run
 MAX_REQUEST = 64 * 1024
+# Connections served at once (each a thread; those of running children included), and how long
+# one may take to send its request: past the first, one is answered at once and closed.
+MAX_CONNECTIONS = 16
+REQUEST_WAIT = 5.0  # seconds
 _TRUST_ORDER = list(Trust)
 
 # The client, run by the system's Python inside (its /usr is the host's, read-only).
@@ -179,6 +183,7 @@ class NestServer:
         self.prompt_here = False  # set by the supervisor once its terminal prompts
         self._prompts: dict[Path, str] = {}
         self._lock = threading.Lock()
+        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._closed = False
         threading.Thread(target=self._serve, name="nest", daemon=True).start()
 
@@ -246,9 +251,14 @@ class NestServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # closed
+            if not self._connections.acquire(blocking=False):
+                _refuse_at_once(conn)
+                continue
+            conn.settimeout(REQUEST_WAIT)
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
     def _handle(self, conn: socket.socket) -> None:
+        """One request, from its first byte to its child's end; a connection slot is held."""
         fds: list[int] = []
         try:
             request, fds = _receive(conn)
@@ -262,6 +272,7 @@ class NestServer:
             for fd in fds:
                 os.close(fd)
             conn.close()
+            self._connections.release()
 
     def _start(self, request: dict[str, Any], fds: list[int], pid: int) -> dict[str, Any]:
         from sandboxfs.project import workers
@@ -341,6 +352,15 @@ class NestServer:
                 if learned is not None:
                     self._prompts.pop(learned, None)
         return {"status": status if status >= 0 else 128 - status}
+
+
+def _refuse_at_once(conn: socket.socket) -> None:
+    """A connection past MAX_CONNECTIONS: one line of why, if it fits at once, then closed."""
+    why = f"{MAX_CONNECTIONS} requests to start child workers are open already"
+    with contextlib.suppress(OSError):
+        conn.setblocking(False)
+        conn.send(json.dumps({"status": 125, "error": why}).encode())
+    conn.close()
 
 
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:

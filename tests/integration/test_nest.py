@@ -163,3 +163,37 @@ def test_an_ordinary_users_demoted_run_nests_at_the_demoted_level(nobody_home: P
         _, err = parent.finish()
     assert "the project readme" not in parent.seen and "child=125" in parent.seen, parent.seen
     assert "Child requests 'ro' on 'repo'" in err and "trust level untrusted" in err, err
+
+
+# ----- 28: idle connections to the nest socket are bounded ---------------------------------------
+
+IDLE = """
+import os, socket, subprocess, sys
+held = []
+for _ in range(200):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect("/sandboxfs/nest.sock")
+    held.append(s)
+print("held", flush=True)
+sys.stdin.readline()
+for s in held:  # each is closed by the supervisor: at once past the bound, else once idle
+    s.settimeout(30)
+    assert s.recv(1) in (b"", b"{"), "answered"
+print("closed", flush=True)
+child = subprocess.run(["sandboxfs", "run", "--worker", "repo-reader", "--", "echo", "child-ran"])
+print("child", child.returncode, flush=True)
+"""
+
+
+def test_idle_nest_connections_are_bounded_and_a_child_still_runs(project: Path) -> None:
+    args = ["--project", project, "--trust", "full", "--quiet", "--", "/usr/bin/python3", "-c"]
+    with parent_run(*args, IDLE) as parent:
+        parent.line_until("held")
+        status = Path(f"/proc/{parent.proc.pid}/status").read_text()
+        threads = int(status.split("Threads:")[1].split()[0])
+        descriptors = len(os.listdir(f"/proc/{parent.proc.pid}/fd"))
+        parent.send("go\n")
+        parent.line_until("closed")
+        _, err = parent.finish()
+    assert threads < 64 and descriptors < 128, (threads, descriptors)
+    assert parent.seen[-2:] == ["child-ran", "child 0"], (parent.seen, err)
