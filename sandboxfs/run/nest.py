@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate
 
@@ -50,6 +51,12 @@ NEST_DIR = "/sandboxfs"  # inside: nest.sock and bin/sandboxfs, the client
 SOCKET_NAME = "nest.sock"
 NEST_HOST_DIR = "nest"  # in the run directory: what NEST_DIR shows
 MAX_CHILDREN = 8  # child workers running at once, per run
+# A tree of nested runs, counted by the supervisors outside: a top-level run's children are at
+# depth 1, theirs at 2, which start none; and at most MAX_NESTED runs of one tree are alive at
+# once, each holding a lock on one of as many slot files in the top-level run's directory.
+MAX_DEPTH = 2
+MAX_NESTED = 8
+NEST_SLOTS_DIR = "nest-slots"  # in the top-level run's directory, which nothing inside shows
 MAX_REQUEST = 64 * 1024
 # Connections served at once (each a thread; those of running children included), and how long
 # one may take to send its request: past the first, one is answered at once and closed.
@@ -125,6 +132,27 @@ sys.exit(main(sys.argv[1:]))
 '''
 
 
+@dataclass(frozen=True)
+class Nesting:
+    """Where a run is in its tree of nested runs: given to a child by the supervisor that
+    starts it (a hidden option of `run`), never by anything inside."""
+
+    depth: int = 0
+    slots: Path | None = None  # the top-level run's slot files (None: this run is the top)
+
+    def dump(self) -> str:
+        return json.dumps({"depth": self.depth, "slots": str(self.slots)})
+
+    @classmethod
+    def parse(cls, text: str) -> Nesting:
+        """A dumped Nesting; ValueError for anything else."""
+        fields = json.loads(text)
+        depth, slots = fields["depth"], fields["slots"]
+        if type(depth) is not int or not 0 < depth <= MAX_DEPTH or not isinstance(slots, str):
+            raise ValueError("not a nesting")
+        return cls(depth, Path(slots))
+
+
 def lower(a: Trust, b: Trust) -> Trust:
     return a if _TRUST_ORDER.index(a) <= _TRUST_ORDER.index(b) else b
 
@@ -157,8 +185,9 @@ class NestServer:
         project: Path,
         config: Config,
         trust: Trust,
-        child_argv: Callable[[str, Trust, list[str], list[str], int | None], list[str]],
+        child_argv: Callable[[str, Trust, list[str], list[str], int | None, Nesting], list[str]],
         record: Callable[Concatenate[AuditOp, ...], None],  # RunAudit.record
+        nesting: Nesting,
     ) -> None:
         self._project = project
         self._config = config
@@ -169,6 +198,11 @@ class NestServer:
         self._record = record
         self.host_dir = run_dir / NEST_HOST_DIR
         self.host_dir.mkdir(mode=0o700)
+        self._depth = nesting.depth
+        self._own_slots = nesting.slots is None
+        self._slots = run_dir / NEST_SLOTS_DIR if nesting.slots is None else nesting.slots
+        if self._own_slots:
+            self._slots.mkdir(mode=0o700)
         (self.host_dir / "bin").mkdir(mode=0o700)
         client = self.host_dir / "bin" / "sandboxfs"
         client.write_text(CLIENT)
@@ -244,6 +278,8 @@ class NestServer:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.wait(15)
         shutil.rmtree(self.host_dir, ignore_errors=True)
+        if self._own_slots:
+            shutil.rmtree(self._slots, ignore_errors=True)
 
     def _serve(self) -> None:
         while True:
@@ -295,26 +331,64 @@ class NestServer:
             raise ValueError("expected a worker's name, a command and the caller's stdio")
         _check_stdio(fds)
         try:
+            if self._depth >= MAX_DEPTH:
+                raise UserError(
+                    f"child workers nest at most {MAX_DEPTH} deep: this run is a child's child"
+                )
             trust = lower(self._trust, self._current_trust())
             # The authoritative check: the parent's own config, as this supervisor holds it.
             worker = workers.find(self._project, name, self._config)
             workers.narrow(self._config, trust, worker)
         except UserError as exc:
-            self._record(
-                AuditOp.RUN,
-                allowed=False,
-                pid=pid,
-                comm="sandboxfs",
-                reason=exc.message,
-                err="EACCES",
-                detail=f"nested worker {name} refused: {shlex.join(argv)}",
-            )
-            return {"status": 125, "error": exc.message}
+            return self._refuse(pid, name, argv, exc.message)
+        slot = self._take_slot()
+        if slot is None:
+            why = f"{MAX_NESTED} nested runs are alive already in this top-level run's tree"
+            return self._refuse(pid, name, argv, why)
+        try:
+            return self._start_holding(name, trust, argv, attach, fds, pid)
+        finally:
+            os.close(slot)
+
+    def _refuse(self, pid: int, name: str, argv: list[str], why: str) -> dict[str, Any]:
+        """A child refused: audited (op `run`, denied), then told to the client."""
+        self._record(
+            AuditOp.RUN,
+            allowed=False,
+            pid=pid,
+            comm="sandboxfs",
+            reason=why,
+            err="EACCES",
+            detail=f"nested worker {name} refused: {shlex.join(argv)}",
+        )
+        return {"status": 125, "error": why}
+
+    def _take_slot(self) -> int | None:
+        """A slot of the tree's MAX_NESTED (a locked file, held while the child lives: the lock
+        goes with the descriptor, even when this process is killed); None when all are held."""
+        for index in range(MAX_NESTED):
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+            try:
+                fd = os.open(self._slots / str(index), flags, 0o600)
+            except OSError:
+                return None  # the top-level run is ending: its directory is going
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            return fd
+        return None
+
+    def _start_holding(
+        self, name: str, trust: Trust, argv: list[str], attach: list[str], fds: list[int], pid: int
+    ) -> dict[str, Any]:
+        """Start the accepted child and wait for it (its slot held by the caller)."""
         with self._lock:
             if self._closed:
-                return {"status": 125, "error": "the parent sandbox is ending"}
+                return self._refuse(pid, name, argv, "the parent sandbox is ending")
             if len(self._children) >= MAX_CHILDREN:
-                return {"status": 125, "error": f"{MAX_CHILDREN} child workers run already"}
+                return self._refuse(pid, name, argv, f"{MAX_CHILDREN} child workers run already")
             self._record(
                 AuditOp.RUN,
                 pid=pid,
@@ -323,8 +397,10 @@ class NestServer:
             )
             report, report_w = os.pipe() if self.prompt_here else (-1, -1)
             try:
+                report_to = report_w if report >= 0 else None
+                nesting = Nesting(self._depth + 1, self._slots)
                 child = subprocess.Popen(
-                    self._child_argv(name, trust, argv, attach, report_w if report >= 0 else None),
+                    self._child_argv(name, trust, argv, attach, report_to, nesting),
                     stdin=fds[0],
                     stdout=fds[1],
                     stderr=fds[2],
@@ -419,17 +495,24 @@ def child_argv(
     workspace: str,
     config_file: Path | None,
     scope: WorkerScope | None,
-) -> Callable[[str, Trust, list[str], list[str], int | None], list[str]]:
+) -> Callable[[str, Trust, list[str], list[str], int | None, Nesting], list[str]]:
     """How the supervisor starts a nested child: `sandboxfs run` outside, as the user.
     `report`: a descriptor the child writes its control socket's path to, for the parent's
-    terminal to ask its approval requests (None: the parent has no prompt)."""
+    terminal to ask its approval requests (None: the parent has no prompt). `nesting`: the
+    child's place in the tree."""
 
     def build(
-        name: str, trust: Trust, argv: list[str], attach: list[str], report: int | None
+        name: str,
+        trust: Trust,
+        argv: list[str],
+        attach: list[str],
+        report: int | None,
+        nesting: Nesting,
     ) -> list[str]:
         args = [sys.executable, "-m", "sandboxfs", "run", "--project", str(project)]
         args += ["--workspace", workspace, "--trust", trust.value, "--net", "none"]
         args += ["--parent-pid", str(os.getpid())]  # it ends with this run, even killed
+        args += ["--nesting", nesting.dump()]
         # The child's requests are asked in the parent's terminal; where the parent has no
         # prompt, what would ask is refused at once: a child never waits on nobody.
         if report is None:

@@ -47,7 +47,14 @@ from sandboxfs.project.identity import project_identity
 from sandboxfs.project.mounts import MountRequest, lazy_unmount, sandboxfs_mounts
 from sandboxfs.project.zones import CONFINED_HOME, HOME_ZONE
 from sandboxfs.run import confine, doctor, home, seccomp
-from sandboxfs.run.nest import NEST_DIR, NEST_HOST_DIR, NestServer, child_argv
+from sandboxfs.run.nest import (
+    NEST_DIR,
+    NEST_HOST_DIR,
+    NEST_SLOTS_DIR,
+    Nesting,
+    NestServer,
+    child_argv,
+)
 from sandboxfs.run.netproxy import (
     Allowlist,
     DnsStub,
@@ -94,6 +101,8 @@ class RunRequest:
     # A nested child's: the descriptor its parent reads this mount's control socket from, to
     # ask this run's approval requests in the parent's terminal (sandboxfs.run.nest).
     report_control: int | None = None
+    # A nested child's place in its tree of runs (its depth, the top-level run's slots).
+    nesting: Nesting = field(default_factory=Nesting)
 
 
 # ----- the run directory: where the private mount lives, and how a dead one is cleaned ------
@@ -190,6 +199,7 @@ def remove_run_dir(run_dir: Path) -> None:
         with contextlib.suppress(OSError):
             (run_dir / name).unlink()
     shutil.rmtree(run_dir / NEST_HOST_DIR, ignore_errors=True)  # a run that died: its socket
+    shutil.rmtree(run_dir / NEST_SLOTS_DIR, ignore_errors=True)  # and its tree's slot files
     with contextlib.suppress(OSError):
         run_dir.rmdir()
 
@@ -1011,7 +1021,7 @@ def _nest_server(req: RunRequest, audit: RunAudit, run_dir: Path) -> NestServer:
     run's config as their ceiling and its mount's current trust level (its daemon's, once
     `control` is set) as their highest."""
     build = child_argv(req.project, req.workspace, req.config_file, req.config.worker)
-    return NestServer(run_dir, req.project, req.config, req.trust, build, audit.record)
+    return NestServer(run_dir, req.project, req.config, req.trust, build, audit.record, req.nesting)
 
 
 def _daemon_ended(daemon: int) -> str | None:

@@ -22,6 +22,7 @@ from tests.support.run import (
     nobody_env,
     nobody_home,
     nothing_left_behind,
+    sbx,
 )
 
 __all__ = ["nobody_home", "nothing_left_behind"]  # fixtures, used by name
@@ -197,3 +198,58 @@ def test_idle_nest_connections_are_bounded_and_a_child_still_runs(project: Path)
         _, err = parent.finish()
     assert threads < 64 and descriptors < 128, (threads, descriptors)
     assert parent.seen[-2:] == ["child-ran", "child 0"], (parent.seen, err)
+
+
+# ----- 12: nesting is bounded in depth and in runs alive per top-level run ---------------------
+
+DEEPER = """depth=$1
+echo "depth $depth"
+[ "$depth" -ge 4 ] && exit 0
+sandboxfs run --worker nester -- sh /sandbox/repo/deeper.sh $((depth + 1))
+echo "status $depth $?"
+"""
+
+
+def test_nesting_stops_at_two_levels(project: Path) -> None:
+    (project / "deeper.sh").write_text(DEEPER)
+    result = sbx("run", "--project", project, "--trust", "full", "--quiet", "--",
+                 "sh", "/sandbox/repo/deeper.sh", "0")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    assert out == ["depth 0", "depth 1", "depth 2", "status 2 125", "status 1 0", "status 0 0"]
+    assert "child workers nest at most 2 deep" in result.stderr, result.stderr
+
+
+FAN = """case $1 in
+top) sandboxfs run --worker nester -- sh /sandbox/repo/fan.sh middle; echo "middle $?" ;;
+middle)
+    for i in 1 2 3 4 5 6 7 8; do
+        (sandboxfs run --worker nester -- sh /sandbox/repo/fan.sh leaf; echo "leaf $?") &
+    done
+    wait ;;
+leaf)
+    echo holding
+    while ! ls /sandbox/repo | grep -qx release; do sleep 0.1; done ;;
+esac
+"""
+
+
+def test_nested_runs_alive_per_top_level_run_are_bounded(project: Path) -> None:
+    """One child starting 8 of its own: 9 nested runs would be alive, one more than a
+    top-level run's tree may hold; the last is refused, each of its own run under 8."""
+    (project / "fan.sh").write_text(FAN)
+    args = ["--project", project, "--trust", "full", "--quiet", "--", "sh", "/sandbox/repo/fan.sh"]
+    try:
+        with parent_run(*args, "top") as parent:
+            assert parent.proc.stdout is not None
+            while parent.seen.count("holding") + parent.seen.count("leaf 125") < 8:
+                line = parent.proc.stdout.readline()
+                assert line, parent.seen
+                parent.seen.append(line.rstrip("\n"))
+            (project / "release").touch()
+            _, err = parent.finish()
+    finally:
+        (project / "release").touch()
+    assert parent.seen.count("holding") == 7 and parent.seen.count("leaf 125") == 1, parent.seen
+    assert parent.seen.count("leaf 0") == 7 and parent.seen[-1] == "middle 0", parent.seen
+    assert "8 nested runs are alive already in this top-level run" in err, err

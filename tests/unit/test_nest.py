@@ -40,7 +40,7 @@ def server(tmp_path: Path) -> Iterator[tuple[nest.NestServer, Recorded, list[lis
         return ["/bin/true"]
 
     record = Recorded()
-    srv = nest.NestServer(run_dir, project, Config(), Trust.FULL, build, record)
+    srv = nest.NestServer(run_dir, project, Config(), Trust.FULL, build, record, nest.Nesting())
     try:
         yield srv, record, started
     finally:
