@@ -666,7 +666,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, TypeError):
         raise UserError("--nesting: not a place in a tree of nested runs") from None
     narrowed = _for_worker(args, project, full, trust)
-    tools = _run_toolchain(args, project, command, env, user, profile)
+    # A nested child shows its parent's view of the host, and finds CMD inside, in it.
+    tools = (
+        nesting.view
+        if nesting.depth
+        else _run_toolchain(args, project, command, env, user, profile)
+    )
     narrowed, session, _ = _session_with_attachments(
         args, project, workspace, full, narrowed, trust
     )

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Concatenate
 
@@ -46,6 +46,7 @@ from sandboxfs.core.entry import AuditOp
 from sandboxfs.core.policy import Trust
 from sandboxfs.errors import SandboxfsError, UserError
 from sandboxfs.project import control
+from sandboxfs.run.toolchain import Toolchain
 
 NEST_DIR = "/sandboxfs"  # inside: nest.sock and bin/sandboxfs, the client
 SOCKET_NAME = "nest.sock"
@@ -139,18 +140,32 @@ class Nesting:
 
     depth: int = 0
     slots: Path | None = None  # the top-level run's slot files (None: this run is the top)
+    # What a child shows of the host: its parent's (CMD's toolchain, exposed paths), never
+    # more, and its CMD is looked up inside, on that PATH, never on the host.
+    view: Toolchain = field(default_factory=Toolchain)
 
     def dump(self) -> str:
-        return json.dumps({"depth": self.depth, "slots": str(self.slots)})
+        return json.dumps(
+            {"depth": self.depth, "slots": str(self.slots), "view": asdict(self.view)}
+        )
 
     @classmethod
     def parse(cls, text: str) -> Nesting:
         """A dumped Nesting; ValueError for anything else."""
         fields = json.loads(text)
-        depth, slots = fields["depth"], fields["slots"]
+        depth, slots, view = fields["depth"], fields["slots"], fields["view"]
         if type(depth) is not int or not 0 < depth <= MAX_DEPTH or not isinstance(slots, str):
             raise ValueError("not a nesting")
-        return cls(depth, Path(slots))
+        lists = [view[name] for name in ("binds", "path", "shown")]
+        links = view["links"]
+        if not (
+            all(isinstance(x, list) and all(isinstance(y, str) for y in x) for x in lists)
+            and isinstance(links, dict)
+            and all(isinstance(v, str) for v in links.values())
+        ):
+            raise ValueError("not a view")
+        view = Toolchain(binds=lists[0], links=links, path=lists[1], shown=lists[2])
+        return cls(depth, Path(slots), view)
 
 
 def lower(a: Trust, b: Trust) -> Trust:
@@ -188,6 +203,7 @@ class NestServer:
         child_argv: Callable[[str, Trust, list[str], list[str], int | None, Nesting], list[str]],
         record: Callable[Concatenate[AuditOp, ...], None],  # RunAudit.record
         nesting: Nesting,
+        view: Toolchain,  # this run's: what its children show of the host
     ) -> None:
         self._project = project
         self._config = config
@@ -199,6 +215,7 @@ class NestServer:
         self.host_dir = run_dir / NEST_HOST_DIR
         self.host_dir.mkdir(mode=0o700)
         self._depth = nesting.depth
+        self._view = view
         self._own_slots = nesting.slots is None
         self._slots = run_dir / NEST_SLOTS_DIR if nesting.slots is None else nesting.slots
         if self._own_slots:
@@ -398,7 +415,7 @@ class NestServer:
             report, report_w = os.pipe() if self.prompt_here else (-1, -1)
             try:
                 report_to = report_w if report >= 0 else None
-                nesting = Nesting(self._depth + 1, self._slots)
+                nesting = Nesting(self._depth + 1, self._slots, self._view)
                 child = subprocess.Popen(
                     self._child_argv(name, trust, argv, attach, report_to, nesting),
                     stdin=fds[0],

@@ -1021,7 +1021,9 @@ def _nest_server(req: RunRequest, audit: RunAudit, run_dir: Path) -> NestServer:
     run's config as their ceiling and its mount's current trust level (its daemon's, once
     `control` is set) as their highest."""
     build = child_argv(req.project, req.workspace, req.config_file, req.config.worker)
-    return NestServer(run_dir, req.project, req.config, req.trust, build, audit.record, req.nesting)
+    return NestServer(
+        run_dir, req.project, req.config, req.trust, build, audit.record, req.nesting, req.tools
+    )
 
 
 def _daemon_ended(daemon: int) -> str | None:

@@ -253,3 +253,37 @@ def test_nested_runs_alive_per_top_level_run_are_bounded(project: Path) -> None:
     assert parent.seen.count("holding") == 7 and parent.seen.count("leaf 125") == 1, parent.seen
     assert parent.seen.count("leaf 0") == 7 and parent.seen[-1] == "middle 0", parent.seen
     assert "8 nested runs are alive already in this top-level run" in err, err
+
+
+# ----- 13: a child's command is one its parent could run -----------------------------------------
+
+
+def _tool(prefix: Path, name: str, secret: str) -> None:
+    """A program in a prefix of its own (bin/, lib/: as a virtualenv), reading a file there."""
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "lib").mkdir()
+    (prefix / "secret.txt").write_text(f"{secret}\n")
+    tool = prefix / "bin" / name
+    tool.write_text(f"#!/bin/sh\necho {name}-ran; cat {prefix}/secret.txt\n")
+    tool.chmod(0o755)
+
+
+def test_a_childs_command_is_looked_up_in_its_parents_view(project: Path, tmp_path: Path) -> None:
+    hidden, shown = tmp_path / "hostonly", tmp_path / "shown"
+    _tool(hidden, "show", "host-only secret")
+    _tool(shown, "tool", "exposed to the parent")
+    script = f"""
+        ls {hidden} 2>/dev/null || echo parent-cannot-see
+        sandboxfs run --worker repo-reader -- {hidden}/bin/show; echo by-path=$?
+        sandboxfs run --worker repo-reader -- show; echo by-name=$?
+        sandboxfs run --worker repo-reader -- {shown}/bin/tool; echo shown=$?
+    """
+    env = {**os.environ, "PATH": f"{hidden / 'bin'}:{os.environ['PATH']}"}
+    result = sbx("run", "--project", project, "--trust", "full", "--quiet", "--expose", shown,
+                 "--", "sh", "-c", script, env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    assert "host-only secret" not in result.stdout and "show-ran" not in out, out
+    assert out[:3] == ["parent-cannot-see", "by-path=127", "by-name=127"], (out, result.stderr)
+    # What the parent sees, its child may run: the parent's toolchain is the child's.
+    assert out[3:] == ["tool-ran", "exposed to the parent", "shown=0"], (out, result.stderr)

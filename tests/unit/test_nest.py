@@ -16,6 +16,7 @@ from sandboxfs.config.model import Config
 from sandboxfs.core.entry import AuditOp
 from sandboxfs.core.policy import Trust
 from sandboxfs.run import nest
+from sandboxfs.run.toolchain import Toolchain
 from tests.support.mounts import make_project
 
 
@@ -40,7 +41,9 @@ def server(tmp_path: Path) -> Iterator[tuple[nest.NestServer, Recorded, list[lis
         return ["/bin/true"]
 
     record = Recorded()
-    srv = nest.NestServer(run_dir, project, Config(), Trust.FULL, build, record, nest.Nesting())
+    srv = nest.NestServer(
+        run_dir, project, Config(), Trust.FULL, build, record, nest.Nesting(), Toolchain()
+    )
     try:
         yield srv, record, started
     finally:
