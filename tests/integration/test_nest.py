@@ -123,7 +123,17 @@ def test_a_demoted_run_never_nests_at_its_first_level_when_its_context_is_unread
     issue filled the disk until the audit log failed closed; here a tmpfs covers the file,
     which needs no race): the child's level still comes from the daemon, the demoted one."""
     state = Path(os.environ["SANDBOXFS_STATE_DIR"])
-    args = ["--project", project, "--trust", "full", "--quiet", "--", "sh", "-c", DEMOTED]
+    args: list[str | Path] = [
+        "--project",
+        project,
+        "--trust",
+        "full",
+        "--quiet",
+        "--",
+        "sh",
+        "-c",
+        DEMOTED,
+    ]
     with parent_run(*args) as parent:
         parent.line_until("ready")
         mnt = _run_dir_of(state, parent.proc.pid) / "mnt"
@@ -152,7 +162,17 @@ def test_an_ordinary_users_demoted_run_nests_at_the_demoted_level(nobody_home: P
     subprocess.run(["chown", "-R", "65534:65534", str(project / ".workers")], check=True)
     env = nobody_env(nobody_home)
     state = Path(env["SANDBOXFS_STATE_DIR"])
-    args = ["--project", project, "--trust", "full", "--quiet", "--", "sh", "-c", DEMOTED]
+    args: list[str | Path] = [
+        "--project",
+        project,
+        "--trust",
+        "full",
+        "--quiet",
+        "--",
+        "sh",
+        "-c",
+        DEMOTED,
+    ]
     with parent_run(*args, prefix=NOBODY, env=env) as parent:
         parent.line_until("ready")
         mnt = _run_dir_of(state, parent.proc.pid) / "mnt"
@@ -187,7 +207,16 @@ print("child", child.returncode, flush=True)
 
 
 def test_idle_nest_connections_are_bounded_and_a_child_still_runs(project: Path) -> None:
-    args = ["--project", project, "--trust", "full", "--quiet", "--", "/usr/bin/python3", "-c"]
+    args: list[str | Path] = [
+        "--project",
+        project,
+        "--trust",
+        "full",
+        "--quiet",
+        "--",
+        "/usr/bin/python3",
+        "-c",
+    ]
     with parent_run(*args, IDLE) as parent:
         parent.line_until("held")
         status = Path(f"/proc/{parent.proc.pid}/status").read_text()
@@ -238,7 +267,16 @@ def test_nested_runs_alive_per_top_level_run_are_bounded(project: Path) -> None:
     """One child starting 8 of its own: 9 nested runs would be alive, one more than a
     top-level run's tree may hold; the last is refused, each of its own run under 8."""
     (project / "fan.sh").write_text(FAN)
-    args = ["--project", project, "--trust", "full", "--quiet", "--", "sh", "/sandbox/repo/fan.sh"]
+    args: list[str | Path] = [
+        "--project",
+        project,
+        "--trust",
+        "full",
+        "--quiet",
+        "--",
+        "sh",
+        "/sandbox/repo/fan.sh",
+    ]
     try:
         with parent_run(*args, "top") as parent:
             assert parent.proc.stdout is not None
