@@ -881,7 +881,6 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
             home=home_inside,
             path=req.tools.env_path(),
             session=req.session,
-            trust=req.trust.value,
             # commits carry the user's name; a worktree's metadata is never pruned by gc inside
             extra={**project_identity(req.project), **gitdir.environment(req.config), **req.env},
             proxy=req.net == "allow",
