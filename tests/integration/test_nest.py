@@ -325,3 +325,24 @@ def test_a_childs_command_is_looked_up_in_its_parents_view(project: Path, tmp_pa
     assert out[:3] == ["parent-cannot-see", "by-path=127", "by-name=127"], (out, result.stderr)
     # What the parent sees, its child may run: the parent's toolchain is the child's.
     assert out[3:] == ["tool-ran", "exposed to the parent", "shown=0"], (out, result.stderr)
+
+
+def test_an_ordinary_users_child_finds_no_host_program_its_parent_cannot_see(
+    nobody_home: Path,
+) -> None:
+    project = nobody_home / "project"
+    (project / ".workers" / "review.worker").unlink()
+    _worker(project, "repo-reader", "    - {name: repo, mode: ro}\n")
+    hidden = nobody_home / "home" / "venv"
+    _tool(hidden, "show", "host-only secret")
+    subprocess.run(["chown", "-R", "65534:65534", str(nobody_home)], check=True)
+    env = nobody_env(nobody_home)
+    env["PATH"] = f"{hidden / 'bin'}:{env['PATH']}"
+    script = f"""
+        sandboxfs run --worker repo-reader -- {hidden}/bin/show; echo by-path=$?
+        sandboxfs run --worker repo-reader -- show; echo by-name=$?
+    """
+    result = sbx("run", "--project", project, "--trust", "full", "--quiet", "--",
+                 "sh", "-c", script, prefix=NOBODY, env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["by-path=127", "by-name=127"], result.stdout
