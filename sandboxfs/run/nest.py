@@ -60,7 +60,7 @@ MAX_NESTED = 8
 NEST_SLOTS_DIR = "nest-slots"  # in the top-level run's directory, which nothing inside shows
 MAX_REQUEST = 64 * 1024
 # Connections served at once (each a thread; those of running children included), and how long
-# one may take to send its request: past the first, one is answered at once and closed.
+# one may take to send its request; one more is answered at once and closed.
 MAX_CONNECTIONS = 16
 REQUEST_WAIT = 5.0  # seconds
 _TRUST_ORDER = list(Trust)
@@ -153,11 +153,11 @@ class Nesting:
     def parse(cls, text: str) -> Nesting:
         """A dumped Nesting; ValueError for anything else."""
         fields = json.loads(text)
-        depth, slots, view = fields["depth"], fields["slots"], fields["view"]
+        depth, slots, raw = fields["depth"], fields["slots"], fields["view"]
         if type(depth) is not int or not 0 < depth <= MAX_DEPTH or not isinstance(slots, str):
             raise ValueError("not a nesting")
-        lists = [view[name] for name in ("binds", "path", "shown")]
-        links = view["links"]
+        lists = [raw[name] for name in ("binds", "path", "shown")]
+        links = raw["links"]
         if not (
             all(isinstance(x, list) and all(isinstance(y, str) for y in x) for x in lists)
             and isinstance(links, dict)
