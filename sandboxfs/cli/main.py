@@ -215,6 +215,9 @@ def _run_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     # A nested child's: the parent run's pid; the child ends (SIGTERM: it unmounts) when that
     # run does, even killed, so no child outlives its parent.
     run.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    # A nested child's place in its tree of runs (depth, the top-level run's slots), from the
+    # supervisor that starts it, which bounds them (sandboxfs.run.nest.Nesting). Not for people.
+    run.add_argument("--nesting", help=argparse.SUPPRESS)
     run.add_argument(
         "argv",
         nargs=argparse.REMAINDER,
@@ -684,8 +687,17 @@ def cmd_run(args: argparse.Namespace) -> int:
             full = nest.within(full, config_mod.WorkerScope.model_validate_json(args.within))
         except ValueError:
             raise UserError("--within: not a worker scope") from None
+    try:
+        nesting = nest.Nesting() if args.nesting is None else nest.Nesting.parse(args.nesting)
+    except (ValueError, KeyError, TypeError):
+        raise UserError("--nesting: not a place in a tree of nested runs") from None
     narrowed = _for_worker(args, project, full, trust)
-    tools = _run_toolchain(args, project, command, env, user, profile, cfg.deny)
+    # A nested child shows its parent's view of the host, and finds CMD inside, in it.
+    tools = (
+        nesting.view
+        if nesting.depth
+        else _run_toolchain(args, project, command, env, user, profile, cfg.deny)
+    )
     narrowed, session, _ = _session_with_attachments(
         args, project, workspace, full, narrowed, trust
     )
@@ -706,6 +718,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         tools=tools,
         approvals=_approvals_mode(args, "ask" if sys.stdin.isatty() else "none"),
         report_control=args.report_control,
+        nesting=nesting,
     )
     try:
         return run_mod.run(req)

@@ -494,21 +494,20 @@ def sandbox_env(
     *,
     home: str,
     session: str,
-    trust: str,
     extra: Mapping[str, str],
     proxy: bool,
     path: str = PATH,
 ) -> dict[str, str]:
     """The program's whole environment: a short allowlist of the caller's, then --env.
     `path`: the system's PATH, after the directories of CMD's toolchain
-    (sandboxfs.run.toolchain)."""
+    (sandboxfs.run.toolchain). No variable names the trust level: one would be stale after a
+    promotion or demotion; /sandbox/.sandboxfs/context.json always has the current one."""
     env = {"PATH": path, "HOME": home}
     for name, value in caller.items():
         if name in ENV_PASSED or name.startswith(ENV_PASSED_PREFIXES):
             env[name] = value
     env["SANDBOXFS"] = "1"
     env["SANDBOXFS_SESSION"] = session
-    env["SANDBOXFS_TRUST"] = trust
     env["SANDBOXFS_GUIDE"] = GUIDE  # what the program may do here, in a few lines
     env.update(cache_env(home))
     if proxy:

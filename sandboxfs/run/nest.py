@@ -11,7 +11,9 @@ included — is refused with the usual line, audited (op `run`, denied) before t
 back. An accepted one starts an ordinary `sandboxfs run` outside, as the user, with the
 parent's zones as its ceiling (`--within`), its worker, `--net none`, at the lower of the run's
 trust level and the mount's current one, in a new session; its exit status goes back to the
-client.
+client. The current level is the daemon's, asked over its control socket (which nothing inside
+reaches), never read through the mount, where a program can make the read fail: when the daemon
+gives no level, the child is refused.
 
 Nothing here changes the parent's mount or policy: the child is another mount, another
 sandbox. The socket is reachable only inside this sandbox and in the user's own 0700 run
@@ -35,20 +37,32 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Concatenate
 
 from sandboxfs.config.model import Config, WorkerScope
 from sandboxfs.core.entry import AuditOp
 from sandboxfs.core.policy import Trust
-from sandboxfs.errors import UserError
+from sandboxfs.errors import SandboxfsError, UserError
 from sandboxfs.project import control
+from sandboxfs.run.toolchain import Toolchain
 
 NEST_DIR = "/sandboxfs"  # inside: nest.sock and bin/sandboxfs, the client
 SOCKET_NAME = "nest.sock"
 NEST_HOST_DIR = "nest"  # in the run directory: what NEST_DIR shows
 MAX_CHILDREN = 8  # child workers running at once, per run
+# A tree of nested runs, counted by the supervisors outside: a top-level run's children are at
+# depth 1, theirs at 2, which start none; and at most MAX_NESTED runs of one tree are alive at
+# once, each holding a lock on one of as many slot files in the top-level run's directory.
+MAX_DEPTH = 2
+MAX_NESTED = 8
+NEST_SLOTS_DIR = "nest-slots"  # in the top-level run's directory, which nothing inside shows
 MAX_REQUEST = 64 * 1024
+# Connections served at once (each a thread; those of running children included), and how long
+# one may take to send its request; one more is answered at once and closed.
+MAX_CONNECTIONS = 16
+REQUEST_WAIT = 5.0  # seconds
 _TRUST_ORDER = list(Trust)
 
 # The client, run by the system's Python inside (its /usr is the host's, read-only).
@@ -119,6 +133,56 @@ sys.exit(main(sys.argv[1:]))
 '''
 
 
+@dataclass(frozen=True)
+class Nesting:
+    """Where a run is in its tree of nested runs: given to a child by the supervisor that
+    starts it (a hidden option of `run`), never by anything inside."""
+
+    depth: int = 0
+    slots: Path | None = None  # the top-level run's slot files (None: this run is the top)
+    # What a child shows of the host: its parent's (CMD's toolchain, exposed paths), never
+    # more, and its CMD is looked up inside, on that PATH, never on the host.
+    view: Toolchain = field(default_factory=Toolchain)
+
+    def dump(self) -> str:
+        return json.dumps(
+            {"depth": self.depth, "slots": str(self.slots), "view": asdict(self.view)}
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> Nesting:
+        """A dumped Nesting; ValueError for anything else."""
+        fields = json.loads(text)
+        depth, slots, raw = fields["depth"], fields["slots"], fields["view"]
+        if type(depth) is not int or not 0 < depth <= MAX_DEPTH or not isinstance(slots, str):
+            raise ValueError("not a nesting")
+        lists = [raw[name] for name in ("binds", "path", "shown")]
+        links, covers = raw["links"], raw["covers"]
+        if not (
+            all(isinstance(x, list) and all(isinstance(y, str) for y in x) for x in lists)
+            and isinstance(links, dict)
+            and all(isinstance(v, str) for v in links.values())
+            and isinstance(covers, list)
+            and all(
+                isinstance(c, list)
+                and len(c) == 2
+                and isinstance(c[0], str)
+                and isinstance(c[1], bool)
+                for c in covers
+            )
+        ):
+            raise ValueError("not a view")
+        # The parent's covers too: what its exposed trees hide stays hidden in the child.
+        view = Toolchain(
+            binds=lists[0],
+            links=links,
+            path=lists[1],
+            shown=lists[2],
+            covers=[(path, is_dir) for path, is_dir in covers],
+        )
+        return cls(depth, Path(slots), view)
+
+
 def lower(a: Trust, b: Trust) -> Trust:
     return a if _TRUST_ORDER.index(a) <= _TRUST_ORDER.index(b) else b
 
@@ -151,18 +215,26 @@ class NestServer:
         project: Path,
         config: Config,
         trust: Trust,
-        child_argv: Callable[[str, Trust, list[str], list[str], int | None], list[str]],
-        live_trust: Callable[[], Trust | None],
+        child_argv: Callable[[str, Trust, list[str], list[str], int | None, Nesting], list[str]],
         record: Callable[Concatenate[AuditOp, ...], None],  # RunAudit.record
+        nesting: Nesting,
+        view: Toolchain,  # this run's: what its children show of the host
     ) -> None:
         self._project = project
         self._config = config
         self._trust = trust
         self._child_argv = child_argv
-        self._live_trust = live_trust
+        # The daemon's control socket, once it answers: where the current level is asked.
+        self.control: Path | None = None
         self._record = record
         self.host_dir = run_dir / NEST_HOST_DIR
         self.host_dir.mkdir(mode=0o700)
+        self._depth = nesting.depth
+        self._view = view
+        self._own_slots = nesting.slots is None
+        self._slots = run_dir / NEST_SLOTS_DIR if nesting.slots is None else nesting.slots
+        if self._own_slots:
+            self._slots.mkdir(mode=0o700)
         (self.host_dir / "bin").mkdir(mode=0o700)
         client = self.host_dir / "bin" / "sandboxfs"
         client.write_text(CLIENT)
@@ -177,6 +249,7 @@ class NestServer:
         self.prompt_here = False  # set by the supervisor once its terminal prompts
         self._prompts: dict[Path, str] = {}
         self._lock = threading.Lock()
+        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._closed = False
         threading.Thread(target=self._serve, name="nest", daemon=True).start()
 
@@ -185,6 +258,22 @@ class NestServer:
         asks, each with the label the prompt shows."""
         with self._lock:
             return list(self._prompts.items())
+
+    def _current_trust(self) -> Trust:
+        """The mount's trust level now, as its daemon holds it; UserError when the daemon does
+        not say (not up yet, gone, a bad answer): the child is then refused, never started at
+        a level the run may no longer have."""
+        if self.control is None:
+            raise UserError("this run's mount is not ready: no child worker yet")
+        refused = "the run's daemon did not say its current trust level: no child worker"
+        try:
+            reply = control.request(self.control, {"op": "status"}, timeout=10.0)
+        except SandboxfsError as exc:
+            raise UserError(f"{refused} ({exc.message})") from None
+        level = reply.get("trust")
+        if reply.get("ok") is not True or level not in {t.value for t in Trust}:
+            raise UserError(refused)
+        return Trust(level)
 
     def _learn_control(self, report: int, label: str) -> Path | None:
         """The child's control socket, as its `run` reports it once its mount answers."""
@@ -221,6 +310,8 @@ class NestServer:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.wait(15)
         shutil.rmtree(self.host_dir, ignore_errors=True)
+        if self._own_slots:
+            shutil.rmtree(self._slots, ignore_errors=True)
 
     def _serve(self) -> None:
         while True:
@@ -228,9 +319,14 @@ class NestServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # closed
+            if not self._connections.acquire(blocking=False):
+                _refuse_at_once(conn)
+                continue
+            conn.settimeout(REQUEST_WAIT)
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
     def _handle(self, conn: socket.socket) -> None:
+        """One request, from its first byte to its child's end; a connection slot is held."""
         fds: list[int] = []
         try:
             request, fds = _receive(conn)
@@ -244,6 +340,7 @@ class NestServer:
             for fd in fds:
                 os.close(fd)
             conn.close()
+            self._connections.release()
 
     def _start(self, request: dict[str, Any], fds: list[int], pid: int) -> dict[str, Any]:
         from sandboxfs.project import workers
@@ -265,28 +362,65 @@ class NestServer:
         ):
             raise ValueError("expected a worker's name, a command and the caller's stdio")
         _check_stdio(fds)
-        live = self._live_trust()
-        trust = self._trust if live is None else lower(self._trust, live)
         try:
+            if self._depth >= MAX_DEPTH:
+                raise UserError(
+                    f"child workers nest at most {MAX_DEPTH} deep: this run is a child's child"
+                )
+            trust = lower(self._trust, self._current_trust())
             # The authoritative check: the parent's own config, as this supervisor holds it.
             worker = workers.find(self._project, name, self._config)
             workers.narrow(self._config, trust, worker)
         except UserError as exc:
-            self._record(
-                AuditOp.RUN,
-                allowed=False,
-                pid=pid,
-                comm="sandboxfs",
-                reason=exc.message,
-                err="EACCES",
-                detail=f"nested worker {name} refused: {shlex.join(argv)}",
-            )
-            return {"status": 125, "error": exc.message}
+            return self._refuse(pid, name, argv, exc.message)
+        slot = self._take_slot()
+        if slot is None:
+            why = f"{MAX_NESTED} nested runs are alive already in this top-level run's tree"
+            return self._refuse(pid, name, argv, why)
+        try:
+            return self._start_holding(name, trust, argv, attach, fds, pid)
+        finally:
+            os.close(slot)
+
+    def _refuse(self, pid: int, name: str, argv: list[str], why: str) -> dict[str, Any]:
+        """A child refused: audited (op `run`, denied), then told to the client."""
+        self._record(
+            AuditOp.RUN,
+            allowed=False,
+            pid=pid,
+            comm="sandboxfs",
+            reason=why,
+            err="EACCES",
+            detail=f"nested worker {name} refused: {shlex.join(argv)}",
+        )
+        return {"status": 125, "error": why}
+
+    def _take_slot(self) -> int | None:
+        """A slot of the tree's MAX_NESTED (a locked file, held while the child lives: the lock
+        goes with the descriptor, even when this process is killed); None when all are held."""
+        for index in range(MAX_NESTED):
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+            try:
+                fd = os.open(self._slots / str(index), flags, 0o600)
+            except OSError:
+                return None  # the top-level run is ending: its directory is going
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            return fd
+        return None
+
+    def _start_holding(
+        self, name: str, trust: Trust, argv: list[str], attach: list[str], fds: list[int], pid: int
+    ) -> dict[str, Any]:
+        """Start the accepted child and wait for it (its slot held by the caller)."""
         with self._lock:
             if self._closed:
-                return {"status": 125, "error": "the parent sandbox is ending"}
+                return self._refuse(pid, name, argv, "the parent sandbox is ending")
             if len(self._children) >= MAX_CHILDREN:
-                return {"status": 125, "error": f"{MAX_CHILDREN} child workers run already"}
+                return self._refuse(pid, name, argv, f"{MAX_CHILDREN} child workers run already")
             self._record(
                 AuditOp.RUN,
                 pid=pid,
@@ -295,8 +429,10 @@ class NestServer:
             )
             report, report_w = os.pipe() if self.prompt_here else (-1, -1)
             try:
+                report_to = report_w if report >= 0 else None
+                nesting = Nesting(self._depth + 1, self._slots, self._view)
                 child = subprocess.Popen(
-                    self._child_argv(name, trust, argv, attach, report_w if report >= 0 else None),
+                    self._child_argv(name, trust, argv, attach, report_to, nesting),
                     stdin=fds[0],
                     stdout=fds[1],
                     stderr=fds[2],
@@ -324,6 +460,15 @@ class NestServer:
                 if learned is not None:
                     self._prompts.pop(learned, None)
         return {"status": status if status >= 0 else 128 - status}
+
+
+def _refuse_at_once(conn: socket.socket) -> None:
+    """A connection past MAX_CONNECTIONS: one line of why, if it fits at once, then closed."""
+    why = f"{MAX_CONNECTIONS} requests to start child workers are open already"
+    with contextlib.suppress(OSError):
+        conn.setblocking(False)
+        conn.send(json.dumps({"status": 125, "error": why}).encode())
+    conn.close()
 
 
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
@@ -382,17 +527,24 @@ def child_argv(
     workspace: str,
     config_file: Path | None,
     scope: WorkerScope | None,
-) -> Callable[[str, Trust, list[str], list[str], int | None], list[str]]:
+) -> Callable[[str, Trust, list[str], list[str], int | None, Nesting], list[str]]:
     """How the supervisor starts a nested child: `sandboxfs run` outside, as the user.
     `report`: a descriptor the child writes its control socket's path to, for the parent's
-    terminal to ask its approval requests (None: the parent has no prompt)."""
+    terminal to ask its approval requests (None: the parent has no prompt). `nesting`: the
+    child's place in the tree."""
 
     def build(
-        name: str, trust: Trust, argv: list[str], attach: list[str], report: int | None
+        name: str,
+        trust: Trust,
+        argv: list[str],
+        attach: list[str],
+        report: int | None,
+        nesting: Nesting,
     ) -> list[str]:
         args = [sys.executable, "-m", "sandboxfs", "run", "--project", str(project)]
         args += ["--workspace", workspace, "--trust", trust.value, "--net", "none"]
         args += ["--parent-pid", str(os.getpid())]  # it ends with this run, even killed
+        args += ["--nesting", nesting.dump()]
         # The child's requests are asked in the parent's terminal; where the parent has no
         # prompt, what would ask is refused at once: a child never waits on nobody.
         if report is None:

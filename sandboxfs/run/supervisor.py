@@ -47,7 +47,14 @@ from sandboxfs.project.identity import project_identity
 from sandboxfs.project.mounts import MountRequest, lazy_unmount, sandboxfs_mounts
 from sandboxfs.project.zones import CONFINED_HOME, HOME_ZONE
 from sandboxfs.run import confine, doctor, home, seccomp
-from sandboxfs.run.nest import NEST_DIR, NEST_HOST_DIR, NestServer, child_argv
+from sandboxfs.run.nest import (
+    NEST_DIR,
+    NEST_HOST_DIR,
+    NEST_SLOTS_DIR,
+    Nesting,
+    NestServer,
+    child_argv,
+)
 from sandboxfs.run.netproxy import (
     Allowlist,
     DnsStub,
@@ -94,6 +101,8 @@ class RunRequest:
     # A nested child's: the descriptor its parent reads this mount's control socket from, to
     # ask this run's approval requests in the parent's terminal (sandboxfs.run.nest).
     report_control: int | None = None
+    # A nested child's place in its tree of runs (its depth, the top-level run's slots).
+    nesting: Nesting = field(default_factory=Nesting)
 
 
 # ----- the run directory: where the private mount lives, and how a dead one is cleaned ------
@@ -190,6 +199,7 @@ def remove_run_dir(run_dir: Path) -> None:
         with contextlib.suppress(OSError):
             (run_dir / name).unlink()
     shutil.rmtree(run_dir / NEST_HOST_DIR, ignore_errors=True)  # a run that died: its socket
+    shutil.rmtree(run_dir / NEST_SLOTS_DIR, ignore_errors=True)  # and its tree's slot files
     with contextlib.suppress(OSError):
         run_dir.rmdir()
 
@@ -871,7 +881,6 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
             home=home_inside,
             path=req.tools.env_path(),
             session=req.session,
-            trust=req.trust.value,
             # commits carry the user's name; a worktree's metadata is never pruned by gc inside
             extra={**project_identity(req.project), **gitdir.environment(req.config), **req.env},
             proxy=req.net == "allow",
@@ -879,7 +888,7 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         # The git directory of a worktree project, at the path its .git file names (gitdir).
         binds = gitdir.bwrap_binds(req.config, req.trust, mnt)
         # Child workers started from inside, never with more than this sandbox (sandboxfs.run.nest).
-        nest = _nest_server(req, audit, run_dir, mnt)
+        nest = _nest_server(req, audit, run_dir)
         env["PATH"] = f"{NEST_DIR}/bin:{env['PATH']}"
         options = confine.bwrap_args(
             mountpoint=mnt,
@@ -904,6 +913,7 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
             raise SetupError(exc.message) from None
         raise
     _record_process(run_dir / "daemon", daemon)  # the sweep clears the mount if it dies
+    nest.control = control.socket_path(daemon)  # where children's level is asked
     if req.report_control is not None:  # a nested child: its parent's terminal asks for it
         with contextlib.suppress(OSError):
             write_all(req.report_control, str(control.socket_path(daemon)).encode())
@@ -1005,19 +1015,14 @@ def _abandon_daemon(starting: Starting, lifeline_w: int, mnt: Path) -> None:
         print(f"sandboxfs: {problem}", file=sys.stderr)
 
 
-def _nest_server(req: RunRequest, audit: RunAudit, run_dir: Path, mnt: Path) -> NestServer:
+def _nest_server(req: RunRequest, audit: RunAudit, run_dir: Path) -> NestServer:
     """The socket a program inside starts child workers through (sandboxfs.run.nest), with this
-    run's config as their ceiling and its mount's current trust level as their highest."""
-
-    def live_trust() -> Trust | None:
-        try:
-            text = (mnt / ".sandboxfs" / "context.json").read_text()
-            return Trust(json.loads(text)["trust"])
-        except (OSError, ValueError, KeyError):
-            return None
-
+    run's config as their ceiling and its mount's current trust level (its daemon's, once
+    `control` is set) as their highest."""
     build = child_argv(req.project, req.workspace, req.config_file, req.config.worker)
-    return NestServer(run_dir, req.project, req.config, req.trust, build, live_trust, audit.record)
+    return NestServer(
+        run_dir, req.project, req.config, req.trust, build, audit.record, req.nesting, req.tools
+    )
 
 
 def _daemon_ended(daemon: int) -> str | None:

@@ -223,7 +223,6 @@ def test_environment_is_an_allowlist() -> None:
         caller,
         home="/sandbox/session/home",
         session="s1",
-        trust="session",
         extra={"GITHUB_TOKEN": "explicit"},
         proxy=False,
     )
@@ -232,19 +231,18 @@ def test_environment_is_an_allowlist() -> None:
     assert "SSH_AUTH_SOCK" not in env and "AWS_SECRET_ACCESS_KEY" not in env
     assert env["GITHUB_TOKEN"] == "explicit"
     assert env["SANDBOXFS_SESSION"] == "s1" and "HTTPS_PROXY" not in env
-    proxied = confine.sandbox_env(caller, home="/h", session="s", trust="t", extra={}, proxy=True)
+    assert "SANDBOXFS_TRUST" not in env  # stale after a promotion: context.json has the level
+    proxied = confine.sandbox_env(caller, home="/h", session="s", extra={}, proxy=True)
     assert proxied["HTTPS_PROXY"] == "http://127.0.0.1:3128"
 
 
 def test_caches_go_to_the_session_home() -> None:
-    env = confine.sandbox_env(
-        {}, home="/sandbox/session/home", session="s", trust="workspace", extra={}, proxy=False
-    )
+    env = confine.sandbox_env({}, home="/sandbox/session/home", session="s", extra={}, proxy=False)
     assert env["PYTHONPYCACHEPREFIX"] == "/sandbox/session/home/.cache/pycache"
     assert env["PYTEST_ADDOPTS"] == "-o cache_dir=/sandbox/session/home/.cache/pytest"
     assert env["XDG_CACHE_HOME"] == "/sandbox/session/home/.cache"
     mine = confine.sandbox_env(
-        {}, home="/h", session="s", trust="t", extra={"PYTEST_ADDOPTS": "-x"}, proxy=False
+        {}, home="/h", session="s", extra={"PYTEST_ADDOPTS": "-x"}, proxy=False
     )
     assert mine["PYTEST_ADDOPTS"] == "-x"  # --env wins
 

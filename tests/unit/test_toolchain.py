@@ -302,7 +302,6 @@ def test_the_environment_gets_the_toolchains_path() -> None:
         {},
         home="/sandbox/home",
         session="s",
-        trust="session",
         extra={},
         proxy=False,
         path="/home/u/.local/bin:" + confine.PATH,
