@@ -37,7 +37,7 @@ def git(repo: Path, *args: str) -> str:
     result = subprocess.run(
         ["git", *args],
         cwd=repo,
-        env={**os.environ, **GIT_ENV},
+        env={**os.environ, **GIT_ENV, "GIT_COMMITTER_DATE": "@1000000000 +0000"},
         capture_output=True,
         text=True,
         check=False,
