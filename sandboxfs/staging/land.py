@@ -438,9 +438,34 @@ def _land_here(
         _write_journal(journal, doc)
         _reached("placing")
         landed.warnings += _place(wt, git, doc)
-    _reached("placed")
-    _update_ref(git, "HEAD", landed.commit, head, review.commit_id)
+        _reached("placed")
+        try:
+            _update_ref(git, "HEAD", landed.commit, head, review.commit_id)
+        except CommitRefused:
+            _restore(wt, git, landing, old_index)
+            _drop_journal(journal)
+            raise
     _reached("ref")
+
+
+def _restore(wt: WorkTree, git: Git, landing: Sequence[Change], old_index: bytes | None) -> None:
+    """Put back what HEAD has, when HEAD's branch moved after the files were placed (another
+    program moved it between the last check and the compare-and-swap): each file as it was,
+    the index as it was."""
+    for change in landing:
+        with contextlib.suppress(OSError, WorkTreeError):
+            if change.old_mode is None:
+                wt.delete(change.path)
+            else:
+                temp = wt.write_temp(change.path, change.old or b"", change.old_mode)
+                wt.replace(change.path, temp)
+    with contextlib.suppress(OSError):
+        if old_index is None:
+            os.unlink(git.git_dir / "index")
+        else:
+            lock = git.git_dir / "index.lock"
+            lock.write_bytes(old_index)
+            os.rename(lock, git.git_dir / "index")
 
 
 # ----- after a kill: finishing or rolling back ----------------------------------------------------

@@ -8,6 +8,7 @@ no temporary file or index.lock is left. The real command line runs, killed at a
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -18,8 +19,10 @@ from pathlib import Path
 import pytest
 
 from sandboxfs.staging.land import KILL_AT_ENV
-from tests.support.staging import SOURCE, audit_entries, git, make_repo, staged_dir, write
+from tests.support.staging import SOURCE, audit_entries, git, make_repo, staged, staged_dir, write
 
+# The module, not the function `land` the package exports under its name.
+land_module = importlib.import_module("sandboxfs.staging.land")
 ROLLED_BACK = ["objects", "prepared", "temp", "index.lock"]
 FINISHED = ["placing", "placed", "ref"]
 NEW = {"src/a.py": SOURCE.replace("line 3\n", "line three\n"), "pkg/deep/new.py": "x = 1\n"}
@@ -108,3 +111,30 @@ def test_a_landing_killed_at_any_step_is_rolled_back_or_finished(tmp_path: Path,
     assert git(repo, "diff", "HEAD", "--name-only") == ""
     assert leftovers(repo) == []
     assert any(d.endswith(f"commit {head}") for d in details(repo)), details(repo)
+
+
+def test_head_moved_after_the_files_were_placed_puts_them_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another program moves the branch after the last check: the compare-and-swap of HEAD
+    fails, and the working tree and index are put back as they were."""
+    repo, old_head = prepare(tmp_path)
+    git(repo, "commit", "-q", "--allow-empty", "-m", "elsewhere")
+    elsewhere = git(repo, "rev-parse", "HEAD").strip()
+    git(repo, "reset", "-q", "--soft", old_head)
+    index_before = (repo / ".git/index").read_bytes()
+
+    def race(step: str) -> None:
+        if step == "placed":
+            git(repo, "update-ref", "refs/heads/main", elsewhere)
+
+    monkeypatch.setattr(land_module, "_reached", race)
+    result = staged(repo, "commit", "c1")
+    assert result.code == 1 and "moved meanwhile" in result.err, result
+    assert git(repo, "rev-parse", "HEAD").strip() == elsewhere
+    assert (repo / ".git/index").read_bytes() == index_before
+    assert (repo / "src/a.py").read_text() == SOURCE
+    assert (repo / "old.txt").read_text() == "old\n"
+    assert not (repo / "pkg").exists()
+    assert leftovers(repo) == []
+    assert status_of(repo) == "pending"
