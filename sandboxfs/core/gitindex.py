@@ -1,7 +1,9 @@
-"""Judging a new git index before it replaces `.git/index` (Guard._judge_index): git keeps
-flags in it that make the user's own `git status` and `git diff` skip a tracked file
-(assume-unchanged, skip-worktree) and caches that make them skip untracked ones. A new index
-may keep the flags and caches the old one had, never add any (judge)."""
+"""Judging a new git index or packed-refs before it replaces `.git/index` or
+`.git/packed-refs` (Guard._judge_index): git keeps flags in the index that make the user's own
+`git status` and `git diff` skip a tracked file (assume-unchanged, skip-worktree) and caches
+that make them skip untracked ones, and a replace ref (refs/replace/) in packed-refs swaps an
+object for another in all they show. A new one may keep what the old one had, never add any
+(judge, judge_packed_refs)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import contextlib
 import struct
 
 MAX_INDEX_BYTES = 64 << 20
-INDEX_NAMES = frozenset({"index"})
+INDEX_NAMES = frozenset({"index", "packed-refs"})
 
 _ASSUME_VALID = 0x8000  # flags: `git update-index --assume-unchanged`
 _EXTENDED = 0x4000  # flags: extended flags follow (version 3 and later)
@@ -133,4 +135,15 @@ def judge(old: bytes | None, new: bytes) -> str | None:
             return f"it marks {shown!r} assume-unchanged, which hides its changes from git"
         if skip and not was_skip:
             return f"it marks {shown!r} skip-worktree, which hides its changes from git"
+    return None
+
+
+def judge_packed_refs(old: bytes | None, new: bytes) -> str | None:
+    """Why `new` may not replace packed-refs `old`: a replace ref it adds or re-points."""
+    kept = set((old or b"").splitlines())
+    for line in new.splitlines():
+        parts = line.split(b" ", 1)
+        if len(parts) == 2 and parts[1].startswith(b"refs/replace/") and line not in kept:
+            shown = parts[1].decode("utf-8", "backslashreplace")
+            return f"it adds the replace ref {shown!r}, which swaps what git shows"
     return None

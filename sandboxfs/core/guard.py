@@ -762,11 +762,12 @@ class Guard:
         dst: str,
         read: ReadFile | None,
     ) -> bool:
-        """A regular file renamed onto the `index` of a git directory (how git writes it,
-        through `index.lock`), as _judge_config: True when the new index sets no
-        assume-unchanged or skip-worktree flag and adds no cache the old one lacked
-        (sandboxfs.core.gitindex.judge), else refused (EROFS, audited): the user's git status
-        and git diff would skip what the agent changed. False when it is not such a rename."""
+        """A regular file renamed onto the `index` or `packed-refs` of a git directory (how git
+        writes them, through `index.lock`, `packed-refs.lock`), as _judge_config: True when
+        the new index sets no assume-unchanged or skip-worktree flag and adds no cache the old
+        one lacked, or the new packed-refs adds no replace ref (sandboxfs.core.gitindex), else
+        refused (EROFS, audited): the user's git status and git diff would skip what the agent
+        changed. False when it is not such a rename."""
         zone = to_parent.zone
         if (
             read is None
@@ -796,13 +797,14 @@ class Guard:
                 problem = "the file renamed onto it changed or could not be read"
             else:
                 old = read(to_parent, to_name, None, gitindex.MAX_INDEX_BYTES)
-                problem = gitindex.judge(old, new)
+                packed = rule.endswith("packed-refs")
+                problem = (gitindex.judge_packed_refs if packed else gitindex.judge)(old, new)
         if problem is None:
             return True
         reason = (
-            f"{dst}: {problem}: refused (a new index may not hide changes from the user's "
+            f"{dst}: {problem}: refused (a new {rule} may not hide changes from the user's "
             f"git status and git diff: no assume-unchanged or skip-worktree flag, no new "
-            f"untracked or fsmonitor cache)"
+            f"untracked or fsmonitor cache, no replace ref)"
         )
         decision = Decision(False, errno.EROFS, reason, Rule.PROTECT)
         raise self.refuse(caller, AuditOp.RENAME, src, zone, decision, dest=dst)

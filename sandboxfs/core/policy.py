@@ -316,9 +316,10 @@ class Patterns:
 # - Inside a git directory (below any `.git`): what git reads to find config, hooks and the
 #   common directory: `config`, `config.worktree`, `commondir`, `gitdir`, `hooks/`, the legacy
 #   remote definitions `branches/` and `remotes/`, `objects/info/alternates`; what hides changes
-#   from the user's `git status` and `git diff`: `info/` (exclude, attributes, sparse-checkout)
-#   and the `index` (renamed onto only by a new index that sets no assume-unchanged or
-#   skip-worktree flag, Guard._judge_index); and the same below
+#   from the user's `git status` and `git diff`: `info/` (exclude, attributes, sparse-checkout,
+#   grafts), `refs/replace/`, and the `index` and `packed-refs` (renamed onto only by a new one
+#   that sets no assume-unchanged or skip-worktree flag, adds no replace ref:
+#   Guard._judge_index); and the same below
 #   `modules/` (submodules' git directories, whose names may hold "/") and `worktrees/<id>/`
 #   (linked worktrees') at any depth. No symbolic link, and no second name for a file from
 #   outside, is made inside a git directory: `.git/modules -> ../elsewhere` would send the next
@@ -341,7 +342,9 @@ GIT_ZONES_EXEMPT = frozenset({Zone.SESSION, Zone.WORKSPACE})
 GIT_DIR_ENTRIES = frozenset({"config", "config.worktree", "commondir", "gitdir", "hooks"})
 # Names in a git directory that hide changes from the user's review; not below objects/, whose
 # info/ is git's own (packs, commit-graph).
-GIT_DIR_HIDING = frozenset({"info", "index"})
+GIT_DIR_HIDING = frozenset({"info", "index", "packed-refs"})
+# refs/replace/ swaps one object for another in everything the user's git shows.
+_REPLACE_REFS = ("refs", "replace")
 # At the top of a git directory only: legacy remotes (below modules/ these are ref namespaces).
 _GIT_DIR_TOP_ENTRIES = GIT_DIR_ENTRIES | GIT_DIR_HIDING | {"branches", "remotes"}
 # Directories of further git directories: submodules' and linked worktrees'.
@@ -372,6 +375,8 @@ def git_dir_rule(rest: Sequence[str]) -> str | None:
         return f".git/{top}"
     if _alternates(rest):
         return ".git/objects/info/alternates"
+    if tuple(rest[:2]) == _REPLACE_REFS:
+        return ".git/refs/replace"
     if top in _GIT_DIR_NESTING:
         # modules/<name>/... where <name> may hold "/": every depth may be a git directory.
         for k in range(2, len(rest)):
@@ -381,6 +386,8 @@ def git_dir_rule(rest: Sequence[str]) -> str | None:
                 return f".git/{top}/**/{rest[k]}"
             if _alternates(rest[k:]):
                 return f".git/{top}/**/objects/info/alternates"
+            if tuple(rest[k : k + 2]) == _REPLACE_REFS:
+                return f".git/{top}/**/refs/replace"
     return None
 
 
@@ -394,6 +401,8 @@ def _git_dir_holds(rest: Sequence[str]) -> str | None:
         return f".git/{top}/**"
     if top == "objects" and (len(rest) == 1 or (len(rest) == 2 and rest[1] == "info")):
         return ".git/objects/info/alternates"
+    if top == "refs" and len(rest) == 1:
+        return ".git/refs/replace"
     return None
 
 

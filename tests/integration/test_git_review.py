@@ -1,8 +1,9 @@
 """Issue 34 case 19 on a live mount at `full`: what the agent changes always shows in the user's
-own `git status` and `git diff` outside. `.git/info/` (exclude, sparse-checkout, attributes) is
-protected like git's config; a new index renamed onto `.git/index` that marks a file
-assume-unchanged or skip-worktree is refused and audited; git's everyday index writes (add,
-commit, index version 4) still work.
+own `git status` and `git diff` outside. `.git/info/` (exclude, sparse-checkout, attributes) and
+`refs/replace/` are protected like git's config; a new index renamed onto `.git/index` that marks
+a file assume-unchanged or skip-worktree, or a packed-refs that adds a replace ref, is refused and
+audited; git's everyday index and packed-refs writes (add, commit, pack-refs, index version 4)
+still work.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ HIDING = [
     "echo '*.py -diff' > .git/info/attributes",
     "mv .git/info .git/info.old",
     "rm -f .git/index",
+    # a replace ref shows the user another commit for HEAD: one whose tree has the change
+    "git add src/main.py && git replace HEAD $(git commit-tree $(git write-tree) -p HEAD~0 -m x)",
+    '(cat .git/packed-refs 2>/dev/null; echo "$(git commit-tree $(git write-tree) -m x) '
+    'refs/replace/$(git rev-parse HEAD)") > p.lock && mv p.lock .git/packed-refs; s=$?; '
+    "rm -f p.lock; exit $s",
 ]
 
 
@@ -54,8 +60,10 @@ def test_changes_stay_visible_to_the_users_git(mount_at: Callable[..., Any], pro
             result = inside(repo, command)
             assert result.returncode != 0, (command, result.stdout, result.stderr)
         assert READ_ONLY in inside(repo, "echo x >> .git/info/exclude").stderr
-        # git's own index writes still work, also in index version 4.
+        # git's own index and packed-refs writes still work, also in index version 4.
         for command in (
+            "git reset -q",
+            "git branch topic && git pack-refs --all && git branch -d topic",
             "git update-index --index-version 4",
             "echo more >> README.md && git add README.md",
             "git commit -qm readme",
@@ -67,6 +75,10 @@ def test_changes_stay_visible_to_the_users_git(mount_at: Callable[..., Any], pro
         reasons = " | ".join(e["reason"] for e in denied)
         assert "marks 'src/main.py' assume-unchanged" in reasons, reasons
         assert "marks 'src/main.py' skip-worktree" in reasons, reasons
+        packed = [e for e in m.audit("--denied") if e.get("dest") == "/repo/.git/packed-refs"]
+        assert packed and "adds the replace ref" in packed[0]["reason"], packed
+        replace = [e for e in m.audit("--denied") if "/repo/.git/refs/replace" in e["path"]]
+        assert replace, m.audit("--denied")
         assert all(e["errno"] == "EROFS" for e in denied), denied
         info = [e for e in m.audit("--denied") if "/repo/.git/info" in e["path"]]
         assert info and all(".git/info" in e["reason"] for e in info), info
@@ -76,5 +88,6 @@ def test_changes_stay_visible_to_the_users_git(mount_at: Callable[..., Any], pro
     assert " M src/main.py" in status.splitlines(), status
     assert "?? conftest.py" in status.splitlines(), status
     assert "planted" in git(project, "diff").stdout
+    assert git(project, "replace", "-l").stdout == ""
     flags = git(project, "ls-files", "-v").stdout.splitlines()
     assert all(line.startswith("H ") for line in flags), flags

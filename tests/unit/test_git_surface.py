@@ -96,6 +96,12 @@ __all__ = ["make", "no_mounts_left_behind"]
         (".git/modules/lib/index", ".git/modules/**/index"),
         (".git/worktrees/wt/index", ".git/worktrees/**/index"),
         ("src/lib/.git/info/exclude", ".git/info"),
+        (".git/info/grafts", ".git/info"),
+        (".git/packed-refs", ".git/packed-refs"),
+        (".git/refs/replace/abcd", ".git/refs/replace"),
+        (".git/modules/lib/refs/replace/abcd", ".git/modules/**/refs/replace"),
+        (".git/modules/lib/packed-refs", ".git/modules/**/packed-refs"),
+        (".git/packed-refs.lock", None),  # judged at its rename
         (".git/objects/info/packs", None),  # git's own
         (".git/modules/lib/objects/info/commit-graph", None),
         (".git/rebase-merge/git-rebase-todo", None),  # see the README
@@ -148,7 +154,7 @@ def test_no_links_inside_git_directories(path: str, pointer_rule: str | None) ->
         (".git/objects", ".git/objects/info/alternates"),
         (".git/objects/info", ".git/objects/info/alternates"),
         (".git/hooks", ".git/hooks"),
-        (".git/refs", None),
+        (".git/refs", ".git/refs/replace"),
         (".git/refs/heads", None),
         (".git/objects/ab", None),
         (".git/info", ".git/info"),

@@ -68,3 +68,13 @@ def test_caches_and_garbage(tmp_path: Path) -> None:
     assert "split index" in (gitindex.judge(cached, index(repo)) or "")
     for junk in (b"", b"DIRC", plain[:-5], plain + b"x", b"not an index" * 10):
         assert "cannot be read as a git index" in (gitindex.judge(plain, junk) or ""), junk
+
+
+def test_packed_refs_gain_no_replace_ref() -> None:
+    head = b"# pack-refs with: peeled fully-peeled sorted \n"
+    old = head + b"1" * 40 + b" refs/heads/main\n"
+    assert gitindex.judge_packed_refs(old, old + b"2" * 40 + b" refs/tags/v1\n") is None
+    replace = b"3" * 40 + b" refs/replace/" + b"1" * 40 + b"\n"
+    assert "replace ref" in (gitindex.judge_packed_refs(old, old + replace) or "")
+    assert gitindex.judge_packed_refs(old + replace, old + replace) is None  # the user's own
+    assert gitindex.judge_packed_refs(None, head) is None
