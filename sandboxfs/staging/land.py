@@ -1,6 +1,7 @@
 """Landing a frozen staged commit as ONE git commit (land), on the current branch or a new
-one, all or nothing (CommitRefused); its message with the sandboxfs trailers
-(commit_message); and the audit entry of every review, commit and discard (record)."""
+one, all or nothing (CommitRefused), also across a kill (the landing journal:
+recover_landings); its message with the sandboxfs trailers (commit_message); and the audit
+entry of every review, commit and discard (record)."""
 
 from __future__ import annotations
 
@@ -259,6 +260,20 @@ def _new_index(git: Git, tmp: Path, head: str | None, info: bytes) -> tuple[byte
 # commit, last). Either way that command records it in the audit log (recover_landings).
 
 JOURNAL = "landing.json"
+_JOURNAL_KEYS = frozenset(
+    {
+        "commit_id",
+        "session",
+        "phase",
+        "head",
+        "commit",
+        "branch",
+        "counts",
+        "index",
+        "files",
+        "dirs",
+    }
+)
 # Tests kill the landing at a named step (tests/integration/test_staged_crash.py).
 KILL_AT_ENV = "SANDBOXFS_TEST_LANDING_KILL"
 
@@ -514,7 +529,11 @@ def recover_landings(ws: Workspace, git: Git | None) -> list[str]:
                 continue  # finished by another command meanwhile
             except ValueError:
                 doc = None
-            if not isinstance(doc, dict) or doc.get("commit_id") != commit_id:
+            if (
+                not isinstance(doc, dict)
+                or doc.get("commit_id") != commit_id
+                or not doc.keys() >= _JOURNAL_KEYS
+            ):
                 why = f"{journal} is not a landing journal; move it away"
                 record(ws, commit_id, None, f"landing recovery refused: {why}", False, why)
                 notes.append(why)

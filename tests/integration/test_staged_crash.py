@@ -138,3 +138,15 @@ def test_head_moved_after_the_files_were_placed_puts_them_back(
     assert not (repo / "pkg").exists()
     assert leftovers(repo) == []
     assert status_of(repo) == "pending"
+
+
+def test_a_journal_that_is_not_one_is_one_line(tmp_path: Path) -> None:
+    repo, _ = prepare(tmp_path)
+    assert cli(repo, "list").returncode == 0
+    journal = repo / ".sandbox/workspaces/default/review/c1/landing.json"
+    journal.parent.mkdir(parents=True, exist_ok=True)
+    for junk in ("{", '{"commit_id": "c1"}', "[]"):
+        journal.write_text(junk)
+        listed = cli(repo, "list")
+        assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.stderr
+        assert "is not a landing journal; move it away" in listed.stderr, listed.stderr
