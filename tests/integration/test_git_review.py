@@ -8,21 +8,32 @@ still work.
 
 from __future__ import annotations
 
+import os
+import shlex
 import shutil
 import subprocess
-from collections.abc import Callable
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.support.cli import sh
 from tests.support.git import GIT_ENV, READ_ONLY, git, user_repo
+from tests.support.mounts import make_project, mounted
+from tests.support.run import NOBODY_UID
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
 
-def inside(cwd: Path, command: str) -> subprocess.CompletedProcess[str]:
+# An ordinary user inside, as root is.
+AS_NOBODY = f"setpriv --reuid={NOBODY_UID} --regid={NOBODY_UID} --clear-groups -- "
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (setpriv)")
+
+
+def inside(cwd: Path, command: str, prefix: str = "") -> subprocess.CompletedProcess[str]:
+    if prefix:
+        command = f"{prefix}sh -c {shlex.quote(command)}"
     result = sh(command, cwd=cwd, **GIT_ENV)
     assert "Input/output error" not in result.stderr, result.stderr
     return result
@@ -49,17 +60,38 @@ HIDING = [
 ]
 
 
-def test_changes_stay_visible_to_the_users_git(mount_at: Callable[..., Any], project: Path) -> None:
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A directory below /tmp that every user can traverse (pytest's are 0700), removed after."""
+    root = Path(tempfile.mkdtemp(prefix="sandboxfs-review-", dir="/tmp"))
+    try:
+        root.chmod(0o755)
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    "prefix", ["", pytest.param(AS_NOBODY, marks=needs_root)], ids=["root", "nobody"]
+)
+def test_changes_stay_visible_to_the_users_git(
+    open_tmp: Path, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project = make_project(open_tmp)
     user_repo(project)
+    if prefix:  # the ordinary user's own repository, which root's git outside may read
+        subprocess.run(["chown", "-R", f"{NOBODY_UID}:{NOBODY_UID}", str(project)], check=True)
+        for name, value in (("COUNT", "1"), ("KEY_0", "safe.directory"), ("VALUE_0", "*")):
+            monkeypatch.setenv(f"GIT_CONFIG_{name}", value)
     exclude = project / ".git" / "info" / "exclude"
     before = exclude.read_bytes() if exclude.exists() else None
-    with mount_at("full") as m:
+    with mounted(open_tmp / "mnt", project, "full", "--allow-other") as m:
         repo = m.mnt / "repo"
-        assert inside(repo, "echo 'x = 1' > conftest.py").returncode == 0
+        assert inside(repo, "echo 'x = 1' > conftest.py", prefix).returncode == 0
         for command in HIDING:
-            result = inside(repo, command)
+            result = inside(repo, command, prefix)
             assert result.returncode != 0, (command, result.stdout, result.stderr)
-        assert READ_ONLY in inside(repo, "echo x >> .git/info/exclude").stderr
+        assert READ_ONLY in inside(repo, "echo x >> .git/info/exclude", prefix).stderr
         # git's own index and packed-refs writes still work, also in index version 4.
         for command in (
             "git reset -q",
@@ -69,7 +101,7 @@ def test_changes_stay_visible_to_the_users_git(mount_at: Callable[..., Any], pro
             "git commit -qm readme",
             "git update-index --no-assume-unchanged src/main.py",
         ):
-            result = inside(repo, command)
+            result = inside(repo, command, prefix)
             assert result.returncode == 0, (command, result.stderr)
         denied = [e for e in m.audit("--denied") if e.get("dest") == "/repo/.git/index"]
         reasons = " | ".join(e["reason"] for e in denied)
