@@ -1249,12 +1249,12 @@ class Guard:
         its pattern), nor onto such a place. A symbolic link is never moved into a git
         directory. Suffixes too: a file keeps an
         allowed suffix, and one without can only be deleted. A file renamed onto one of git's
-        config files or its index is judged by what it changes (`read`: see _judge_config,
-        _judge_index). Last, the approval
+        config files is judged by what it changes (`read`: see _judge_config). Last, the approval
         rules (`replaces`: the rename replaces an existing entry, an overwrite too)."""
         is_dir = stat.S_ISDIR(st.st_mode)
         link = stat.S_ISLNK(st.st_mode)
         self._reject_protected(caller, AuditOp.RENAME, parent, name, is_dir, dest=dst)
+        # Renames onto git's config, index or packed-refs are judged by what they change.
         judged = (caller, parent, name, st, to_parent, to_name, src, dst, read)
         if not self._judge_config(*judged) and not self._judge_index(*judged):
             self._reject_protected(caller, AuditOp.RENAME, to_parent, to_name, is_dir, dst, link)
