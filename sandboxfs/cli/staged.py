@@ -36,6 +36,7 @@ from sandboxfs.errors import Failure, SandboxfsError, UserError
 from sandboxfs.project.state import finish_interrupted, format_duration, format_size
 from sandboxfs.project.zones import validate_project
 from sandboxfs.staging import (
+    JOURNAL,
     Change,
     CommitRefused,
     Git,
@@ -47,10 +48,12 @@ from sandboxfs.staging import (
     decode,
     escape_name,
     escape_text,
+    finish_landing,
     iso,
     land,
     make_plan,
     record,
+    recover_landings,
 )
 from sandboxfs.staging import prune as pruning
 
@@ -69,6 +72,8 @@ def main(args: argparse.Namespace) -> int:
     _escaping_stdout()
     project = validate_project(args.project)
     ws = Workspace(project, args.workspace)
+    for note in recover_landings(ws, _git_or_none(project)):
+        _note(note)
     run: dict[str, Callable[[argparse.Namespace, Workspace], int]] = {
         "list": _list,
         "show": _show,
@@ -486,9 +491,15 @@ def _commit(args: argparse.Namespace, ws: Workspace) -> int:
     ws.freeze(commit_id, repo.git)
     with ws.locked(commit_id):
         review = ws.load(commit_id, repo.git)
+        journal = ws.review / commit_id / JOURNAL
         try:
             landed = land(
-                review, repo, message=args.message, branch=args.branch, expect=args.expect
+                review,
+                repo,
+                journal=journal,
+                message=args.message,
+                branch=args.branch,
+                expect=args.expect,
             )
         except SandboxfsError as exc:  # git failed: nothing was moved, but it is recorded
             why = exc.message
@@ -503,16 +514,7 @@ def _commit(args: argparse.Namespace, ws: Workspace) -> int:
             for reason in exc.reasons:
                 _note(f"staged commit {commit_id} not committed: {reason}")
             return 1
-        state = dict(review.state)
-        state.update(
-            status="committed",
-            committed_at=iso(datetime.now(UTC)),
-            commit=landed.commit,
-            branch=landed.branch,
-            counts=list(landed.plan.counts()),
-        )
-        ws.write_state(commit_id, state)
-    record(ws, commit_id, review.session, f"commit {landed.commit}")
+        finish_landing(ws, journal, landed, commit_id, review.session)
     counts = landed.plan.counts()
     files = f"+{counts[0]} ~{counts[1]} -{counts[2]}"
     if args.json:

@@ -537,15 +537,17 @@ def judge(old: bytes, new: bytes) -> Refusal | None:
     return None
 
 
-def read_bounded(dir_fd: int, name: bytes, expect: tuple[int, int] | None) -> bytes | None:
+def read_bounded(
+    dir_fd: int, name: bytes, expect: tuple[int, int] | None, limit: int = MAX_CONFIG_BYTES
+) -> bytes | None:
     """The content of the regular file `name` in `dir_fd`, never following a link: None when
-    absent, not a regular file, larger than MAX_CONFIG_BYTES, or not the file `expect`
+    absent, not a regular file, larger than `limit`, or not the file `expect`
     ((st_dev, st_ino)) names."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
         return None
-    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_CONFIG_BYTES:
+    if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
         return None  # never open anything else: opening a device can act on it
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
@@ -554,19 +556,19 @@ def read_bounded(dir_fd: int, name: bytes, expect: tuple[int, int] | None) -> by
         return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_CONFIG_BYTES:
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
             return None
         if expect is not None and (st.st_dev, st.st_ino) != expect:
             return None
         chunks: list[bytes] = []
         total = 0
-        while total <= MAX_CONFIG_BYTES:
-            chunk = os.pread(fd, MAX_CONFIG_BYTES + 1 - total, total)
+        while total <= limit:
+            chunk = os.pread(fd, limit + 1 - total, total)
             if not chunk:
                 break
             chunks.append(chunk)
             total += len(chunk)
-        return b"".join(chunks) if total <= MAX_CONFIG_BYTES else None
+        return b"".join(chunks) if total <= limit else None
     except OSError:
         return None
     finally:

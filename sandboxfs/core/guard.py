@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
-from . import gitconfig
+from . import gitconfig, gitindex
 from .approvals import Kind
 from .consent import Consent
 from .entry import AuditOp, audit_entry, errno_name
@@ -48,9 +48,9 @@ _WRITABLE_XATTR_PREFIX = b"user."
 _ACL_XATTRS = (b"system.posix_acl_access", b"system.posix_acl_default")
 _NO_LIMITS = ZoneLimits()
 
-# What a front end gives Guard.may_move to judge a rename onto git's config by content: the bytes
-# of parent/name, or None (see Guard._judge_config).
-ReadFile = Callable[[Node, bytes, tuple[int, int] | None], bytes | None]
+# What a front end gives Guard.may_move to judge a rename onto git's config or index by content:
+# the bytes of parent/name (at most the limit given), or None (see Guard._judge_config).
+ReadFile = Callable[[Node, bytes, tuple[int, int] | None, int], bytes | None]
 
 
 class Caller(Protocol):
@@ -763,17 +763,77 @@ class Guard:
         elif st.st_size > gitconfig.MAX_CONFIG_BYTES:
             problem = f"the new content is larger than {gitconfig.MAX_CONFIG_BYTES} bytes"
         else:
-            new = read(parent, name, (st.st_dev, st.st_ino))
+            new = read(parent, name, (st.st_dev, st.st_ino), gitconfig.MAX_CONFIG_BYTES)
             if new is None:
                 problem = "the file renamed onto it changed or could not be read"
             else:
-                refusal = gitconfig.judge(read(to_parent, to_name, None) or b"", new)
+                old = read(to_parent, to_name, None, gitconfig.MAX_CONFIG_BYTES)
+                refusal = gitconfig.judge(old or b"", new)
                 problem = None if refusal is None else refusal.reason
         if problem is None:
             return True
         reason = (
             f"{dst}: {problem}: refused ({rule} may change only branch tracking, remotes with "
             f"ordinary URLs, user.* and similar settings; change others outside the sandbox)"
+        )
+        decision = Decision(False, errno.EROFS, reason, Rule.PROTECT)
+        raise self.refuse(caller, AuditOp.RENAME, src, zone, decision, dest=dst)
+
+    def _judge_index(
+        self,
+        caller: Caller,
+        parent: Node,
+        name: bytes,
+        st: StatLike,
+        to_parent: Node,
+        to_name: bytes,
+        src: str,
+        dst: str,
+        read: ReadFile | None,
+    ) -> bool:
+        """A regular file renamed onto the `index` or `packed-refs` of a git directory (how git
+        writes them, through `index.lock`, `packed-refs.lock`), as _judge_config: True when
+        the new index sets no assume-unchanged or skip-worktree flag and adds no cache the old
+        one lacked, or the new packed-refs adds no replace ref (sandboxfs.core.gitindex), else
+        refused (EROFS, audited): the user's git status and git diff would skip what the agent
+        changed. False when it is not such a rename."""
+        zone = to_parent.zone
+        if (
+            read is None
+            or zone is None
+            or zone in GIT_ZONES_EXEMPT
+            or not stat.S_ISREG(st.st_mode)
+            or fold(to_name.decode("utf-8", "surrogateescape")) not in gitindex.INDEX_NAMES
+        ):
+            return False
+        relpath = relpath_of(to_parent, to_name)
+        rule = git_rule(git_path(relpath, zone in self.policy.git_dirs))
+        if rule is None or rule.rsplit("/", 1)[-1] not in gitindex.INDEX_NAMES:
+            return False
+        self._reject_zone_root(caller, AuditOp.RENAME, to_parent, to_name, dst)
+        pattern = self.policy.protect.match_within(relpath, False)
+        if pattern is not None:
+            decision = self.policy.protect_decision(dst, pattern)
+            raise self.refuse(caller, AuditOp.RENAME, dst, zone, decision, dest=dst)
+        problem: str | None
+        if st.st_nlink != 1:
+            problem = "the file renamed onto it has other names, through which it could change"
+        elif st.st_size > gitindex.MAX_INDEX_BYTES:
+            problem = f"the new index is larger than {gitindex.MAX_INDEX_BYTES} bytes"
+        else:
+            new = read(parent, name, (st.st_dev, st.st_ino), gitindex.MAX_INDEX_BYTES)
+            if new is None:
+                problem = "the file renamed onto it changed or could not be read"
+            else:
+                old = read(to_parent, to_name, None, gitindex.MAX_INDEX_BYTES)
+                packed = rule.endswith("packed-refs")
+                problem = (gitindex.judge_packed_refs if packed else gitindex.judge)(old, new)
+        if problem is None:
+            return True
+        reason = (
+            f"{dst}: {problem}: refused (a new {rule} may not hide changes from the user's "
+            f"git status and git diff: no assume-unchanged or skip-worktree flag, no new "
+            f"untracked or fsmonitor cache, no replace ref)"
         )
         decision = Decision(False, errno.EROFS, reason, Rule.PROTECT)
         raise self.refuse(caller, AuditOp.RENAME, src, zone, decision, dest=dst)
@@ -1255,7 +1315,9 @@ class Guard:
         is_dir = stat.S_ISDIR(st.st_mode)
         link = stat.S_ISLNK(st.st_mode)
         self._reject_protected(caller, AuditOp.RENAME, parent, name, is_dir, dest=dst)
-        if not self._judge_config(caller, parent, name, st, to_parent, to_name, src, dst, read):
+        # Renames onto git's config, index or packed-refs are judged by what they change.
+        judged = (caller, parent, name, st, to_parent, to_name, src, dst, read)
+        if not self._judge_config(*judged) and not self._judge_index(*judged):
             self._reject_protected(caller, AuditOp.RENAME, to_parent, to_name, is_dir, dst, link)
         self._reject_frozen(caller, AuditOp.RENAME, parent, name, dest=dst)
         self._reject_frozen(caller, AuditOp.RENAME, to_parent, to_name, dest=dst, src=src)

@@ -315,7 +315,11 @@ class Patterns:
 #   default), and that repository's `config` names programs to run.
 # - Inside a git directory (below any `.git`): what git reads to find config, hooks and the
 #   common directory: `config`, `config.worktree`, `commondir`, `gitdir`, `hooks/`, the legacy
-#   remote definitions `branches/` and `remotes/`, `objects/info/alternates`; and the same below
+#   remote definitions `branches/` and `remotes/`, `objects/info/alternates`; what hides changes
+#   from the user's `git status` and `git diff`: `info/` (exclude, attributes, sparse-checkout,
+#   grafts), `refs/replace/`, and the `index` and `packed-refs` (renamed onto only by a new one
+#   that sets no assume-unchanged or skip-worktree flag, adds no replace ref:
+#   Guard._judge_index); and the same below
 #   `modules/` (submodules' git directories, whose names may hold "/") and `worktrees/<id>/`
 #   (linked worktrees') at any depth. No symbolic link, and no second name for a file from
 #   outside, is made inside a git directory: `.git/modules -> ../elsewhere` would send the next
@@ -325,9 +329,9 @@ class Patterns:
 # `.git` that links to another directory there) sandboxfs.config.model.git_surface_protect finds by
 # asking the user's git, and adds to the mount's protect list.
 #
-# Deliberately not here: info/attributes and .gitattributes (they only select drivers that
-# config defines), .gitmodules (git takes no `!command` from it), info/exclude, refs, objects,
-# the index, and an interrupted rebase's todo list (see the README).
+# Deliberately not here: .gitattributes and .gitignore (in the working tree, where the user's
+# review shows them), .gitmodules (git takes no `!command` from it), refs, objects, and an
+# interrupted rebase's todo list (see the README).
 
 # Zones git's rules do not hold in: the sandbox's own scratch space under the state dir
 # (`.sandbox/`, never part of the project's work tree), where an agent may `git init` and
@@ -336,8 +340,13 @@ GIT_ZONES_EXEMPT = frozenset({Zone.SESSION, Zone.WORKSPACE})
 
 # Names in a git directory that decide what git runs or where it finds its repository.
 GIT_DIR_ENTRIES = frozenset({"config", "config.worktree", "commondir", "gitdir", "hooks"})
+# Names in a git directory that hide changes from the user's review; not below objects/, whose
+# info/ is git's own (packs, commit-graph).
+GIT_DIR_HIDING = frozenset({"info", "index", "packed-refs"})
+# refs/replace/ swaps one object for another in everything the user's git shows.
+_REPLACE_REFS = ("refs", "replace")
 # At the top of a git directory only: legacy remotes (below modules/ these are ref namespaces).
-_GIT_DIR_TOP_ENTRIES = GIT_DIR_ENTRIES | {"branches", "remotes"}
+_GIT_DIR_TOP_ENTRIES = GIT_DIR_ENTRIES | GIT_DIR_HIDING | {"branches", "remotes"}
 # Directories of further git directories: submodules' and linked worktrees'.
 _GIT_DIR_NESTING = frozenset({"modules", "worktrees"})
 _ALTERNATES = frozenset({"alternates", "http-alternates"})
@@ -366,13 +375,19 @@ def git_dir_rule(rest: Sequence[str]) -> str | None:
         return f".git/{top}"
     if _alternates(rest):
         return ".git/objects/info/alternates"
+    if tuple(rest[:2]) == _REPLACE_REFS:
+        return ".git/refs/replace"
     if top in _GIT_DIR_NESTING:
         # modules/<name>/... where <name> may hold "/": every depth may be a git directory.
         for k in range(2, len(rest)):
-            if rest[k] in GIT_DIR_ENTRIES:
+            if rest[k] in GIT_DIR_ENTRIES or (
+                rest[k] in GIT_DIR_HIDING and rest[k - 1] != "objects"
+            ):
                 return f".git/{top}/**/{rest[k]}"
             if _alternates(rest[k:]):
                 return f".git/{top}/**/objects/info/alternates"
+            if tuple(rest[k : k + 2]) == _REPLACE_REFS:
+                return f".git/{top}/**/refs/replace"
     return None
 
 
@@ -386,6 +401,8 @@ def _git_dir_holds(rest: Sequence[str]) -> str | None:
         return f".git/{top}/**"
     if top == "objects" and (len(rest) == 1 or (len(rest) == 2 and rest[1] == "info")):
         return ".git/objects/info/alternates"
+    if top == "refs" and len(rest) == 1:
+        return ".git/refs/replace"
     return None
 
 
@@ -567,6 +584,8 @@ class Policy:
                 f"reads into the working tree (git's code-running surface)",
                 Rule.PROTECT,
             )
+        elif rule.rsplit("/", 1)[-1] in GIT_DIR_HIDING:
+            why = f"what {rule} holds can hide changes from the user's git status and git diff"
         else:
             why = f"git runs code or finds its repository from what {rule} holds"
         return deny(

@@ -970,12 +970,15 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             read=self._judged,
         )
 
-    def _judged(self, parent: Node, name: bytes, expect: tuple[int, int] | None) -> bytes | None:
-        """The content of parent/name for the guard to judge a rename onto git's config
-        (Guard._judge_config). For the file renamed (`expect`: its (st_dev, st_ino)), every
-        open handle stops writing first, so that what is judged is what stays: git closes
-        its config.lock before the rename, and a later write through a handle kept open (or
-        a shared mapping) fails with EBADF."""
+    def _judged(
+        self, parent: Node, name: bytes, expect: tuple[int, int] | None, limit: int
+    ) -> bytes | None:
+        """The content of parent/name (at most `limit` bytes) for the guard to judge a rename
+        onto git's config or index (Guard._judge_config, Guard._judge_index). For the file
+        renamed (`expect`: its (st_dev, st_ino)), every open handle stops writing first, so
+        that what is judged is what stays: git closes its config.lock or index.lock before the
+        rename, and a later write through a handle kept open (or a shared mapping) fails with
+        EBADF."""
         if expect is not None:
             for handle in self._handles.values():
                 if isinstance(handle, FileHandle) and handle.writable:
@@ -984,7 +987,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                         if (held.st_dev, held.st_ino) == expect:
                             handle.writable = False
         dir_fd = self.store.child_dir_fd(parent, 0, checked=True)
-        return read_bounded(dir_fd, name, expect)
+        return read_bounded(dir_fd, name, expect, limit)
 
     # ----- live trust changes (sandboxfs.project.control) ----------------------------------
 

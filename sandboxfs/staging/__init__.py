@@ -28,13 +28,22 @@ from .format import (
     write_tree,
 )
 from .git import Git
-from .land import CommitRefused, commit_message, land, record
+from .land import (
+    JOURNAL,
+    CommitRefused,
+    commit_message,
+    finish_landing,
+    land,
+    record,
+    recover_landings,
+)
 from .paths import flag_patterns, path_problem, review_order, runs_code
 from .plan import Change, Plan, RepoState, make_plan
 from .review import Review, Workspace, iso, pending, valid_id
 from .text import decode, escape_name, escape_text
 
 __all__ = [
+    "JOURNAL",
     "MODE_EXEC",
     "MODE_FILE",
     "Change",
@@ -52,6 +61,7 @@ __all__ = [
     "decode",
     "escape_name",
     "escape_text",
+    "finish_landing",
     "flag_patterns",
     "iso",
     "land",
@@ -61,6 +71,7 @@ __all__ = [
     "pending",
     "read_tree",
     "record",
+    "recover_landings",
     "review_order",
     "runs_code",
     "valid_id",

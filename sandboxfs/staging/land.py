@@ -1,24 +1,33 @@
 """Landing a frozen staged commit as ONE git commit (land), on the current branch or a new
-one, all or nothing (CommitRefused); its message with the sandboxfs trailers
-(commit_message); and the audit entry of every review, commit and discard (record)."""
+one, all or nothing (CommitRefused), also across a kill (the landing journal:
+recover_landings); its message with the sandboxfs trailers (commit_message); and the audit
+entry of every review, commit and discard (record)."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
 import re
+import secrets
+import signal
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from sandboxfs.audit.log import record_now
 from sandboxfs.core.entry import AuditOp
 from sandboxfs.layout import audit_path
 
-from .format import MODE_FILE
+from ..core.syscalls import write_all
+from .format import CREATE_FLAGS, DIR_FLAGS, MODE_FILE
 from .git import Git
 from .plan import Change, Plan, RepoState, make_plan
-from .review import Review, Workspace
+from .review import Review, Workspace, iso, valid_id
 from .text import decode, escape_name, escape_text
 from .worktree import WorkTree, WorkTreeError
 
@@ -92,13 +101,15 @@ def land(
     review: Review,
     repo: RepoState,
     *,
+    journal: Path,
     message: str | None = None,
     branch: str | None = None,
     expect: str | None = None,
 ) -> Landed:
     """Make ONE git commit of a frozen staged commit: on the current branch (working tree and
     index follow), or on a new `branch` (nothing checked out changes). All or nothing: any
-    reason raises CommitRefused before a file, the index or a ref changes."""
+    reason raises CommitRefused before a file, the index or a ref changes; on the current
+    branch the landing `journal` (see _land_here) makes it so across a kill too."""
     git = repo.git
     if git is None:
         raise CommitRefused(["the project is not in a git repository"])
@@ -130,14 +141,14 @@ def land(
     head = repo.head
     with tempfile.TemporaryDirectory(prefix="sandboxfs-staged-") as tmp:
         new_commit, info = _make_commit(git, Path(tmp), head, landing, body)
-    if ref is not None:
-        _update_ref(git, ref, new_commit, None, review.commit_id)
-        return Landed(new_commit, branch, True, plan)
-    warnings = _land_here(git, repo.project, review.commit_id, head, new_commit, landing)
-    updated = git.run("update-index", "-z", "--index-info", data=info, check=False)
-    if updated.returncode != 0:
-        warnings.append("the index was not updated: 'git reset -q' brings it to HEAD")
-    return Landed(new_commit, git.branch(), False, plan, warnings)
+        if ref is not None:
+            _update_ref(git, ref, new_commit, None, review.commit_id)
+            return Landed(new_commit, branch, True, plan)
+        old_index, new_index = _new_index(git, Path(tmp), head, info)
+    _reached("objects")
+    here = Landed(new_commit, git.branch(), False, plan)
+    _land_here(git, repo.project, review, head, here, landing, (old_index, new_index), journal)
+    return here
 
 
 def normal_digest(text: str) -> str:
@@ -220,46 +231,341 @@ def _update_ref(git: Git, ref: str, new: str, old: str | None, commit_id: str) -
         )
 
 
+def _new_index(git: Git, tmp: Path, head: str | None, info: bytes) -> tuple[bytes | None, bytes]:
+    """The real index as it is now (None if there is none), and the same with the landed
+    entries: what replaces it, through index.lock, once the working tree holds them."""
+    index = tmp / "new-index"
+    real = git.git_dir / "index"
+    try:
+        old: bytes | None = real.read_bytes()
+    except FileNotFoundError:
+        old = None
+    if old is not None:
+        index.write_bytes(old)
+    else:
+        git.run("read-tree", *(["--empty"] if head is None else [head]), index=index)
+    git.run("update-index", "-z", "--index-info", data=info, index=index)
+    return old, index.read_bytes()
+
+
+# ----- the landing journal ------------------------------------------------------------------------
+#
+# Landing on the checked-out branch changes three things no one transaction covers: files of the
+# working tree, the index and HEAD's branch. The journal, review/<id>/landing.json, is written
+# durably before the first of them changes and names every temporary file and the index.lock
+# the landing makes. While its phase is "prepared" nothing the user sees has changed: the next
+# `sandboxfs staged` command that finds it rolls it back (removes those files). Once it is
+# "placing" every new file is written and the working tree was checked: it is finished (temps
+# renamed into place, deletions, index.lock onto index, then HEAD's branch moved from the old
+# commit, last). Either way that command records it in the audit log (recover_landings).
+
+JOURNAL = "landing.json"
+_JOURNAL_KEYS = frozenset(
+    {
+        "commit_id",
+        "session",
+        "phase",
+        "head",
+        "commit",
+        "branch",
+        "counts",
+        "index",
+        "files",
+        "dirs",
+    }
+)
+# Tests kill the landing at a named step (tests/integration/test_staged_crash.py).
+KILL_AT_ENV = "SANDBOXFS_TEST_LANDING_KILL"
+
+
+def _reached(step: str) -> None:
+    if os.environ.get(KILL_AT_ENV) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_journal(path: Path, doc: Mapping[str, Any]) -> None:
+    """Replace the journal durably: a temporary file, fsync, rename, fsync of its directory."""
+    temp = path.with_name(f".landing-{secrets.token_hex(6)}.tmp")
+    fd = os.open(temp, CREATE_FLAGS, 0o600)
+    try:
+        write_all(fd, json.dumps(dict(doc), sort_keys=True).encode() + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(temp, path)
+    _sync_dir(path.parent)
+
+
+def _sync_dir(directory: Path) -> None:
+    fd = os.open(directory, DIR_FLAGS)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _drop_journal(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    _sync_dir(path.parent)
+
+
+def _missing_dirs(wt: WorkTree, paths: Sequence[str]) -> list[str]:
+    """The directories on the way to `paths` that do not exist yet, parents first."""
+    missing: list[str] = []
+    for path in paths:
+        parts = path.split("/")[:-1]
+        for depth in range(1, len(parts) + 1):
+            rel = "/".join(parts[:depth])
+            if rel not in missing and wt.directory(rel) is None:
+                missing.append(rel)
+    return missing
+
+
+def _write_index_lock(git: Git, old: bytes | None, new: bytes) -> None:
+    """Take git's index lock (as git does: O_EXCL) and write the new index into it; refused
+    when another git holds it, or changed the index since `old` was read."""
+    try:
+        fd = os.open(git.git_dir / "index.lock", CREATE_FLAGS, 0o666)
+    except FileExistsError:
+        raise CommitRefused(["another git process is running (.git/index.lock exists)"]) from None
+    try:
+        write_all(fd, new)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        now: bytes | None = (git.git_dir / "index").read_bytes()
+    except FileNotFoundError:
+        now = None
+    if now != old:
+        raise WorkTreeError("the index changed meanwhile")
+
+
+def _remove_index_lock(git: Git, digest: str) -> None:
+    """Remove index.lock if it is the landing's own (holds the new index of `digest`)."""
+    lock = git.git_dir / "index.lock"
+    with contextlib.suppress(OSError):
+        if hashlib.sha256(lock.read_bytes()).hexdigest() == digest:
+            lock.unlink()
+
+
+def _roll_back(wt: WorkTree, git: Git, doc: Mapping[str, Any]) -> None:
+    """Undo a landing still "prepared": its temporary files, its index.lock, the directories
+    it made (when left empty). Nothing else had changed."""
+    for item in doc["files"]:
+        if item["temp"] is not None:
+            with contextlib.suppress(OSError, WorkTreeError):
+                wt.remove_temp(item["path"], item["temp"])
+    _remove_index_lock(git, doc["index"])
+    for rel in reversed(doc["dirs"]):
+        parent_rel, _, name = rel.rpartition("/")
+        with contextlib.suppress(OSError, WorkTreeError):
+            parent = wt.directory(parent_rel)
+            if parent is not None:
+                os.rmdir(name, dir_fd=parent)
+
+
+def _place(wt: WorkTree, git: Git, doc: Mapping[str, Any]) -> list[str]:
+    """Finish a landing that is "placing", again from where it stopped: each temporary file
+    still there renamed onto its path, each deletion, index.lock onto index. Returns warnings
+    about files that could not be put in place."""
+    warnings: list[str] = []
+    for item in doc["files"]:
+        path = item["path"]
+        try:
+            if item["temp"] is None:
+                wt.delete(path)
+            else:
+                with contextlib.suppress(FileNotFoundError):  # placed already
+                    wt.replace(path, item["temp"])
+        except (OSError, WorkTreeError) as exc:
+            why = exc.phrase if isinstance(exc, WorkTreeError) else exc.strerror
+            warnings.append(f"{escape_name(path)} was not written ({why})")
+    lock = git.git_dir / "index.lock"
+    with contextlib.suppress(OSError):
+        if hashlib.sha256(lock.read_bytes()).hexdigest() == doc["index"]:
+            os.rename(lock, git.git_dir / "index")
+    return warnings
+
+
 def _land_here(
     git: Git,
     project: Path,
-    commit_id: str,
+    review: Review,
     head: str | None,
-    new_commit: str,
+    landed: Landed,
     landing: Sequence[Change],
-) -> list[str]:
-    """Write every file beside its target, check that nothing changed meanwhile, move HEAD's
-    branch to `new_commit` (compare-and-swap), then rename the files into place and delete
-    the deleted ones. Before the ref moves, any failure undoes the temporary files. Returns
-    warnings about files that could not be put in place after the ref moved."""
-    temps: dict[str, str] = {}
-    warnings: list[str] = []
+    index: tuple[bytes | None, bytes],
+    journal: Path,
+) -> None:
+    """Write every file beside its target and the new index into index.lock (journal
+    "prepared"), check that nothing changed meanwhile (else roll back and refuse), then
+    (journal "placing") put the files and the index in place and move HEAD's branch to the
+    new commit, last, against the old one. The caller marks the review committed, records
+    it, and drops the journal."""
+    old_index, new_index = index
+    temps = {c.path: f".sandboxfs-{secrets.token_hex(8)}.tmp" for c in landing}
     with WorkTree(project) as wt:
+        doc: dict[str, Any] = {
+            "commit_id": review.commit_id,
+            "session": review.session,
+            "phase": "prepared",
+            "head": head,
+            "commit": landed.commit,
+            "branch": landed.branch,
+            "counts": list(landed.plan.counts()),
+            "index": hashlib.sha256(new_index).hexdigest(),
+            "files": [
+                {"path": c.path, "temp": None if c.action == "delete" else temps[c.path]}
+                for c in landing
+            ],
+        }
         try:
+            doc["dirs"] = _missing_dirs(wt, [c.path for c in landing if c.action != "delete"])
+            _write_journal(journal, doc)
+            _reached("prepared")
             for change in landing:
                 if change.action != "delete":
-                    temps[change.path] = wt.write_temp(
-                        change.path, change.new or b"", change.mode or MODE_FILE
+                    wt.write_temp(
+                        change.path,
+                        change.new or b"",
+                        change.mode or MODE_FILE,
+                        name=temps[change.path],
                     )
+                    _reached("temp")
+            _write_index_lock(git, old_index, new_index)
+            _reached("index.lock")
             for change in landing:
                 if not wt.holds(change.path, change.old, change.old_mode):
                     raise WorkTreeError(f"{escape_name(change.path)} changed meanwhile")
-            _update_ref(git, "HEAD", new_commit, head, commit_id)
+            if git.head() != head:
+                raise CommitRefused(["HEAD moved meanwhile"])
         except (OSError, WorkTreeError, CommitRefused) as exc:
-            for path, temp in temps.items():
-                wt.remove_temp(path, temp)
-            wt.remove_created_dirs()
+            if "dirs" in doc:
+                _roll_back(wt, git, doc)
+            _drop_journal(journal)
             if isinstance(exc, CommitRefused):
                 raise
             why = exc.phrase if isinstance(exc, WorkTreeError) else exc.strerror
             raise CommitRefused([f"the working tree cannot be written: {why}"]) from None
-        for change in landing:
+        doc["phase"] = "placing"
+        _write_journal(journal, doc)
+        _reached("placing")
+        landed.warnings += _place(wt, git, doc)
+        _reached("placed")
+        try:
+            _update_ref(git, "HEAD", landed.commit, head, review.commit_id)
+        except CommitRefused:
+            _restore(wt, git, landing, old_index)
+            _drop_journal(journal)
+            raise
+    _reached("ref")
+
+
+def _restore(wt: WorkTree, git: Git, landing: Sequence[Change], old_index: bytes | None) -> None:
+    """Put back what HEAD has, when HEAD's branch moved after the files were placed (another
+    program moved it between the last check and the compare-and-swap): each file as it was,
+    the index as it was."""
+    for change in landing:
+        with contextlib.suppress(OSError, WorkTreeError):
+            if change.old_mode is None:
+                wt.delete(change.path)
+            else:
+                temp = wt.write_temp(change.path, change.old or b"", change.old_mode)
+                wt.replace(change.path, temp)
+    with contextlib.suppress(OSError):
+        if old_index is None:
+            os.unlink(git.git_dir / "index")
+        else:
+            lock = git.git_dir / "index.lock"
+            lock.write_bytes(old_index)
+            os.rename(lock, git.git_dir / "index")
+
+
+# ----- after a kill: finishing or rolling back ----------------------------------------------------
+
+
+def mark_committed(
+    ws: Workspace, commit_id: str, commit: str, branch: str | None, counts: Sequence[int]
+) -> None:
+    """The review's state: committed as `commit`."""
+    state = dict(ws.read_state(commit_id) or {})
+    state.update(
+        status="committed",
+        committed_at=iso(datetime.now(UTC)),
+        commit=commit,
+        branch=branch,
+        counts=list(counts),
+    )
+    ws.write_state(commit_id, state)
+
+
+def finish_landing(
+    ws: Workspace, journal: Path, landed: Landed, commit_id: str, session: str | None
+) -> None:
+    """After HEAD moved: the review committed, the audit entry, then the journal dropped (a
+    kill between leaves the journal, and the next command records it again, never not)."""
+    mark_committed(ws, commit_id, landed.commit, landed.branch, landed.plan.counts())
+    record(ws, commit_id, session, f"commit {landed.commit}")
+    _drop_journal(journal)
+
+
+def recover_landings(ws: Workspace, git: Git | None) -> list[str]:
+    """Find every landing of this workspace a kill interrupted (its journal is left) and
+    finish it ("placing") or roll it back ("prepared"), each audited; returns one line for
+    the user about each."""
+    if git is None or not ws.review.is_dir():
+        return []
+    notes = []
+    for journal in sorted(ws.review.glob(f"*/{JOURNAL}")):
+        commit_id = journal.parent.name
+        if not valid_id(commit_id):
+            continue
+        with ws.locked(commit_id):
             try:
-                if change.action == "delete":
-                    wt.delete(change.path)
-                else:
-                    wt.replace(change.path, temps[change.path])
-            except (OSError, WorkTreeError) as exc:
-                why = exc.phrase if isinstance(exc, WorkTreeError) else exc.strerror
-                warnings.append(f"{escape_name(change.path)} was not written ({why})")
-    return warnings
+                doc = json.loads(journal.read_bytes())
+            except FileNotFoundError:
+                continue  # finished by another command meanwhile
+            except ValueError:
+                doc = None
+            if (
+                not isinstance(doc, dict)
+                or doc.get("commit_id") != commit_id
+                or not doc.keys() >= _JOURNAL_KEYS
+            ):
+                why = f"{journal} is not a landing journal; move it away"
+                record(ws, commit_id, None, f"landing recovery refused: {why}", False, why)
+                notes.append(why)
+                continue
+            notes.append(_recover(ws, git, journal, doc))
+    return notes
+
+
+def _recover(ws: Workspace, git: Git, journal: Path, doc: Mapping[str, Any]) -> str:
+    commit_id, session, head, new = doc["commit_id"], doc["session"], doc["head"], doc["commit"]
+    with WorkTree(ws.project) as wt:
+        if doc["phase"] == "prepared":
+            _roll_back(wt, git, doc)
+            detail = "landing interrupted before anything changed: rolled back, still pending"
+            record(ws, commit_id, session, detail)
+            _drop_journal(journal)
+            return f"staged commit {commit_id}: {detail}"
+        warnings = _place(wt, git, doc)
+    now = git.head()
+    if now == head:
+        try:
+            _update_ref(git, "HEAD", new, head, commit_id)
+            now = new
+        except CommitRefused:
+            now = git.head()
+    if now != new:
+        why = f"HEAD moved to {now} meanwhile; the working tree and index hold {new}"
+        record(ws, commit_id, session, f"landing interrupted, not finished: {why}", False, why)
+        _drop_journal(journal)
+        return f"staged commit {commit_id}: an interrupted landing could not finish: {why}"
+    mark_committed(ws, commit_id, new, doc["branch"], doc["counts"])
+    detail = f"landing interrupted, finished: commit {new}"
+    record(ws, commit_id, session, detail)
+    _drop_journal(journal)
+    return f"staged commit {commit_id}: {detail}" + "".join(f"; {w}" for w in warnings)

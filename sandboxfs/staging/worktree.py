@@ -33,7 +33,6 @@ class WorkTree:
         self._fds: dict[str, int] = {}
         self._dev = 0
         self._hidden: set[tuple[int, int]] = set()
-        self.created_dirs: list[str] = []
 
     def __enter__(self) -> WorkTree:
         fd = os.open(self._root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -62,7 +61,6 @@ class WorkTree:
             if not create:
                 return None
             os.mkdir(name, 0o777, dir_fd=parent)
-            self.created_dirs.append(rel)
             fd = os.open(name, DIR_FLAGS, dir_fd=parent)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
@@ -125,13 +123,13 @@ class WorkTree:
         except OSError:
             return False
 
-    def write_temp(self, path: str, data: bytes, mode: int) -> str:
-        """Write `data` to a new temporary name beside `path` (creating the directories on
-        the way); returns that name, for `replace`."""
+    def write_temp(self, path: str, data: bytes, mode: int, name: str | None = None) -> str:
+        """Write `data` to a new temporary name beside `path` (`name`, or a random one;
+        creating the directories on the way); returns that name, for `replace`."""
         parent_rel = path.rpartition("/")[0]
         parent = self.directory(parent_rel, create=True)
         assert parent is not None
-        name = f".sandboxfs-{secrets.token_hex(8)}.tmp"
+        name = name or f".sandboxfs-{secrets.token_hex(8)}.tmp"
         fd = os.open(name, CREATE_FLAGS, 0o777 if mode == MODE_EXEC else 0o666, dir_fd=parent)
         try:
             write_all(fd, data)
@@ -151,16 +149,6 @@ class WorkTree:
         if parent is not None:
             with contextlib.suppress(OSError):
                 os.unlink(temp, dir_fd=parent)
-
-    def remove_created_dirs(self) -> None:
-        for rel in reversed(self.created_dirs):
-            parent_rel, _, name = rel.rpartition("/")
-            fd = self._fds.pop(rel, None)
-            if fd is not None:
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                os.rmdir(name, dir_fd=self._fds[parent_rel])
-        self.created_dirs.clear()
 
     def delete(self, path: str) -> None:
         """Remove the file at `path`, then each directory above it that is left empty."""

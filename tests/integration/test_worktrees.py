@@ -192,11 +192,13 @@ def test_git_rules_hold_at_a_git_dir_zone_root() -> None:
         ("worktrees/wt/commondir", ".git/worktrees/**/commondir"),
         ("worktrees/wt/gitdir", ".git/worktrees/**/gitdir"),
         ("objects/info/alternates", ".git/objects/info/alternates"),
+        ("worktrees/wt/index", ".git/worktrees/**/index"),  # judged at its rename
+        ("info/exclude", ".git/info"),
     ):
         found = policy.protected(f"/gitdir/{rel}", rel, False, git_root=True)
         assert found is not None and f"({rule})" in found.reason, (rel, found)
         assert policy.protected(f"/repo/{rel}", rel, False) is None, rel
-    for rel in ("worktrees/wt/HEAD", "worktrees/wt/index", "refs/heads/wt", "objects/ab/cd"):
+    for rel in ("worktrees/wt/HEAD", "worktrees/wt/index.lock", "refs/heads/wt", "objects/ab/cd"):
         assert policy.protected(f"/gitdir/{rel}", rel, False, git_root=True) is None, rel
     link = policy.protected("/gitdir/evil", "evil", False, pointer=True, git_root=True)
     assert link is not None and "no symbolic link" in link.reason

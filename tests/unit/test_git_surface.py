@@ -79,21 +79,36 @@ __all__ = ["make", "no_mounts_left_behind"]
         ("src/head", "HEAD"),
         # What git writes in everyday work stays writable.
         (".git/HEAD", None),
-        (".git/index", None),
+        (".git/index.lock", None),  # the new index is judged at its rename onto index
         (".git/config.lock", None),  # a later change may judge it at its rename
         (".git/objects/ab/cdef", None),
         (".git/objects/pack/pack-1.pack", None),
         (".git/refs/heads/main", None),
         (".git/refs/heads/config", None),  # a branch named config, at the top
         (".git/logs/HEAD", None),
-        (".git/info/exclude", None),
-        (".git/info/attributes", None),  # selects drivers only config defines
+        # What hides changes from the user's git status and git diff.
+        (".git/index", ".git/index"),
+        (".git/info/exclude", ".git/info"),
+        (".git/info/attributes", ".git/info"),
+        (".git/info/sparse-checkout", ".git/info"),
+        (".git/INFO/exclude", ".git/info"),
+        (".git/modules/lib/info/exclude", ".git/modules/**/info"),
+        (".git/modules/lib/index", ".git/modules/**/index"),
+        (".git/worktrees/wt/index", ".git/worktrees/**/index"),
+        ("src/lib/.git/info/exclude", ".git/info"),
+        (".git/info/grafts", ".git/info"),
+        (".git/packed-refs", ".git/packed-refs"),
+        (".git/refs/replace/abcd", ".git/refs/replace"),
+        (".git/modules/lib/refs/replace/abcd", ".git/modules/**/refs/replace"),
+        (".git/modules/lib/packed-refs", ".git/modules/**/packed-refs"),
+        (".git/packed-refs.lock", None),  # judged at its rename
+        (".git/objects/info/packs", None),  # git's own
+        (".git/modules/lib/objects/info/commit-graph", None),
         (".git/rebase-merge/git-rebase-todo", None),  # see the README
         (".git/modules/lib/HEAD", None),
         (".git/modules/lib/objects/ab/cdef", None),
         (".git/modules/lib/refs/remotes/origin/main", None),  # not the legacy remotes/
         (".git/worktrees/wt/HEAD", None),
-        (".git/worktrees/wt/index", None),
         ("src/lib/.git/objects/ab/cdef", None),
         # The working tree: ordinary files.
         (".gitattributes", None),
@@ -139,10 +154,10 @@ def test_no_links_inside_git_directories(path: str, pointer_rule: str | None) ->
         (".git/objects", ".git/objects/info/alternates"),
         (".git/objects/info", ".git/objects/info/alternates"),
         (".git/hooks", ".git/hooks"),
-        (".git/refs", None),
+        (".git/refs", ".git/refs/replace"),
         (".git/refs/heads", None),
         (".git/objects/ab", None),
-        (".git/info", None),
+        (".git/info", ".git/info"),
         ("src", None),  # .git and HEAD are judged by name wherever a directory moves
         ("vendor/lib", None),
     ],
@@ -188,7 +203,7 @@ def test_protect_list_reasons_come_first_and_ordinary_paths_pass() -> None:
     policy = Policy(config.matrix(), config.deny, Trust.FULL, config.protect)
     decision = policy.protected("/repo/.git/hooks/pre-commit", ".git/hooks/pre-commit", False)
     assert decision is not None and "'.git/hooks/'" in decision.reason  # the protect list's
-    for path in (".git/index", ".git/objects/ab/cd", "src/main.py", ".gitmodules"):
+    for path in (".git/index.lock", ".git/objects/ab/cd", "src/main.py", ".gitmodules"):
         assert policy.protected(f"/repo/{path}", path, False) is None
     assert policy.protected("/repo/src/x", "src/x", False, pointer=True) is None
     below = policy.protected_below("/repo/.git/modules/...", ".git/modules")

@@ -6,9 +6,11 @@ access."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -119,11 +121,16 @@ async def test_protected_paths_are_readable_but_never_changed(
     # A hard link to a protected file is a writable second name: refused too.
     await fails(h.ops.link(config, repo, b"kept.yaml", CTX), errno.EROFS)
     assert h.entries(op="link", allowed=False)[0]["errno"] == "EROFS"
-    # What git needs at full still works: the index, objects, refs.
+    # What git needs at full still works: a new index through index.lock, objects, refs. The
+    # index itself is written only so (each new one is judged at the rename).
     index = await h.ino("/repo/.git/index")
-    fh = (await h.ops.open(index, os.O_WRONLY | os.O_TRUNC, CTX)).fh
-    await h.ops.write(fh, 0, b"new index")
+    await fails(h.ops.open(index, os.O_WRONLY | os.O_TRUNC, CTX), errno.EROFS)
+    header = b"DIRC" + struct.pack(">II", 2, 0)
+    fh = (await h.ops.create(git, b"index.lock", 0o644, os.O_WRONLY, CTX))[0].fh
+    await h.ops.write(fh, 0, header + hashlib.sha1(header).digest())
     await h.ops.release(fh)
+    await h.ops.rename(git, b"index.lock", git, b"index", 0, CTX)
+    assert (h.project / ".git" / "index").read_bytes().startswith(b"DIRC")
     await h.ops.mkdir(git, b"refs", 0o755, CTX)
     assert (h.project / "sandboxfs.yaml").read_text() == "default_trust: untrusted\n"
     assert sorted(os.listdir(hooks)) == ["pre-commit.sample"]
