@@ -115,7 +115,7 @@ class Consent:
             if outcome.allowed:
                 return
             decision = Decision(False, errno.EACCES, outcome.reason, Rule.APPROVAL)
-            raise self._refuse(caller, op, path, zone, decision, dest=dest)
+            raise self._refusal(caller, op, path, zone, decision, dest)
         self.tidy()
         outcome = self._consult(broker, caller, kinds, zone, path, dest, exclusions)
         if outcome.request is not None and outcome.new:
@@ -139,7 +139,22 @@ class Consent:
         if outcome.limited:
             self._use(caller, outcome, zone, path, dest)
         decision = Decision(False, errno.EACCES, outcome.reason, Rule.APPROVAL)
-        raise self._refuse(caller, op, path, zone, decision, dest=dest)
+        raise self._refusal(caller, op, path, zone, decision, dest)
+
+    def _refusal(
+        self,
+        caller: Caller,
+        op: AuditOp | Op,
+        path: str,
+        zone: Zone,
+        decision: Decision,
+        dest: str | None,
+    ) -> SandboxError:
+        """The audited refusal. A link is judged by its new name (`path`) with its source as
+        the other end (`dest`), but audited as every other link entry: source, then new name."""
+        if op is AuditOp.LINK and dest is not None:
+            path, dest = dest, path
+        return self._refuse(caller, op, path, zone, decision, dest=dest)
 
     def _consult(
         self,

@@ -856,3 +856,19 @@ def test_a_directory_grant_does_not_cover_what_is_moved_into_it(
         assert "not the 1 entries moved in since" in listed, listed
         made = sh(f"echo x > {repo / 'build' / 'new.o'} && rm {repo / 'build' / 'new.o'}")
         assert made.returncode == 0, made.stderr  # what is made there is still covered
+
+
+def test_a_link_refused_by_approvals_is_audited_source_first(tmp_path: Path, project: Path) -> None:
+    """A link asks as a create of its new name, with its source as the other end; its refusal
+    is audited as every other link entry is: the source as path, the new name as dest."""
+    (project / "sandboxfs.yaml").write_text(
+        "approvals:\n  rules:\n"
+        "    - {id: repo-create, ops: [create], zones: [repo], decision: ask}\n"
+    )
+    (project / "notes.txt").write_text("notes\n")
+    with mounted(tmp_path / "mnt", project, "full") as m:
+        repo = m.mnt / "repo"
+        refused = sh(f"ln {repo / 'notes.txt'} {repo / 'second'}")
+        assert refused.returncode == 1 and "Permission denied" in refused.stderr
+        [entry] = [e for e in m.audit("--op", "link") if e.get("allowed") is False]
+        assert (entry["path"], entry["dest"]) == ("/repo/notes.txt", "/repo/second"), entry
