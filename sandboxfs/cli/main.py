@@ -524,6 +524,12 @@ def _when(text: str) -> datetime:
 # ----- mount ------------------------------------------------------------------------------------
 
 
+def _recover_landings(project: Path, workspace: str) -> None:
+    from sandboxfs.cli.staged import recover_interrupted  # imported by the commands that need it
+
+    recover_interrupted(project, workspace)
+
+
 def cmd_mount(args: argparse.Namespace) -> int:
     state.check_state_root()  # before anything is written: the audit log's key is there
     run_mod.sweep_dead_runs()
@@ -538,6 +544,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"cache": cfg.cache.model_copy(update=cache)})
     mountpoint = validate_mountpoint(args.mountpoint, project)
     workspace = check_id("workspace", args.workspace)
+    _recover_landings(project, workspace)
     trust = args.trust or cfg.default_trust
     parent = cfg
     cfg = _for_worker(args, project, cfg, trust)
@@ -659,6 +666,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = home_project_config(cfg, project)
     _check_zones_beside(project, cfg, args.config)
     workspace = check_id("workspace", args.workspace)
+    _recover_landings(project, workspace)
     user = userconfig.load()
     profile = userconfig.agent(args.agent, user) if args.agent is not None else None
     source = str(args.config) if args.config is not None else config_mod.PROJECT_CONFIG_NAME

@@ -72,8 +72,7 @@ def main(args: argparse.Namespace) -> int:
     _escaping_stdout()
     project = validate_project(args.project)
     ws = Workspace(project, args.workspace)
-    for note in recover_landings(ws, _git_or_none(project)):
-        _note(note)
+    recover_interrupted(project, args.workspace)
     run: dict[str, Callable[[argparse.Namespace, Workspace], int]] = {
         "list": _list,
         "show": _show,
@@ -83,6 +82,14 @@ def main(args: argparse.Namespace) -> int:
         "prune": _prune,
     }
     return run[args.staged_action](args, ws)
+
+
+def recover_interrupted(project: Path, workspace: str) -> None:
+    """The landings a kill interrupted, finished or rolled back (audited) by the next command
+    that opens the project: `mount` and `run` as well as every `staged` command, so that no
+    session starts over a half-landed commit."""
+    for note in recover_landings(Workspace(project, workspace), _git_or_none(project)):
+        _note(note)
 
 
 def _escaping_stdout() -> None:

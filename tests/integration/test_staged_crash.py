@@ -1,9 +1,10 @@
 """Issue 34 case 24: `sandboxfs staged commit` killed (SIGKILL) at any step of landing on the
-checked-out branch is all or nothing. The next `sandboxfs staged` command finds the landing's
-journal and rolls it back (nothing the user sees had changed: the review is still pending and
-commits) or finishes it (files, index, then HEAD; the review committed), audited either way;
-no temporary file or index.lock is left. The real command line runs, killed at a named step
-(sandboxfs.staging.land.KILL_AT_ENV); tests/crash_landing.py kills it at random times.
+checked-out branch is all or nothing. The next `sandboxfs staged` command (or `mount`, `run`)
+finds the landing's journal and rolls it back (nothing the user sees had changed: the review
+is still pending and commits) or finishes it (files, index, then HEAD; the review committed),
+audited either way; no temporary file or index.lock is left. The real command line runs,
+killed at a named step (sandboxfs.staging.land.KILL_AT_ENV); tests/crash_landing.py kills it
+at random times.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from sandboxfs.staging.land import KILL_AT_ENV
+from tests.support.mounts import mounted
+from tests.support.run import needs_bwrap, sbx
 from tests.support.staging import SOURCE, audit_entries, git, make_repo, staged, staged_dir, write
 
 # The module, not the function `land` the package exports under its name.
@@ -150,3 +153,32 @@ def test_a_journal_that_is_not_one_is_one_line(tmp_path: Path) -> None:
         listed = cli(repo, "list")
         assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.stderr
         assert "is not a landing journal; move it away" in listed.stderr, listed.stderr
+
+
+@pytest.mark.parametrize("step", ["temp", "placed"])
+def test_mount_finds_an_interrupted_landing_too(tmp_path: Path, step: str) -> None:
+    """Not only `staged` commands: a mount of the project first rolls back or finishes a
+    landing a kill left, so no session starts over a half-landed commit."""
+    repo, old_head = prepare(tmp_path)
+    killed = cli(repo, "commit", "c1", kill_at=step)
+    assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr)
+    assert leftovers(repo) != []
+    with mounted(tmp_path / "mnt", repo, "session"):
+        assert leftovers(repo) == []
+    assert git(repo, "status", "--porcelain") == ""
+    head = git(repo, "rev-parse", "HEAD").strip()
+    assert (head == old_head) is (step == "temp")
+    assert status_of(repo) == ("pending" if step == "temp" else "committed")
+    assert any("landing interrupted" in d for d in details(repo)), details(repo)
+
+
+@needs_bwrap
+def test_run_finds_an_interrupted_landing_too(tmp_path: Path) -> None:
+    repo, _ = prepare(tmp_path)
+    killed = cli(repo, "commit", "c1", kill_at="placing")
+    assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr)
+    result = sbx("run", "--project", repo, "--trust", "session", "--quiet", "--", "true")
+    assert result.returncode == 0, result.stderr
+    assert "landing interrupted" in result.stderr and "finished" in result.stderr
+    assert leftovers(repo) == [] and status_of(repo) == "committed"
+    assert git(repo, "status", "--porcelain") == ""
