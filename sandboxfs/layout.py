@@ -140,3 +140,12 @@ def review_parts(workspace: str) -> tuple[str, ...]:
 
 def review_dir(project: Path, workspace: str) -> Path:
     return project.joinpath(*review_parts(workspace))
+
+
+LANDING_JOURNAL = "landing.json"
+"""review/<id>/landing.json: a landing under way; left behind only by a kill."""
+
+
+def interrupted_landings(project: Path, workspace: str) -> list[Path]:
+    """The journals a kill left, found without loading the staging code (run's start-up)."""
+    return sorted(review_dir(project, workspace).glob(f"*/{LANDING_JOURNAL}"))

@@ -44,7 +44,14 @@ from sandboxfs.errors import (
     SetupError,
     UserError,
 )
-from sandboxfs.layout import STATE_DIR_NAME, audit_path, control_dir, state_dir, state_root
+from sandboxfs.layout import (
+    STATE_DIR_NAME,
+    audit_path,
+    control_dir,
+    interrupted_landings,
+    state_dir,
+    state_root,
+)
 from sandboxfs.project import control, gitdir, state, workers
 from sandboxfs.project import zones as project_mod
 from sandboxfs.project.mounts import (
@@ -525,7 +532,9 @@ def _when(text: str) -> datetime:
 
 
 def _recover_landings(project: Path, workspace: str) -> None:
-    from sandboxfs.cli.staged import recover_interrupted  # imported by the commands that need it
+    if not interrupted_landings(project, workspace):
+        return  # the staging code is loaded only when a kill left a landing to finish
+    from sandboxfs.cli.staged import recover_interrupted
 
     recover_interrupted(project, workspace)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from sandboxfs.audit.log import record_now
 from sandboxfs.core.entry import AuditOp
-from sandboxfs.layout import audit_path
+from sandboxfs.layout import LANDING_JOURNAL, audit_path, interrupted_landings
 
 from ..core.syscalls import write_all
 from .format import CREATE_FLAGS, DIR_FLAGS, MODE_FILE
@@ -259,7 +259,7 @@ def _new_index(git: Git, tmp: Path, head: str | None, info: bytes) -> tuple[byte
 # renamed into place, deletions, index.lock onto index, then HEAD's branch moved from the old
 # commit, last). Either way that command records it in the audit log (recover_landings).
 
-JOURNAL = "landing.json"
+JOURNAL = LANDING_JOURNAL
 _JOURNAL_KEYS = frozenset(
     {
         "commit_id",
@@ -518,7 +518,7 @@ def recover_landings(ws: Workspace, git: Git | None) -> list[str]:
     if git is None or not ws.review.is_dir():
         return []
     notes = []
-    for journal in sorted(ws.review.glob(f"*/{JOURNAL}")):
+    for journal in interrupted_landings(ws.project, ws.name):
         commit_id = journal.parent.name
         if not valid_id(commit_id):
             continue
