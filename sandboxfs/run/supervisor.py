@@ -67,6 +67,7 @@ from sandboxfs.run.netproxy import (
     printable,
     rule_text,
 )
+from sandboxfs.run.screen import FullScreen, Hold
 from sandboxfs.run.toolchain import Toolchain
 
 EXIT_SETUP = 125  # as `docker run`: the sandbox could not be set up, CMD never ran
@@ -457,6 +458,8 @@ class _Terminal:
         self.home = ttys[0]  # 0, when 0 is the terminal
         on_home = [fd for fd in ttys if device[fd] == device[self.home]]
         self.keyboard = 0 in on_home
+        self.stderr_here = 2 in on_home  # run's own lines land on the program's screen
+        self.full_screen = FullScreen()
         # Where the pty's output goes; with 1 and 2 elsewhere (`run -- CMD > log`), the
         # terminal itself, for the echo of what is typed.
         self.screen: int | None = next((fd for fd in (1, 2) if fd in on_home), None)
@@ -502,6 +505,22 @@ class _Terminal:
         for fd in self.ends:
             os.close(fd)
         self.ends = []
+
+    def size(self) -> tuple[int, int]:
+        """Rows and columns of the user's terminal (24 x 80 when it does not say)."""
+        with contextlib.suppress(OSError):
+            rows, cols, _, _ = struct.unpack(
+                "HHHH", fcntl.ioctl(self.home, termios.TIOCGWINSZ, b"\0" * 8)
+            )
+            if rows and cols:
+                return rows, cols
+        return 24, 80
+
+    def discard_typed(self) -> None:
+        """Drop what was typed on the keyboard and not yet read (before a prompt is drawn)."""
+        if self.keyboard:
+            with contextlib.suppress(termios.error, OSError):
+                termios.tcflush(0, termios.TCIFLUSH)
 
     def resize(self) -> None:
         with contextlib.suppress(OSError):
@@ -557,8 +576,9 @@ class Outcome:
 class Supervisor:
     """Waits for the program, relaying its terminal and forwarding signals to it."""
 
-    def __init__(self, child: _Child, terminal: _Terminal | None) -> None:
+    def __init__(self, child: _Child, terminal: _Terminal | None, hold: Hold) -> None:
         self.child = child
+        self.hold = hold  # run's own lines, held while the prompt or a full screen is up
         self.terminal = terminal
         self.sel = selectors.DefaultSelector()
         self.pidfd = os.pidfd_open(child.pid)
@@ -610,11 +630,15 @@ class Supervisor:
                     self._kill_sandbox()
                 if self.status is None and self.reap_by and time.monotonic() >= self.reap_by:
                     self.status = 128 + signal.SIGKILL  # killed, and not waited for any longer
+            if self.prompting and self.prompt is not None:
+                self.prompt.close("the program ended")
+                self.prompting = False
             self._drain()
             return self.status
         finally:
             if self.terminal is not None:
                 self.terminal.restore()  # before the signals are run's own again
+            self.hold.release()  # what waited for the prompt or a full screen: said now
             signal.set_wakeup_fd(old_wake)
             for signum, handler in old.items():
                 signal.signal(signum, handler)
@@ -643,7 +667,7 @@ class Supervisor:
             if not data:
                 self.sel.unregister(self.child.errors)
             elif self.ready:
-                _write_all(2, data)
+                self.hold.bytes(data)
             else:
                 self.setup_text = (self.setup_text + data)[-65536:]
         elif what == "status":
@@ -686,20 +710,29 @@ class Supervisor:
                 _write_all(self.terminal.copies[fd], data)
 
     def _ask_user(self) -> None:
-        """Show a pending approval request in this terminal: the program's output is held
-        back (its pty is not read) until the user answered."""
+        """Show a pending approval request in this terminal: the program's output (its pty
+        is not read) and run's own lines are held back until it is answered, here or
+        elsewhere, or expires."""
         term = self.terminal
-        if self.prompt is None or self.prompting or not self.ready or term is None:
+        if self.prompt is None or not self.ready or term is None:
             return
+        if self.prompting:
+            if not self.prompt.poll(time.monotonic()):  # answered elsewhere, or expired
+                self._resume_relay()
+            return
+        self.hold.hold("prompt")  # before it is drawn: no notice lands in it
         if self.prompt.poll(time.monotonic()):
             self.prompting = True
             with contextlib.suppress(KeyError, ValueError):
                 self.sel.unregister(term.master)
+        else:
+            self.hold.release("prompt")
 
     def _resume_relay(self) -> None:
         term = self.terminal
         assert term is not None
         self.prompting = False
+        self.hold.release("prompt")
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if term.pending else 0)
         self.sel.register(term.master, events, "master")
         if (group := term.foreground()) is not None:  # a full-screen program draws again
@@ -721,6 +754,11 @@ class Supervisor:
                 return
             if data != b"-" and term.screen is not None:
                 _write_all(term.screen, data)
+                full = term.full_screen.feed(data)
+                if full is True:
+                    self.hold.hold("full screen")
+                elif full is False:
+                    self.hold.release("full screen")
         if events & selectors.EVENT_WRITE and term.pending:
             with contextlib.suppress(BlockingIOError):
                 term.pending = term.pending[os.write(term.master, term.pending) :]
@@ -759,6 +797,8 @@ class Supervisor:
             if signum == signal.SIGWINCH:
                 if self.terminal is not None:
                     self.terminal.resize()
+                if self.prompting and self.prompt is not None:
+                    self.prompt.redraw()
                 continue
             targets = {self.cmd_pid} if self.cmd_pid else set()
             if self.terminal is not None and (group := self.terminal.foreground()):
@@ -950,19 +990,27 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
         etc_copies.close()
         if terminal is not None:
             terminal.started()
+        hold = Hold(lambda data: _write_all(2, data), terminal is not None and terminal.stderr_here)
         if req.net != "host":
-            network = _Network(req, audit, child, control.socket_path(daemon))
-        supervisor = Supervisor(child, terminal)
+            network = _Network(req, audit, child, control.socket_path(daemon), hold.line)
+        supervisor = Supervisor(child, terminal, hold)
         screen = terminal.screen if terminal is not None and terminal.keyboard else None
-        if screen is not None and req.approvals == "ask" and req.report_control is None:
+        asks_here = req.approvals == "ask" and req.report_control is None
+        if terminal is not None and screen is not None and asks_here:
             # the prompt in this very terminal, for this run and the children started inside
             supervisor.prompt = prompt.RelayPrompt(
-                control.socket_path(daemon), lambda data: _write_all(screen, data), nest.prompts
+                control.socket_path(daemon),
+                lambda data: _write_all(screen, data),
+                nest.prompts,
+                size=terminal.size,
+                tell=hold.line,
+                discard=terminal.discard_typed,
+                alternate=lambda: terminal.full_screen.on,
             )
             nest.prompt_here = True
         if not req.quiet:  # said once the sandbox is up: a setup error stays one line
             policy = Policy(req.config.matrix(), req.config.deny, req.trust, req.config.protect)
-            supervisor.on_ready = lambda: _notify(start_line(req, policy, cwd))
+            supervisor.on_ready = lambda: hold.line(start_line(req, policy, cwd))
         status = supervisor.wait()  # the terminal is raw only in there
         ran = supervisor.ready
         if not ran:
@@ -1134,12 +1182,19 @@ class _Network:
     reached, or a name looked up, the first time. Printed with --quiet too: it says why the
     program fails. A child that failed before handing its sockets over says why itself."""
 
-    def __init__(self, req: RunRequest, audit: RunAudit, child: _Child, control_path: Path) -> None:
+    def __init__(
+        self,
+        req: RunRequest,
+        audit: RunAudit,
+        child: _Child,
+        control_path: Path,
+        notify: Callable[[str], None],
+    ) -> None:
         more = (
             "network: more hosts refused or not reached than shown here; all are in "
             f"'sandboxfs audit --session {req.session} --op net'"
         )
-        self.notices = Notices(_notify, more)
+        self.notices = Notices(notify, more)
         self.dns = None if child.dns is None else _start_dns(req, audit, child, self.notices)
         self.proxy = None
         if child.listener is not None:
@@ -1150,16 +1205,6 @@ class _Network:
             self.proxy.close()
         if self.dns is not None:
             self.dns.close()
-
-
-def _notify(line: str) -> None:
-    """One line on run's stderr while the program runs, from the proxy's or the stub's thread.
-    On a terminal in raw mode (the program's keystrokes relayed) it ends with CR LF."""
-    end = "\n"
-    with contextlib.suppress(termios.error, OSError):
-        if os.isatty(2) and not termios.tcgetattr(2)[1] & termios.OPOST:
-            end = "\r\n"
-    _write_all(2, f"sandboxfs: {line}{end}".encode())
 
 
 def _start_proxy(
@@ -1289,7 +1334,7 @@ def connecting_process(
 
 
 def start_line(req: RunRequest, policy: Policy, cwd: str) -> str:
-    """The one line `run` prints once the program starts (not with --quiet; `_notify` puts
+    """The one line `run` prints once the program starts (not with --quiet; `Hold.line` puts
     "sandboxfs: " before it): who, where, what the program may see and change, its network."""
     groups: dict[str, list[str]] = {"writable": [], "read-only": [], "new files only": []}
     hidden: list[str] = []

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from sandboxfs.project import control
+from sandboxfs.project import control, prompt
 from tests.support.cli import SANDBOXFS, sandboxfs, sh, wait_until
 from tests.support.mounts import Mount, mounted
 from tests.support.run import PY, UserTerminal, needs_bwrap
@@ -372,20 +372,25 @@ def test_the_prompt_in_runs_own_terminal_with_a_full_screen_program(project: Pat
     )
     try:
         term.read_until(b"FULL-SCREEN")
-        term.read_until(b"sandboxfs: approval 1 asked by rule repo-delete")
-        term.read_until(b"s: deny and stop asking")
+        term.read_until(b"delete of /repo/a/one")
+        term.read_until(b"s  deny and stop asking")
         shown = len(term.output)
+        time.sleep(prompt.QUIET + 0.2)
         term.send(b"d")  # the key goes to the prompt, not to the program
         term.read_until(b"allow delete under /repo/a/, for this session")
+        time.sleep(prompt.CONFIRM_AFTER + 0.2)
         term.send(b"\r")
-        term.read_until(b"saved: grant 1")
         term.read_until(b"RETRY-OK redrawn=1")
+        # said once the program's full screen is down, not into it
+        term.read_until(b"approval 1: saved grant 1")
         assert term.wait() == 0
+        assert term.output.index(b"saved grant 1") > term.output.index(b"RETRY-OK")
     finally:
         if term.proc is not None and term.proc.poll() is None:
             term.proc.kill()
     assert not (project / "a" / "one").exists()
-    assert b"FULL-SCREEN" not in term.output[shown:]  # the program drew nothing meanwhile
+    # the program drew nothing meanwhile (its source is in the prompt's command line, escaped)
+    assert b"FULL-SCREEN\r\n" not in term.output[shown:]
     entries = sandboxfs("audit", "--project", project, "--json", "--op", "approval").stdout
     answers = [json.loads(line)["approval"] for line in entries.splitlines()]
     assert any(a.get("answer") == "dir" and a["by"].startswith("run (pid ") for a in answers)
@@ -589,7 +594,7 @@ def test_ctrl_c_leaves_the_prompt_in_runs_terminal(project: Path) -> None:
     script = "rm /sandbox/repo/a/one; read line; echo after-$line"
     term.start("run", "--project", project, "--trust", "full", "--quiet", "--", "sh", "-c", script)
     try:
-        term.read_until(b"Ctrl-C leaves it pending")
+        term.read_until(b"Ctrl-C leaves it")
         term.send(b"\x03")
         term.read_until(b"left pending: sandboxfs approve 1 answers it")
         assert [r["id"] for r in _run_pending(project)] == [1]
@@ -665,11 +670,13 @@ def test_a_child_workers_request_is_asked_in_the_parents_terminal(project: Path)
     try:
         term.read_until(b"from worker cleaner, started inside this run")
         term.read_until(b"delete of /repo/a/one")
-        term.read_until(b"s: deny and stop asking")
+        term.read_until(b"s  deny and stop asking")
+        time.sleep(prompt.QUIET + 0.2)
         term.send(b"y")
         term.read_until(b"allow delete of /repo/a/one, once")
+        time.sleep(prompt.CONFIRM_AFTER + 0.2)
         term.send(b"\r")
-        term.read_until(b"saved: grant")
+        term.read_until(b"saved grant")
         term.read_until(b"CHILD-OK")
         assert term.wait() == 0
     finally:
