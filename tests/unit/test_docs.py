@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,28 @@ def test_mkdocs_builds_strict(tmp_path: Path) -> None:
     assert not warnings, warnings
     assert (tmp_path / "site" / "index.html").is_file()
     assert (tmp_path / "site" / "reference" / "cli" / "index.html").is_file()
+
+
+def test_the_readme_keeps_the_set_up_and_test_commands_ci_runs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    quick_start = readme[readme.index("## Quick start") :]
+    quick_start = quick_start[: quick_start.index("\n## ", 1)]
+    for command in (
+        "bash .ci/setup && .venv/bin/sandboxfs run --trust untrusted -- bash",
+        "bash .ci/setup && mkdir -p mnt && .venv/bin/sandboxfs mount mnt --trust untrusted",
+        "bash .ci/setup --test && .venv/bin/python -m pytest",
+    ):
+        assert f"\n{command}\n" in quick_start, command
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "\nbash .ci/setup --test && .venv/bin/python -m pytest || rc=$?\n" in ci
+
+
+def test_the_readme_links_resolve() -> None:
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [link for link in links if "://" not in link]
+    assert local, "the README links to the manual"
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, missing
+    pages = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")}
+    assert pages <= set(local), pages - set(local)  # every manual page is linked
