@@ -104,7 +104,7 @@ _HEADER = {
 
 
 def _replace_header(text: str, header: str) -> str:
-    """Put our header (how to install it as this README says) in place of shtab's, whose
+    """Put our header (how to install it, as docs/commands.md says) in place of shtab's, whose
     advice (a file sourced from ~/.bashrc, a zsh_completion directory) differs."""
     lines = text.splitlines(keepends=True)
     start = 1 if lines[:1] and lines[0].startswith("#compdef") else 0

@@ -450,7 +450,7 @@ def _attach(
 
 
 def _approvals_options(parser: argparse.ArgumentParser, none: str) -> None:
-    """--approvals and --no-approvals of mount and run (README, "Approvals")."""
+    """--approvals and --no-approvals of mount and run (docs/approvals.md)."""
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
         "--approvals",

@@ -127,7 +127,7 @@ def _table(found: list[state.Session], now: float) -> list[str]:
 def _list(args: argparse.Namespace, project: Path) -> int:
     now = time.time()
     found = state.sessions(project, live_contexts(), args.workspace)
-    if args.json:  # a list: one JSON array (see "JSON output" in the README)
+    if args.json:  # a list: one JSON array (see "JSON output" in docs/commands.md)
         print(json.dumps([s.as_json(now) for s in found], indent=2))
         return 0
     where = f" of workspace {args.workspace}" if args.workspace else ""

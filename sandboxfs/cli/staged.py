@@ -130,7 +130,7 @@ def _list(args: argparse.Namespace, ws: Workspace) -> int:
         _note(f"ignored {line}")
     repo = _repo(ws, need_git=False)
     rows = [_list_row(ws.load(commit_id, repo.git), repo) for commit_id in ids]
-    if args.json:  # a list: one JSON array (see "JSON output" in the README)
+    if args.json:  # a list: one JSON array (see "JSON output" in docs/commands.md)
         print(json.dumps(rows, sort_keys=True, indent=2))
         return 0
     if not rows:

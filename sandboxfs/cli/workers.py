@@ -5,7 +5,7 @@ each would get under a parent at a trust level (sandboxfs.project.workers).
 `--trust`, or why it would be refused; a file that does not parse is shown with its one-line
 error and makes the exit code 1. `show NAME` prints one worker whole: its file, description,
 each declared zone with its mode, what it gets and its approval rules, and its instructions.
-`--json`: an array for `list`, an object for `show` (see "JSON output" in the README).
+`--json`: an array for `list`, an object for `show` (see "JSON output" in docs/commands.md).
 """
 
 from __future__ import annotations

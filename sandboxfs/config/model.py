@@ -256,7 +256,7 @@ _RULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
 
 
 class ApprovalRuleConfig(_Strict):
-    """One approval rule (README, "Approvals"): zones and trust left out mean all of them."""
+    """One approval rule (docs/approvals.md): zones and trust left out mean all of them."""
 
     id: str | None = None
     ops: list[approvals.Kind] = Field(min_length=1)

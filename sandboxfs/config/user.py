@@ -130,7 +130,7 @@ class UserConfig(_Strict):
         return value
 
 
-# The agents' own hosts, credentials and settings: see the README's "Running an agent".
+# The agents' own hosts, credentials and settings: see docs/run-and-agents.md, "Running an agent".
 BUILTIN_AGENTS: dict[str, AgentProfile] = {
     "claude": AgentProfile(
         programs=["claude"],

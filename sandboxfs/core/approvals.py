@@ -1,6 +1,6 @@
 """Consent: approval rules, pending requests, grants, grouping and a rate limit.
 
-What the trust level permits may still need the user's consent (README, "Approvals"). Each
+What the trust level permits may still need the user's consent (docs/approvals.md). Each
 operation the guard has already allowed is one of six kinds (read, write, create, delete,
 rename, overwrite); the rules of the mount say, per trust level and zone, whether that kind is
 `preApproved` (the default where nothing is said), `ask` or `blocked`. The strictest matching
@@ -139,7 +139,7 @@ DEFAULT_RULE = Rule("default", Verdict.PRE_APPROVED, frozenset(Kind))
 
 # What the agent profile never asks about: what the everyday tools it is meant for make and
 # remake on their own (a virtualenv, node_modules, build output, caches, byte code), each by
-# its name anywhere in the repository (README, "Approvals").
+# its name anywhere in the repository (docs/approvals.md).
 AGENT_EXCLUDE = (
     ".venv",
     "venv",

@@ -299,7 +299,7 @@ def ordinary_url(value: str | None, local: bool = False) -> str | None:
 def _this_machine(host: str) -> bool:
     """Whether `host` (of [user@]host[:port]) names this machine as written: localhost, a
     loopback or unspecified address, or a number in a form only a resolver reads. (A name
-    that resolves to this machine is not seen: see the README.)"""
+    that resolves to this machine is not seen: see SECURITY.md, what `run` does not block.)"""
     host = host[1:].split("]", 1)[0] if host.startswith("[") else host.split(":", 1)[0]
     name = host.lower().rstrip(".")
     if name == "localhost" or name.endswith((".localhost", ".localdomain")):

@@ -331,7 +331,7 @@ class Patterns:
 #
 # Deliberately not here: .gitattributes and .gitignore (in the working tree, where the user's
 # review shows them), .gitmodules (git takes no `!command` from it), refs, objects, and an
-# interrupted rebase's todo list (see the README).
+# interrupted rebase's todo list (see SECURITY.md, what `run` does not block).
 
 # Zones git's rules do not hold in: the sandbox's own scratch space under the state dir
 # (`.sandbox/`, never part of the project's work tree), where an agent may `git init` and

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What holding one FUSE request in the server does to other processes (README, "Approvals").
+"""What holding one FUSE request in the server does to other processes (docs/approvals.md).
 
 A tiny pyfuse3 filesystem (no sandboxfs): `/d` holds `f` and `g`, `/e` holds `h`. One request on
 `/d/f` (unlink, create, rename to `/e`, or open) waits HOLD seconds in the server, which keeps

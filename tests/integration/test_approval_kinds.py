@@ -1,5 +1,5 @@
 """The agent profile on a real mount and a real run: what counts as an overwrite, how requests
-of one process are grouped, and the everyday tools it must not break (README, "Approvals")."""
+of one process are grouped, and the everyday tools it must not break (docs/approvals.md)."""
 
 from __future__ import annotations
 

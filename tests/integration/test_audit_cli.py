@@ -569,7 +569,7 @@ def test_follow_table_rows(
 
 
 def test_refusals_are_counted_per_refused_system_call(tmp_path: Path) -> None:
-    """README: one `rm` of a name the level may not see is two refusals, its `newfstatat` and
+    """docs/audit.md: one `rm` of a name the level may not see is two refusals, its `newfstatat` and
     its `unlinkat`, as each looks the name up and is refused."""
     project = make_project(tmp_path)
     with mounted(tmp_path / "mnt", project, "untrusted") as m:
@@ -580,7 +580,7 @@ def test_refusals_are_counted_per_refused_system_call(tmp_path: Path) -> None:
     entries = [json.loads(line) for line in shown.stdout.splitlines()]
     refusals = [e for e in entries if e["path"] == "/repo/.env"]
     assert sum(e.get("count", 1) for e in refusals) == 2, refusals
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    manual = (Path(__file__).parents[2] / "docs" / "audit.md").read_text()
     assert "the number of refusals is the number of refused system calls" in " ".join(
-        readme.split()
+        manual.split()
     )

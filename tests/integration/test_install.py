@@ -108,7 +108,7 @@ def checkout(world: Path) -> Path:
     if listed.returncode == 0:
         names = set(filter(None, listed.stdout.split("\0")))
     else:  # not a git work tree (an unpacked archive): what a build reads
-        names = {"pyproject.toml", "README.md"} | {
+        names = {"pyproject.toml", "README.md", "LICENSE"} | {
             str(p.relative_to(REPO))
             for p in (REPO / "sandboxfs").rglob("*")
             if p.is_file() and "__pycache__" not in p.parts

@@ -531,7 +531,7 @@ def test_create_only_staging_at_untrusted(mount_at: Callable[..., Any], project:
         ran = shell(f"echo x > '{c1}/f'")
         if ran.rc != 0:
             failures.append(f"create c1/f: {ran}")
-        # What this mount created reads back (the agent checks its own work, README); what
+        # What this mount created reads back (the agent checks its own work, docs/concepts.md); what
         # another party put there does not.
         own = run("cat", c1 / "f"), run("ls", c1)
         if own[0].rc != 0 or own[0].out != "x\n" or own[1].rc != 0 or own[1].out != "f\n":

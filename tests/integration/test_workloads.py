@@ -174,7 +174,7 @@ def test_git_workflow_in_repo_matches_native(
 ) -> None:
     # The user's project ignores its secrets, as real ones do: inside, deny-listed files are
     # shown but unreadable, so `git add -A` would stop at one that is neither tracked nor
-    # ignored (README, "Deny list").
+    # ignored (docs/concepts.md, "Deny list").
     (project / ".gitignore").write_text(".env\n.ssh/\n*.pem\n")
     native = tmp_path / "native-project"
     shutil.copytree(project, native, symlinks=True)

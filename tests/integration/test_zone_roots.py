@@ -173,7 +173,8 @@ def test_link_on_the_way_to_a_zone_stops_mount_and_run(
             "run", "--project", project, "--trust", "untrusted", "--", "touch", marker
         )
         lines = result.stderr.strip().splitlines()
-        assert result.returncode == 125, (result.returncode, result.stderr)  # README: run's 2
+        # docs/concepts.md: exit 2, `run`: 125
+        assert result.returncode == 125, (result.returncode, result.stderr)
         assert len(lines) == 1 and needle in lines[0], result.stderr
         assert "Traceback" not in result.stderr
         assert not marker.exists()

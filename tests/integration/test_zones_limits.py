@@ -1,6 +1,7 @@
-"""Project zones and per-zone limits (README "Project zones and limits"), on real mounts, with
-real programs: `ls`, `cat`, `sh -c 'echo > ...'`, `cp`, `dd`, `truncate`, `mv`, `ln`, `touch`,
-`mkdir`, `rm`, checking exit codes, the tools' error text, the backing storage and the audit log.
+"""Project zones and per-zone limits (docs/configuration.md, "Project zones and limits"), on
+real mounts, with real programs: `ls`, `cat`, `sh -c 'echo > ...'`, `cp`, `dd`, `truncate`, `mv`,
+`ln`, `touch`, `mkdir`, `rm`, checking exit codes, the tools' error text, the backing storage and
+the audit log.
 
 Two projects, mounted once per module (mounts are shared between tests; every test works on
 names of its own so that the order of the tests does not matter):
@@ -519,7 +520,7 @@ def test_workers_layers_show_their_subdirectories(
 
 
 def test_zone_cannot_expose_the_users_state_dir(tmp_path: Path, project: Path) -> None:
-    """The audit anchors (keys) live in the user's state dir; README: a program confined to
+    """The audit anchors (keys) live in the user's state dir; docs/audit.md: a program confined to
     the mount cannot read the key. A zone at (or inside) it must be refused, or hide it."""
     state = Path(os.environ["SANDBOXFS_STATE_DIR"])
     anchors = state / "anchors"
@@ -630,7 +631,8 @@ def test_bad_config_stops_mount(case: str, tmp_path: Path, project: Path) -> Non
 @pytest.mark.skipif(not os.path.exists("/usr/bin/bwrap"), reason="run needs bubblewrap")
 @pytest.mark.parametrize("case", ["path-missing", "suffix-without-dot", "zones-overlap"])
 def test_bad_config_stops_run_with_125(case: str, tmp_path: Path, project: Path) -> None:
-    """README: a bad zone or limit stops `run` too, with one line, exit 125 (`mount`: 2)."""
+    """docs/configuration.md: a bad zone or limit stops `run` too, with one line, exit 125
+    (`mount`: 2)."""
     text, needles = BAD_CONFIGS[case]
     write_bad_config(project, text)
     marker = tmp_path / "ran"

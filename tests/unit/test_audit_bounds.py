@@ -122,7 +122,7 @@ def test_a_60s_refusal_loop_stays_well_under_5mb(
         del second
     log.close()
     size = path.stat().st_size
-    assert size < 3 << 20, size  # "well under 5 MB" (README: under 3 MB a minute)
+    assert size < 3 << 20, size  # "well under 5 MB" (docs/audit.md: under 3 MB a minute)
     assert _refused_total(path) == total == 180_000
 
 

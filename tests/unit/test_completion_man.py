@@ -36,7 +36,7 @@ printf '%s\n' "${COMPREPLY[@]}"
 """
 
 # Types each line $3... with TAB at its end into an interactive zsh (in a pty) that loaded the
-# script $1 as the README says (eval after compinit); appends the candidates offered, then
+# script $1 as docs/commands.md says (eval after compinit); appends the candidates offered, then
 # "__DONE__", to $2, and the shell's error output to $2.err.
 ZSH_DRIVER = r"""
 zmodload zsh/zpty

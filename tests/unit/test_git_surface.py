@@ -104,7 +104,7 @@ __all__ = ["make", "no_mounts_left_behind"]
         (".git/packed-refs.lock", None),  # judged at its rename
         (".git/objects/info/packs", None),  # git's own
         (".git/modules/lib/objects/info/commit-graph", None),
-        (".git/rebase-merge/git-rebase-todo", None),  # see the README
+        (".git/rebase-merge/git-rebase-todo", None),  # see SECURITY.md
         (".git/modules/lib/HEAD", None),
         (".git/modules/lib/objects/ab/cdef", None),
         (".git/modules/lib/refs/remotes/origin/main", None),  # not the legacy remotes/
