@@ -185,6 +185,7 @@ def make_wheel(directory: Path, cert: bytes) -> Path:
     ("trust", "where"),
     [("full", "repo"), ("session", "workspace/data"), ("untrusted", "session/working")],
 )
+@pytest.mark.timeout(480)  # venv and pip install may take 180 s each
 def test_venv_and_pip_install_of_a_local_wheel(
     mount_at: Callable[..., Any], tmp_path: Path, trust: str, where: str
 ) -> None:
