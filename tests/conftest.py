@@ -1,6 +1,6 @@
 """Fixtures shared by every test module: projects, mounts always unmounted in `finally`, and
 the checks that the suite leaves no mount and no anchor behind (helpers: tests/support); and
-where a hung test's stacks go."""
+the hooks that send a hung test's stacks where an xdist run shows them."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not 
 def inside(cwd: Path, command: str) -> subprocess.CompletedProcess[str]:
     """A shell command line through the mount, with the suite's git identity and no global
     config (so nothing but the repository's own config is read)."""
-    result = sh(command, cwd=cwd, **GIT_ENV)
+    result = sh(command, cwd=cwd, env=GIT_ENV)
     assert "Input/output error" not in result.stderr, result.stderr
     return result
 

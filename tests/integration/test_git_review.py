@@ -34,7 +34,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (setpriv)"
 def inside(cwd: Path, command: str, prefix: str = "") -> subprocess.CompletedProcess[str]:
     if prefix:
         command = f"{prefix}sh -c {shlex.quote(command)}"
-    result = sh(command, cwd=cwd, **GIT_ENV)
+    result = sh(command, cwd=cwd, env=GIT_ENV)
     assert "Input/output error" not in result.stderr, result.stderr
     return result
 

@@ -71,7 +71,7 @@ def fixture_repo(root: Path) -> Path:
 
 
 def inside(m: Mount, command: str) -> subprocess.CompletedProcess[str]:
-    return sh(command, cwd=m.mnt / "repo", **GIT_ENV)
+    return sh(command, cwd=m.mnt / "repo", env=GIT_ENV)
 
 
 def tracked(project: Path) -> list[str]:

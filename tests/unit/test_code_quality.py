@@ -1,4 +1,5 @@
-"""The code stays ruff- and mypy-clean, and the public API stays what it is."""
+"""The code and the tests stay ruff- and mypy-clean (mypy strict on both: pyproject.toml
+[tool.mypy] files), and the public API stays what it is."""
 
 from __future__ import annotations
 
