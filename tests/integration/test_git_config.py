@@ -1,9 +1,9 @@
-"""Issue 20 §3 on a live mount at `full`: git's own changes to `.git/config` (written to
-`config.lock`, renamed onto `config`) are judged by the settings they change. Everyday commands
-work and leave the user's config as git meant; each change that makes git run code or reach
-elsewhere fails (git exits non-zero), is audited with the setting refused, and leaves the
-user's config byte for byte as it was, also through `git config --file`, a hand-written
-`config.lock`, a handle kept open across the rename, config.worktree and a submodule's config.
+"""git's config judged by content, on a live mount at `full`: git's own changes to `.git/config`
+(written to `config.lock`, renamed onto `config`) are judged by the settings they change. Everyday
+commands work and leave the user's config as git meant; each change that makes git run code or reach
+elsewhere fails (git exits non-zero), is audited with the setting refused, and leaves the user's
+config byte for byte as it was, also through `git config --file`, a hand-written `config.lock`, a
+handle kept open across the rename, config.worktree and a submodule's config.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Issue 34 case 19 on a live mount at `full`: what the agent changes always shows in the user's
-own `git status` and `git diff` outside. `.git/info/` (exclude, sparse-checkout, attributes) and
-`refs/replace/` are protected like git's config; a new index renamed onto `.git/index` that marks
-a file assume-unchanged or skip-worktree, or a packed-refs that adds a replace ref, is refused and
-audited; git's everyday index and packed-refs writes (add, commit, pack-refs, index version 4)
-still work.
+"""On a live mount at `full`: what the agent changes always shows in the user's own `git status` and
+`git diff` outside. `.git/info/` (exclude, sparse-checkout, attributes) and `refs/replace/` are
+protected like git's config; a new index renamed onto `.git/index` that marks a file
+assume-unchanged or skip-worktree, or a packed-refs that adds a replace ref, is refused and audited;
+git's everyday index and packed-refs writes (add, commit, pack-refs, index version 4) still work.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Issue 19 §4 on a live mount: nothing the agent writes through sandboxfs decides what code the
-user's git runs later, outside. Each attack is made with real tools through the mount at `full`;
-each step that must fail fails with EROFS and is audited; then the user's real `git status`
-runs outside and must run nothing. A control makes the same attack natively and shows the
+"""git's code-running surface on a live mount: nothing the agent writes through sandboxfs decides
+what code the user's git runs later, outside. Each attack is made with real tools through the mount
+at `full`; each step that must fail fails with EROFS and is audited; then the user's real `git
+status` runs outside and must run nothing. A control makes the same attack natively and shows the
 marker appearing, so the check would see the attack if it worked.
 """
 

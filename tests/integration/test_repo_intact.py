@@ -1,4 +1,4 @@
-"""Issue 20 §1-2 on live mounts: a real project stays intact inside, and virtualenvs work.
+"""On live mounts: a real project stays intact inside, and virtualenvs work.
 
 A repository that tracks a public certificate (`*.pem`), a real private key (`*.key`, made by
 openssl) and a `.env.example`: inside at `full`, `git status` is clean and `git commit -am`

@@ -1,5 +1,4 @@
-"""`sandboxfs run`: refusals on the network explain themselves, and a lost mount is reported
-(issue 21, sections 5 and 8).
+"""`sandboxfs run`: refusals on the network explain themselves, and a lost mount is reported.
 
 With the real command: a host refused by `--net allow` is named once on run's stderr with why
 and the one flag that would allow it, in the proxy's answer (what clients show) and in the exit

@@ -227,7 +227,7 @@ def test_git_clone_of_native_bare_repo(mount_at: Callable[..., Any], tmp_path: P
     with mount_at("full") as m:
         target = m.mnt / "repo" / "third_party" / "origin"
         target.parent.mkdir()
-        # A new .git below the repo would choose what the user's git runs there (issue 19 §4):
+        # A new .git below the repo would choose what the user's git runs there:
         # `git clone` into /repo is refused; into the workspace, the agent's own, it works.
         cloned = sh(f"git clone -q {bare} {target}", env=GIT_ENV)
         assert cloned.returncode != 0 and "Read-only file system" in cloned.stderr, cloned

@@ -389,7 +389,7 @@ def test_the_permission_probe_judges_approvals_without_asking(tmp_path: Path) ->
     assert (project / "a" / "two").exists() and (project / "b" / "one").exists()
 
 
-# ----- issue 34: a grant is exactly what was shown ---------------------------------------------
+# ----- a grant is exactly what was shown ----------------------------------------------------------
 
 ASK_RENAME = Rule("repo-rename", Verdict.ASK, frozenset({Kind.RENAME}), frozenset({"repo"}))
 
