@@ -1,12 +1,9 @@
 """Fixtures shared by every test module: projects, mounts always unmounted in `finally`, and
-the checks that the suite leaves no mount and no anchor behind (helpers: tests/support); and
-the hooks that send a hung test's stacks where an xdist run shows them."""
+the checks that the suite leaves no mount and no anchor behind (helpers: tests/support)."""
 
 from __future__ import annotations
 
-import faulthandler
 import os
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,46 +12,8 @@ import pytest
 
 from tests.support.mounts import force_unmount, make_project, mounted
 
-_HANG_TIMER = pytest.StashKey[threading.Timer]()
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
-    """pytest-timeout's "thread" method, but the stacks go to file descriptor 2.
-
-    pytest-timeout writes them with the terminal writer, which in an xdist worker (the suite runs
-    with -n) goes nowhere: the run would say only "worker crashed". A worker's descriptor 2 is the
-    run's own stderr, so the traceback of every thread shows in the output, and the worker's
-    exit makes xdist fail the test by name."""
-    if settings.method != "thread" or settings.timeout <= 0:
-        return None
-    timer = threading.Timer(settings.timeout, _hung, (item, settings.timeout))
-    timer.name = "pytest-timeout watchdog"
-    timer.daemon = True
-    item.stash[_HANG_TIMER] = timer
-    timer.start()
-    return True
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
-    timer = item.stash.get(_HANG_TIMER, None)
-    if timer is None:
-        return None
-    timer.cancel()
-    timer.join()
-    del item.stash[_HANG_TIMER]
-    return True
-
-
-def _hung(item: pytest.Item, timeout: float) -> None:
-    capture = item.config.pluginmanager.getplugin("capturemanager")
-    if capture is not None:
-        capture.suspend_global_capture(in_=True)  # descriptor 2 is the real stderr again
-    header = f"\n+++ Timeout: {item.nodeid} ran past {timeout:g} s; every thread's stack:\n"
-    os.write(2, header.encode())
-    faulthandler.dump_traceback(file=2, all_threads=True)
-    os._exit(1)
+# Where a hung test's stacks go (pytest-timeout's hooks).
+pytest_plugins = ["tests.support.timeouts"]
 
 
 @pytest.fixture

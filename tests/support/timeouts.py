@@ -1,0 +1,55 @@
+"""A hung test's stacks where an xdist run shows them: hooks over pytest-timeout.
+
+pytest-timeout (`timeout` and `timeout_method = "thread"` in pyproject.toml) ends a test that
+runs past its limit. Its "thread" method writes the stacks with pytest's terminal writer, which in
+an xdist worker (the suite runs with -n) goes nowhere: the run would say only "worker crashed".
+These hooks replace that one step: the stacks go to file descriptor 2, which in a worker is the
+run's own stderr, and the worker's exit makes xdist fail the test by name. "thread" rather than
+"signal": a SIGALRM exception raised inside trio's run loop or a FUSE callback would not unwind
+cleanly. Loaded by tests/conftest.py; tests/unit/test_timeouts.py hangs a test to check it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import threading
+from typing import Any
+
+import pytest
+
+_HANG_TIMER = pytest.StashKey[threading.Timer]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """pytest-timeout's "thread" method, but the stacks go to file descriptor 2."""
+    if settings.method != "thread" or settings.timeout <= 0:
+        return None
+    timer = threading.Timer(settings.timeout, _hung, (item, settings.timeout))
+    timer.name = "pytest-timeout watchdog"
+    timer.daemon = True
+    item.stash[_HANG_TIMER] = timer
+    timer.start()
+    return True
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
+    timer = item.stash.get(_HANG_TIMER, None)
+    if timer is None:
+        return None
+    timer.cancel()
+    timer.join()
+    del item.stash[_HANG_TIMER]
+    return True
+
+
+def _hung(item: pytest.Item, timeout: float) -> None:
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.suspend_global_capture(in_=True)  # descriptor 2 is the real stderr again
+    header = f"\n+++ Timeout: {item.nodeid} ran past {timeout:g} s; every thread's stack:\n"
+    os.write(2, header.encode())
+    faulthandler.dump_traceback(file=2, all_threads=True)
+    os._exit(1)
