@@ -12,8 +12,10 @@ cleanly. Loaded by tests/conftest.py; tests/unit/test_timeouts.py hangs a test t
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import threading
+import traceback
 from typing import Any
 
 import pytest
@@ -52,4 +54,21 @@ def _hung(item: pytest.Item, timeout: float) -> None:
     header = f"\n+++ Timeout: {item.nodeid} ran past {timeout:g} s; every thread's stack:\n"
     os.write(2, header.encode())
     faulthandler.dump_traceback(file=2, all_threads=True)
+    os.write(2, _trio_tasks().encode())
     os._exit(1)
+
+
+def _trio_tasks() -> str:
+    """Where each trio task waits: a trio test's thread stack ends in trio's run loop, its
+    tasks' coroutines are not on it. Read from another thread, without the loop's consent, from
+    a process about to end: good enough to say where a test hung."""
+    runners = [obj for obj in gc.get_objects() if type(obj).__qualname__ == "Runner"]
+    text = ""
+    for runner in runners:
+        if type(runner).__module__ != "trio._core._run":
+            continue
+        for task in list(runner.tasks):
+            frames = traceback.StackSummary.extract(task.iter_await_frames())
+            text += f"\nTrio task {task.name} (most recent call last):\n"
+            text += "".join(traceback.format_list(frames))
+    return text
