@@ -19,6 +19,7 @@ import traceback
 from typing import Any
 
 import pytest
+from pytest_timeout import is_debugging  # type: ignore[import-untyped]  # it ships no type hints
 
 _HANG_TIMER = pytest.StashKey[threading.Timer]()
 
@@ -28,7 +29,7 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
     """pytest-timeout's "thread" method, but the stacks go to file descriptor 2."""
     if settings.method != "thread" or settings.timeout <= 0:
         return None
-    timer = threading.Timer(settings.timeout, _hung, (item, settings.timeout))
+    timer = threading.Timer(settings.timeout, _hung, (item, settings))
     timer.name = "pytest-timeout watchdog"
     timer.daemon = True
     item.stash[_HANG_TIMER] = timer
@@ -47,12 +48,14 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
     return True
 
 
-def _hung(item: pytest.Item, timeout: float) -> None:
+def _hung(item: pytest.Item, settings: Any) -> None:
+    if not settings.disable_debugger_detection and is_debugging():
+        return  # someone is debugging (pdb entered): no timeout, as pytest-timeout does
     capture = item.config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
         capture.suspend_global_capture(in_=True)  # descriptor 2 is the real stderr again
-    header = f"\n+++ Timeout: {item.nodeid} ran past {timeout:g} s; every thread's stack:\n"
-    os.write(2, header.encode())
+    took = f"{item.nodeid} ran past {settings.timeout:g} s"
+    os.write(2, f"\n+++ Timeout: {took}; every thread's stack:\n".encode())
     faulthandler.dump_traceback(file=2, all_threads=True)
     os.write(2, _trio_tasks().encode())
     os._exit(1)
