@@ -12,6 +12,9 @@ import pytest
 
 from tests.support.mounts import force_unmount, make_project, mounted
 
+# Where a hung test's stacks go (pytest-timeout's hooks).
+pytest_plugins = ["tests.support.timeouts"]
+
 
 @pytest.fixture
 def project(tmp_path: Path) -> Path:

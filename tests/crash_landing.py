@@ -1,7 +1,7 @@
-"""A longer crash loop for `sandboxfs staged commit` (issue 34 case 24), not in the default run:
-each round lands a staged commit of FILES changed files, kills it with SIGKILL at a random
-moment, runs `sandboxfs staged list` (which recovers), and checks that the repository is all
-old (HEAD, index and files; the review pending) or all new (the review committed), with no
+"""A longer crash loop for `sandboxfs staged commit` (killed anywhere, it lands all or nothing), not
+in the default run: each round lands a staged commit of FILES changed files, kills it with SIGKILL
+at a random moment, runs `sandboxfs staged list` (which recovers), and checks that the repository is
+all old (HEAD, index and files; the review pending) or all new (the review committed), with no
 temporary file or index.lock left and `git status` clean.
 
     .venv/bin/python tests/crash_landing.py [ROUNDS] [FILES]

@@ -1,4 +1,4 @@
-"""The gate: one method per operation, each running every rule of SPEC §3-§4 in its one order.
+"""The gate: one method per operation, each running all of that operation's rules in one order.
 
 Both front ends call it and do nothing but translate: the FUSE adapter (sandboxfs.operations:
 inode numbers, handles, errno, the kernel's caches) and the Python API (sandboxfs.api.sandbox:

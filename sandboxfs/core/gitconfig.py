@@ -1,4 +1,4 @@
-"""Judging a change to one of git's config files by what it changes (issue 20 §3).
+"""Judging a change to one of git's config files by the settings it adds or changes.
 
 git never writes `.git/config` in place: it writes `config.lock` and renames it onto `config`
 (`git config --file`, `remote add`, `checkout -b --track`, `branch -D` alike). The guard

@@ -1,4 +1,4 @@
-"""The guard: every rule of SPEC §3-§4 and every audit entry, for every front end.
+"""The guard: every rule of what a trust level may do in each zone, and every audit entry.
 
 Each method takes the caller, what it asks for and where (store nodes: a parent and a name,
 or an existing node), and either returns (allowed) or audits the refusal and raises
@@ -636,7 +636,7 @@ class Guard:
             decision = Decision(False, errno.EXDEV, reason)
             raise self.refuse(caller, AuditOp.LINK, src, Zone.STAGED, decision, dest=dest)
 
-    # ----- project zones' directories in /repo (issue 19 §5) ----------------------------------
+    # ----- project zones' directories in /repo: never removed, renamed or replaced ----------------
 
     # Set by pin_zone_roots: what lies at a path of /repo (relative to it), if a project zone's
     # directory is there or below it.

@@ -516,7 +516,7 @@ class Policy:
         return self._decisions[(zone, Op.WRITE)]
 
     def decide_lookup(self, zone: Zone, is_dir: bool, created_here: bool) -> Decision:
-        """Resolving an existing name: SPEC §4's traverse rule.
+        """Resolving an existing name: every name resolves in a zone the level may read or list.
 
         In a create-only zone directories resolve (so new entries can be made inside them) and
         so do entries this mount created itself; other existing files are refused.

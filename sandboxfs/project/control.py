@@ -47,7 +47,7 @@ from sandboxfs.core.approvals import Answer
 from sandboxfs.core.policy import Trust
 from sandboxfs.core.syscalls import is_dumpable, set_dumpable
 from sandboxfs.errors import Failure
-from sandboxfs.layout import control_dir
+from sandboxfs.layout import control_dir as control_dir  # re-exported: where the sockets are
 
 VERSION = 1
 MAX_REQUEST = 64 << 10

@@ -512,7 +512,8 @@ def protected_patterns(project: Path, config: Config, config_file: Path | None) 
     inside the project (the mount must not let an agent choose its next policy). For a config
     file that is a link, both: the link and the file it leads to are the next policy."""
     patterns = list(config.protect)
-    # What of git's code-running surface its built-in rules cannot see (issue 19 §4).
+    # What of git's code-running surface (the files that decide which programs the user's git
+    # runs) its built-in rules cannot see.
     patterns += [p for p in git_surface_protect(project) if p not in patterns]
     names = [Path(os.path.abspath(config_file))] if config_file is not None else []
     source = config_file if config_file is not None else project / PROJECT_CONFIG_NAME

@@ -461,7 +461,7 @@ def tree_rep(t: Target, i: int) -> dict[str, float]:
     r["tree.grep"], _ = run_cmd(["grep", "-r", "-c", "-F", "import", "."], cwd=src, ok=(0, 1))
     t0 = time.perf_counter()
     # The user's repository exists before the agent runs: sandboxfs refuses a new .git below a
-    # zone root (issue 19), so `git init` runs outside; add and commit write through the mount.
+    # zone root, so `git init` runs outside; add and commit write through the mount.
     run_cmd(["git", "init", "-q", "-b", "main"], cwd=t.native(src), env=env)
     run_cmd(["git", "add", "-A"], cwd=src, env=env)
     run_cmd(["git", "commit", "-q", "-m", "import"], cwd=src, env=env)

@@ -133,7 +133,7 @@ def probe(mnt: str, held: str) -> None:
 def main() -> None:
     held, mnt = sys.argv[1], sys.argv[2]
     os.makedirs(mnt, exist_ok=True)
-    pyfuse3.init(HoldingFS(held), mnt, ["fsname=holding"])
+    pyfuse3.init(HoldingFS(held), mnt, {"fsname=holding"})
     threading.Thread(target=probe, args=(mnt, held), daemon=True).start()
     try:
         trio.run(pyfuse3.main, 1, 8)  # min_tasks, max_tasks

@@ -242,6 +242,7 @@ PIP = (
 
 
 @needs_bwrap
+@pytest.mark.timeout(330)  # the pip install run is allowed 240 s
 def test_the_agent_profile_lets_pip_install_into_a_venv_in_the_repo(project: Path) -> None:
     (project / "sandboxfs.yaml").write_text(AGENT)
     (project / "src" / "main.py").write_text("print('the user')\n")

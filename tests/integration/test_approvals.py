@@ -744,7 +744,7 @@ def test_replies_of_any_size_arrive_whole(tmp_path: Path, project: Path) -> None
         assert all((project / f"t{n:02d}" / long / "f").exists() for n in range(30))
 
 
-# ----- issue 34: a grant is exactly what was shown ---------------------------------------------
+# ----- a grant is exactly what was shown ----------------------------------------------------------
 
 
 def answer_as_shown(m: Mount, request: dict[str, Any], answer: str) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from sandboxfs.audit.anchor import anchor_path
 from tests.support.cli import SANDBOXFS, assert_one_line_error, sandboxfs, sh
 from tests.support.mounts import make_project, mounted
 
-SPEC_FIELDS = (
+ENTRY_FIELDS = (
     "id",
     "ts",
     "op",
@@ -155,7 +155,7 @@ def test_json_entries_carry_every_spec_field(history: History) -> None:
     ops = [e for e in history.entries if e["op"] not in ("mount", "unmount")]
     assert ops
     for entry in ops:
-        missing = [f for f in SPEC_FIELDS if f not in entry]
+        missing = [f for f in ENTRY_FIELDS if f not in entry]
         assert not missing, (missing, entry)
         assert entry["ts"].endswith("Z") and len(entry["ts"]) == len("2026-01-01T00:00:00.000000Z")
         assert len(entry["hash"]) == 64 and len(entry["prev"]) == 64
@@ -187,7 +187,7 @@ def test_lifecycle_entries_carry_every_spec_field(history: History) -> None:
     lifecycle = [e for e in history.entries if e["op"] in ("mount", "unmount")]
     assert len(lifecycle) == 4
     for entry in lifecycle:
-        missing = [f for f in SPEC_FIELDS if f not in entry]
+        missing = [f for f in ENTRY_FIELDS if f not in entry]
         assert not missing, (missing, entry)
 
 

@@ -1,4 +1,4 @@
-"""Bad input gets one line: never a traceback, a hang, a huge message or a leak (issue 22 §4).
+"""Bad input gets one line: never a traceback, a hang, a huge message or a leak.
 
 Each row of the table is a bad input handed to `mount` and to `run` as a user would: the
 command must answer with exactly one line on stderr, the documented exit code (2; `run`: 125),

@@ -1,5 +1,5 @@
 """Out of descriptors, killed, shared: the daemon keeps serving, cleans up after itself, and
-other users' hard links work (issue 22 §1, §3, §5).
+other users' hard links work.
 
 Daemons are started under `prlimit --nofile=N:N` (soft and hard: the daemon cannot raise it)
 so that their descriptor table is small enough to fill from a test.
@@ -68,7 +68,7 @@ def open_descriptors(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-# ----- §1: a full descriptor table never jams or kills the mount ------------------------------
+# ----- a full descriptor table never jams or kills the mount --------------------------------------
 
 
 def test_a_find_over_more_directories_than_descriptors_leaves_the_mount_working(
@@ -156,7 +156,7 @@ def test_a_control_request_while_the_daemon_is_out_of_descriptors(
         assert "Traceback" not in log
 
 
-# ----- §3: control sockets of killed daemons are swept ----------------------------------------
+# ----- control sockets of killed daemons are swept ------------------------------------------------
 
 
 def _wait_dead(pid: int) -> None:
@@ -208,7 +208,7 @@ def test_control_sockets_of_killed_daemons_are_swept(
     assert control.sweep() == []
 
 
-# ----- §5: other users' hard links on a root --allow-other mount ------------------------------
+# ----- other users' hard links on a root --allow-other mount --------------------------------------
 
 
 @pytest.fixture

@@ -163,7 +163,7 @@ class FsMachine(RuleBasedStateMachine):
         for extra in flags[1]:
             value |= extra
         opened: list[int | None] = []
-        results = []
+        results: list[tuple[str, str | None]] = []
         for d in self.dirs:
             try:
                 opened.append(os.open(os.path.join(d, path), value, mode))

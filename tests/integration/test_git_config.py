@@ -1,9 +1,9 @@
-"""Issue 20 §3 on a live mount at `full`: git's own changes to `.git/config` (written to
-`config.lock`, renamed onto `config`) are judged by the settings they change. Everyday commands
-work and leave the user's config as git meant; each change that makes git run code or reach
-elsewhere fails (git exits non-zero), is audited with the setting refused, and leaves the
-user's config byte for byte as it was, also through `git config --file`, a hand-written
-`config.lock`, a handle kept open across the rename, config.worktree and a submodule's config.
+"""git's config judged by content, on a live mount at `full`: git's own changes to `.git/config`
+(written to `config.lock`, renamed onto `config`) are judged by the settings they change. Everyday
+commands work and leave the user's config as git meant; each change that makes git run code or reach
+elsewhere fails (git exits non-zero), is audited with the setting refused, and leaves the user's
+config byte for byte as it was, also through `git config --file`, a hand-written `config.lock`, a
+handle kept open across the rename, config.worktree and a submodule's config.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not 
 def inside(cwd: Path, command: str) -> subprocess.CompletedProcess[str]:
     """A shell command line through the mount, with the suite's git identity and no global
     config (so nothing but the repository's own config is read)."""
-    result = sh(command, cwd=cwd, **GIT_ENV)
+    result = sh(command, cwd=cwd, env=GIT_ENV)
     assert "Input/output error" not in result.stderr, result.stderr
     return result
 

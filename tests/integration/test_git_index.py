@@ -36,7 +36,7 @@ _SCAN = re.compile(r"refresh/sum_scan:(\d+)")
 
 
 def run(cmd: str, cwd: Path, **env: str) -> str:
-    result = sh(cmd, cwd=cwd, **{**GIT_ENV, **env})
+    result = sh(cmd, cwd=cwd, env={**GIT_ENV, **env})
     assert result.returncode == 0, f"{cmd!r} in {cwd}: {result.returncode}\n{result.stderr}"
     return result.stdout
 

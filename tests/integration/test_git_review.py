@@ -1,9 +1,8 @@
-"""Issue 34 case 19 on a live mount at `full`: what the agent changes always shows in the user's
-own `git status` and `git diff` outside. `.git/info/` (exclude, sparse-checkout, attributes) and
-`refs/replace/` are protected like git's config; a new index renamed onto `.git/index` that marks
-a file assume-unchanged or skip-worktree, or a packed-refs that adds a replace ref, is refused and
-audited; git's everyday index and packed-refs writes (add, commit, pack-refs, index version 4)
-still work.
+"""On a live mount at `full`: what the agent changes always shows in the user's own `git status` and
+`git diff` outside. `.git/info/` (exclude, sparse-checkout, attributes) and `refs/replace/` are
+protected like git's config; a new index renamed onto `.git/index` that marks a file
+assume-unchanged or skip-worktree, or a packed-refs that adds a replace ref, is refused and audited;
+git's everyday index and packed-refs writes (add, commit, pack-refs, index version 4) still work.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (setpriv)"
 def inside(cwd: Path, command: str, prefix: str = "") -> subprocess.CompletedProcess[str]:
     if prefix:
         command = f"{prefix}sh -c {shlex.quote(command)}"
-    result = sh(command, cwd=cwd, **GIT_ENV)
+    result = sh(command, cwd=cwd, env=GIT_ENV)
     assert "Input/output error" not in result.stderr, result.stderr
     return result
 

@@ -1,7 +1,7 @@
-"""Issue 19 §4 on a live mount: nothing the agent writes through sandboxfs decides what code the
-user's git runs later, outside. Each attack is made with real tools through the mount at `full`;
-each step that must fail fails with EROFS and is audited; then the user's real `git status`
-runs outside and must run nothing. A control makes the same attack natively and shows the
+"""git's code-running surface on a live mount: nothing the agent writes through sandboxfs decides
+what code the user's git runs later, outside. Each attack is made with real tools through the mount
+at `full`; each step that must fail fails with EROFS and is audited; then the user's real `git
+status` runs outside and must run nothing. A control makes the same attack natively and shows the
 marker appearing, so the check would see the attack if it worked.
 """
 
@@ -27,7 +27,7 @@ def steps(m: Mount, script: list[tuple[str, str]], cwd: Path) -> dict[str, str]:
     """Run each (name, shell command) through the mount; "ok" or its stderr."""
     outcome: dict[str, str] = {}
     for name, command in script:
-        result = sh(command, cwd=cwd, **GIT_ENV)
+        result = sh(command, cwd=cwd, env=GIT_ENV)
         outcome[name] = "ok" if result.returncode == 0 else result.stderr.strip() or "failed"
         assert "Input/output error" not in result.stderr, result.stderr
     return outcome
@@ -93,7 +93,7 @@ def test_the_commondir_reproduction_runs_nothing_outside(
         assert any(e["op"] == "rename" and e.get("dest") == "/repo/.git/commondir" for e in denied)
         assert any(e["op"] == "link" and e.get("dest") == "/repo/.git/commondir" for e in denied)
         # git itself still works inside.
-        assert sh("git status --porcelain", cwd=repo, **GIT_ENV).returncode == 0
+        assert sh("git status --porcelain", cwd=repo, env=GIT_ENV).returncode == 0
     assert not (project / ".git" / "commondir").exists()
     assert not (project / ".git" / "config.worktree").exists()
     status = git(project, "status", "--porcelain")
@@ -212,12 +212,12 @@ def test_submodule_and_nested_clone_readable_but_pinned(
         ):
             assert denial(m, path, entries=denied)["errno"] == "EROFS", path
         # The submodule still works inside: status recurses, a commit in it writes objects.
-        inside = sh("git status --porcelain", cwd=repo, **GIT_ENV)
+        inside = sh("git status --porcelain", cwd=repo, env=GIT_ENV)
         assert inside.returncode == 0, inside.stderr
         edit = sh(
             "echo 'y = 2' >> lib.py && git commit -qam edit && git log --format=%s -1",
             cwd=repo / "src" / "lib",
-            **GIT_ENV,
+            env=GIT_ENV,
         )
         assert edit.returncode == 0 and edit.stdout == "edit\n", edit.stderr
     status = git(project, "status")

@@ -102,15 +102,15 @@ def test_git_sees_an_edit_outside_at_once(tmp_path: Path, project: Path) -> None
         "git add README.md src",
         "git -c user.name=t -c user.email=t@example.invalid commit -qm init",
     ):
-        assert sh(cmd, cwd=project, **env).returncode == 0
+        assert sh(cmd, cwd=project, env=env).returncode == 0
     with mounted(tmp_path / "mnt", project, "full") as m:
         inside = m.mnt / "repo"
-        status = sh("git status --porcelain --untracked-files=no", cwd=inside, **env)
+        status = sh("git status --porcelain --untracked-files=no", cwd=inside, env=env)
         assert status.returncode == 0 and status.stdout == "", status.stderr
         (project / "src" / "main.py").write_text("print('edited outside')\n")
 
         def modified() -> bool:
-            out = sh("git status --porcelain --untracked-files=no", cwd=inside, **env).stdout
+            out = sh("git status --porcelain --untracked-files=no", cwd=inside, env=env).stdout
             return out == " M src/main.py\n"
 
         assert shows(modified)

@@ -163,6 +163,8 @@ def base_python() -> str:
     return base if probe.returncode == 0 else "/usr/bin/python3"
 
 
+# The module's wheelhouse (up to 600 s) may be built in this test's set-up, then two 300 s installs.
+@pytest.mark.timeout(1500)
 def test_ordinary_user_installs_from_a_read_only_checkout(
     checkout: Path, wheelhouse: Path, home: Path
 ) -> None:
@@ -236,6 +238,7 @@ def report(result: subprocess.CompletedProcess[str]) -> list[str]:
     return lines[ready + 1 :]
 
 
+@pytest.mark.timeout(1080)  # its two set-up runs may take 900 s and 120 s
 def test_setup_says_what_it_changed_and_a_second_run_changes_nothing() -> None:
     first = run([*SETUP, "--test", "--system-only"], timeout=900)
     assert first.returncode == 0, first.stdout + first.stderr
@@ -252,6 +255,7 @@ def test_setup_says_what_it_changed_and_a_second_run_changes_nothing() -> None:
 
 @pytest.mark.skipif(not ROOT, reason="needs root (a private mount namespace)")
 @pytest.mark.skipif(not Path("/etc/fuse.conf").is_file(), reason="fuse3 is not installed")
+@pytest.mark.timeout(2760)  # three set-up runs of up to 900 s each
 def test_setup_edits_fuse_conf_only_when_asked(tmp_path: Path) -> None:
     # A stand-in /etc/fuse.conf lacking user_allow_other, bound over the real one in a private
     # mount namespace: the machine's own file is never touched.

@@ -200,7 +200,7 @@ def test_three_mounts_in_a_cycle_never_hang_nor_cross(tmp_path: Path) -> None:
         for name, m in mounts.items():
             made = run(f"echo {name} > {m.mnt}/session/working/f.txt")
             assert made.returncode == 0, made.stderr
-        probes = []
+        probes: list[list[str | Path]] = []
         for x in mounts:
             for y in mounts:
                 if x == y:

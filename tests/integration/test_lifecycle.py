@@ -718,6 +718,7 @@ def test_installed_package_works_outside_the_repo() -> None:
         assert command in help_text.stdout
 
 
+@pytest.mark.timeout(390)  # the wheel build is allowed 300 s
 def test_wheel_ships_defaults_and_entry_point(tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parents[2]
     # Build from a copy, so that the build leaves nothing (build/, egg-info) in the repository.

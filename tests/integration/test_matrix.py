@@ -1,13 +1,13 @@
-"""The whole permission matrix of SPEC §3, at every trust level, on real mounts, with real tools.
+"""The whole permission matrix (what each trust level may read, write, list and delete in each
+zone), at every trust level, on real mounts, with real tools.
 
-The expected outcomes are written out literally below from SPEC §3 (the matrix) and §4 (which
-callback checks which operation, and which errno a refusal gets), as amended by the hardening
-rules (absent-looking names): LOOKUP answers "absent" (ENOENT) for every name the level may not
-know about (every name in a zone it has no access to, existing files of a create-only zone this
-mount did not create), audited as a refused `read` when the name exists; an operation that
-creates a name reaches its own callback and is refused there as the write it is (EACCES);
-listing a zone without access is still EACCES. They are deliberately not derived from
-sandboxfs's own policy code or its defaults.yaml.
+The expected outcomes are written out literally below: the matrix, which callback checks which
+operation and which errno a refusal gets, as amended by the hardening rules (absent-looking names):
+LOOKUP answers "absent" (ENOENT) for every name the level may not know about (every name in a zone
+it has no access to, existing files of a create-only zone this mount did not create), audited as a
+refused `read` when the name exists; an operation that creates a name reaches its own callback and
+is refused there as the write it is (EACCES); listing a zone without access is still EACCES. They
+are deliberately not derived from sandboxfs's own policy code or its defaults.yaml.
 
 Each test mounts once, runs every tool against every zone, collects what went wrong and asserts
 once at the end with a readable list, so one run shows the whole picture.
@@ -44,8 +44,9 @@ SHELL_MESSAGE = {ENOENT: "Directory nonexistent"}
 LEVELS = ["untrusted", "session", "workspace", "full"]
 ZONES = ["session", "workspace", "repo", "staged", "workers"]
 
-# SPEC §3, cell by cell: letters of "r w l d", "" for "—", "create-only" for "w (create-only)".
-SPEC_MATRIX: dict[str, dict[str, str]] = {
+# The matrix, cell by cell: letters of "r w l d", "" for "—", "create-only" for
+# "w (create-only)".
+MATRIX: dict[str, dict[str, str]] = {
     "untrusted": {
         "session": "rwld",
         "workspace": "",
@@ -94,7 +95,7 @@ TOOL_OPS: list[str] = [
     "ln-s",  # ln -s m D/sym                 symlink                   -> write
 ]
 
-# SPEC §3/§4 as amended (absent-looking names): the outcome of each tool for each kind of cell
+# The matrix as amended (absent-looking names): the outcome of each tool for each kind of cell
 # of the matrix. For "" it depends on where D is: see NO_ACCESS_BELOW_ROOT and outcome().
 OUTCOME: dict[str, dict[str, str]] = {
     "rwld": {op: OK for op in TOOL_OPS},
@@ -445,7 +446,7 @@ def mount_paths(m: Mount, ran: Ran) -> set[str]:
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_matrix_at_level(mount_at: Callable[..., Any], project: Path, level: str) -> None:
-    """Every zone x every tool at one trust level, as SPEC §3/§4 say."""
+    """Every zone x every tool at one trust level, as the matrix and the callbacks' rules say."""
     cases = prepare(project)
     failures: list[str] = []
     denials: list[tuple[str, Ran, str]] = []
@@ -453,7 +454,7 @@ def test_matrix_at_level(mount_at: Callable[..., Any], project: Path, level: str
     with mount_at(level, "--session", SESSION_ID) as m:
         assert m.session == SESSION_ID
         for case in cases:
-            cell = SPEC_MATRIX[level][case.zone]
+            cell = MATRIX[level][case.zone]
             d = case.mdir(m)
             main = d / case.main
             for op in TOOL_OPS:
@@ -568,8 +569,9 @@ def test_create_only_staging_at_untrusted(mount_at: Callable[..., Any], project:
 def test_create_only_file_cannot_be_truncated_after_close(
     mount_at: Callable[..., Any], project: Path
 ) -> None:
-    """SPEC §3: new files are written *while open*; existing ones (also the ones this mount
-    created, once closed) cannot be truncated, neither through open nor through truncate(2)."""
+    """Create-only staging: new files are written *while open*; existing ones (also the ones this
+    mount created, once closed) cannot be truncated, neither through open nor through
+    truncate(2)."""
     failures: list[str] = []
     with mount_at("untrusted") as m:
         c1 = m.mnt / "staged" / "c1"

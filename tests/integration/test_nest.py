@@ -1,7 +1,7 @@
-"""Nested workers under `sandboxfs run` against a hostile parent (issue 34): a child's level is
-the daemon's current one, never what a file read through the mount says; nesting is bounded
-in depth and in runs alive per top-level run; a child's command is one its parent could run;
-idle connections to the nest socket are bounded."""
+"""Nested workers under `sandboxfs run` against a hostile parent: a child's level is the daemon's
+current one, never what a file read through the mount says; nesting is bounded in depth and in runs
+alive per top-level run; a child's command is one its parent could run; idle connections to the nest
+socket are bounded."""
 
 from __future__ import annotations
 

@@ -806,6 +806,7 @@ def test_file_written_in_records_stays_cached_for_its_reader(wd: Dirs) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 100,000 creates, then a listing allowed 300 s
 def test_hundred_thousand_entries(mount_at: Callable[..., Any], project: Path) -> None:
     big = project / "bigdir"
     big.mkdir()

@@ -1,4 +1,4 @@
-"""Issue 20 §1-2 on live mounts: a real project stays intact inside, and virtualenvs work.
+"""On live mounts: a real project stays intact inside, and virtualenvs work.
 
 A repository that tracks a public certificate (`*.pem`), a real private key (`*.key`, made by
 openssl) and a `.env.example`: inside at `full`, `git status` is clean and `git commit -am`
@@ -71,7 +71,7 @@ def fixture_repo(root: Path) -> Path:
 
 
 def inside(m: Mount, command: str) -> subprocess.CompletedProcess[str]:
-    return sh(command, cwd=m.mnt / "repo", **GIT_ENV)
+    return sh(command, cwd=m.mnt / "repo", env=GIT_ENV)
 
 
 def tracked(project: Path) -> list[str]:
@@ -185,6 +185,7 @@ def make_wheel(directory: Path, cert: bytes) -> Path:
     ("trust", "where"),
     [("full", "repo"), ("session", "workspace/data"), ("untrusted", "session/working")],
 )
+@pytest.mark.timeout(480)  # venv and pip install may take 180 s each
 def test_venv_and_pip_install_of_a_local_wheel(
     mount_at: Callable[..., Any], tmp_path: Path, trust: str, where: str
 ) -> None:

@@ -416,7 +416,8 @@ def test_escapes_fail(project: Path, tmp_path: Path) -> None:
 
 
 def test_interactive_bash_with_job_control(project: Path) -> None:
-    args = ["run", "--project", project, "--trust", "session", "--env", "PS1=sbx> "]
+    args: list[str | Path] = ["run", "--project", project, "--trust", "session"]
+    args += ["--env", "PS1=sbx> "]
     with on_pty(*args, "--", "bash", "--norc") as t:
         t.read_until(b"sbx> ")
         t.send(b"sleep 30 &\n")
@@ -447,7 +448,7 @@ def test_tiocsti_cannot_reach_the_terminal(project: Path, tmp_path: Path) -> Non
     terminal is a pty of run's, never the user's."""
     with host_services(tmp_path) as services:
         facts = escape_facts(project, services, os.path.expanduser("~"))
-        args = ["run", "--project", project, "--trust", "full", "-q", "--"]
+        args: list[str | Path] = ["run", "--project", project, "--trust", "full", "-q", "--"]
         with on_pty(*args, PY, "-c", ESCAPE_PROBE, json.dumps(facts)) as t:
             assert t.wait() == 0, t.output
     result = subprocess.CompletedProcess([], 0, t.output.decode(errors="replace"), "")
@@ -571,7 +572,8 @@ def test_setup_errors_exit_125_with_one_line(project: Path) -> None:
         ["--trust", "root"],
         [],
     ):
-        cmd = ["run", "--project", project, *args, *(["--", "true"] if args else [])]
+        cmd: list[str | Path] = ["run", "--project", project, *args]
+        cmd += ["--", "true"] if args else []
         result = sbx(*cmd)
         assert result.returncode == 125, (args, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
@@ -644,7 +646,7 @@ def test_killed_run_leaves_nothing_behind(project: Path) -> None:
 def test_a_dead_daemon_is_cleaned_by_the_next_command(project: Path) -> None:
     """run and its daemon both killed: the mount is dead (ENOTCONN) and its directory stays,
     until the next sandboxfs command removes them."""
-    args = [
+    args: list[str | Path] = [
         "--project",
         project,
         "--new-session",

@@ -1,7 +1,6 @@
-"""The program knows where it is (issue 21 §6): `run`'s start line, the project found from a
-subdirectory as git finds it, the guide at /sandbox/.sandboxfs/README at every trust level,
-an untrusted agent reading back what it staged (and nothing of anyone else's), and the exit
-summary counting files."""
+"""The program knows where it is: `run`'s start line, the project found from a subdirectory as git
+finds it, the guide at /sandbox/.sandboxfs/README at every trust level, an untrusted agent reading
+back what it staged (and nothing of anyone else's), and the exit summary counting files."""
 
 from __future__ import annotations
 

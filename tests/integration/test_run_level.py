@@ -1,5 +1,5 @@
-"""What a program inside `sandboxfs run` is told of its trust level (issue 34, case 23): nothing
-that a promotion or demotion leaves stale; /sandbox/.sandboxfs/context.json has the level."""
+"""What a program inside `sandboxfs run` is told of its trust level: nothing that a promotion or
+demotion leaves stale; /sandbox/.sandboxfs/context.json has the level."""
 
 from __future__ import annotations
 

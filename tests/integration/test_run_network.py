@@ -1,5 +1,4 @@
-"""`sandboxfs run`: refusals on the network explain themselves, and a lost mount is reported
-(issue 21, sections 5 and 8).
+"""`sandboxfs run`: refusals on the network explain themselves, and a lost mount is reported.
 
 With the real command: a host refused by `--net allow` is named once on run's stderr with why
 and the one flag that would allow it, in the proxy's answer (what clients show) and in the exit
@@ -223,10 +222,10 @@ def server_at(address: str) -> Iterator[int]:
 def test_a_name_at_a_non_global_address_is_allowed_by_the_flag_it_names(project: Path) -> None:
     """`localhost` is an allowed name whose address is loopback: refused, with the one flag
     that allows it (the name, pinned to the address it resolves to); that flag then works."""
-    first = socket.getaddrinfo("localhost", 80, type=socket.SOCK_STREAM)[0][4][0]
+    first = str(socket.getaddrinfo("localhost", 80, type=socket.SOCK_STREAM)[0][4][0])
     with server_at(first) as port:
         probe = f"curl -sS -m 10 --noproxy '' http://localhost:{port}/"
-        base = ["run", "--project", project, "--net", "allow"]
+        base: list[str | Path] = ["run", "--project", project, "--net", "allow"]
         refused = sbx(*base, "--allow-host", f"localhost:{port}", "--", "sh", "-c", probe)
         [line] = notices(refused.stderr)
         match = re.fullmatch(

@@ -1,9 +1,9 @@
-"""`sandboxfs run` and socket families (issue 19, section 2): a program under `--net none` could
-open AF_VSOCK sockets, which no network namespace confines, and reach the hypervisor's port space
-around the namespace and the proxy. The seccomp filter now admits only AF_UNIX, AF_INET, AF_INET6
-and AF_NETLINK (route and sock_diag); everything else fails with EAFNOSUPPORT, as on a kernel
-without that family. Here with the real command, as root and as an ordinary user, next to a
-control run of the same probe outside the sandbox.
+"""`sandboxfs run` and socket families: a program under `--net none` could open AF_VSOCK sockets,
+which no network namespace confines, and reach the hypervisor's port space around the namespace and
+the proxy. The seccomp filter now admits only AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK (route and
+sock_diag); everything else fails with EAFNOSUPPORT, as on a kernel without that family. Here with
+the real command, as root and as an ordinary user, next to a control run of the same probe outside
+the sandbox.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""Issue 34 case 24: `sandboxfs staged commit` killed (SIGKILL) at any step of landing on the
-checked-out branch is all or nothing. The next `sandboxfs staged` command (or `mount`, `run`)
-finds the landing's journal and rolls it back (nothing the user sees had changed: the review
-is still pending and commits) or finishes it (files, index, then HEAD; the review committed),
-audited either way; no temporary file or index.lock is left. The real command line runs,
-killed at a named step (sandboxfs.staging.land.KILL_AT_ENV); tests/crash_landing.py kills it
-at random times.
+"""`sandboxfs staged commit` killed (SIGKILL) at any step of landing on the checked-out branch is
+all or nothing. The next `sandboxfs staged` command (or `mount`, `run`) finds the landing's journal
+and rolls it back (nothing the user sees had changed: the review is still pending and commits) or
+finishes it (files, index, then HEAD; the review committed), audited either way; no temporary file
+or index.lock is left. The real command line runs, killed at a named step
+(sandboxfs.staging.land.KILL_AT_ENV); tests/crash_landing.py kills it at random times.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """A frozen staged commit does not change, through handles opened before it froze either.
 
 `sandboxfs staged show` (and diff, commit, discard) writes `review/<id>/state.json`; from then on
-the mount refuses every change below /staged/<id> (issue 19 §8). A descriptor the agent opened
-for writing before that keeps no right to write: write(2), O_APPEND, ftruncate, fallocate,
-copy_file_range, sendfile and the writeback of a shared mapping are refused through it with the
-same errno as the rule at open (EACCES), each denial audited before the errno is returned, and
-the backing files keep their bytes. Also the family: links and renames into or out of a frozen
-commit, hard links between staged commits, and handles still open after `discard` or `commit`.
+the mount refuses every change below /staged/<id>. A descriptor the agent opened for writing before
+that keeps no right to write: write(2), O_APPEND, ftruncate, fallocate, copy_file_range, sendfile
+and the writeback of a shared mapping are refused through it with the same errno as the rule at open
+(EACCES), each denial audited before the errno is returned, and the backing files keep their bytes.
+Also the family: links and renames into or out of a frozen commit, hard links between staged
+commits, and handles still open after `discard` or `commit`.
 """
 
 from __future__ import annotations

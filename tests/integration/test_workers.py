@@ -1,6 +1,6 @@
-"""Workers through real mounts (issue 26): `mount --worker` and `run --worker` show exactly
-the zones a worker declares, at most at their modes; a declaration wider than the trust level
-is refused and nothing is mounted; every entry the worker causes carries its name."""
+"""Workers through real mounts: `mount --worker` and `run --worker` show exactly the zones a worker
+declares, at most at their modes; a declaration wider than the trust level is refused and nothing is
+mounted; every entry the worker causes carries its name."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +39,13 @@ GIT_ENV = {
 
 
 def run(
-    cmd: str, cwd: Path | None = None, timeout: float = 60, **env: str
+    cmd: str,
+    cwd: Path | None = None,
+    timeout: float = 60,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """`sh` that fails the test with the full output when the command fails."""
-    result = sh(cmd, cwd=cwd, timeout=timeout, **env)
+    result = sh(cmd, cwd=cwd, timeout=timeout, env=env)
     assert result.returncode == 0, (
         f"{cmd!r} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     )
@@ -178,12 +181,12 @@ def test_git_workflow_in_repo_matches_native(
     (project / ".gitignore").write_text(".env\n.ssh/\n*.pem\n")
     native = tmp_path / "native-project"
     shutil.copytree(project, native, symlinks=True)
-    run(GIT_INIT, cwd=native, **GIT_ENV)
-    expected = run(GIT_WORKFLOW, cwd=native, **GIT_ENV)
-    run(GIT_INIT, cwd=project, **GIT_ENV)  # the user's repo, before mounting
+    run(GIT_INIT, cwd=native, env=GIT_ENV)
+    expected = run(GIT_WORKFLOW, cwd=native, env=GIT_ENV)
+    run(GIT_INIT, cwd=project, env=GIT_ENV)  # the user's repo, before mounting
     with mount_at("full") as m:
         repo = m.mnt / "repo"
-        result = run(GIT_WORKFLOW, cwd=repo, **GIT_ENV)
+        result = run(GIT_WORKFLOW, cwd=repo, env=GIT_ENV)
         assert result.stdout == expected.stdout  # same commits, same tree, status clean
         assert "vendor/pkg/new.txt" in result.stdout
         assert ".env" not in result.stdout and "id_rsa" not in result.stdout
@@ -196,7 +199,7 @@ def test_git_workflow_in_repo_matches_native(
         ]
         assert run("git status --porcelain", cwd=repo).stdout == ""
     # the objects written through the mount are sound when read natively
-    run("git fsck --full --strict", cwd=project, **GIT_ENV)
+    run("git fsck --full --strict", cwd=project, env=GIT_ENV)
     assert (
         run("git rev-parse HEAD", cwd=project).stdout
         == run("git rev-parse HEAD", cwd=native).stdout
@@ -215,24 +218,24 @@ def test_git_clone_of_native_bare_repo(mount_at: Callable[..., Any], tmp_path: P
         "git -c init.defaultBranch=main init -q && git add -A && git commit -qm one && "
         "echo two >> docs/guide.md && git commit -qam two",
         cwd=origin,
-        **GIT_ENV,
+        env=GIT_ENV,
     )
     bare = tmp_path / "origin.git"
-    run(f"git clone -q --bare {origin} {bare}", **GIT_ENV)
+    run(f"git clone -q --bare {origin} {bare}", env=GIT_ENV)
     native_clone = tmp_path / "native-clone"
-    run(f"git clone -q {bare} {native_clone}", **GIT_ENV)
+    run(f"git clone -q {bare} {native_clone}", env=GIT_ENV)
     with mount_at("full") as m:
         target = m.mnt / "repo" / "third_party" / "origin"
         target.parent.mkdir()
-        # A new .git below the repo would choose what the user's git runs there (issue 19 §4):
+        # A new .git below the repo would choose what the user's git runs there:
         # `git clone` into /repo is refused; into the workspace, the agent's own, it works.
-        cloned = sh(f"git clone -q {bare} {target}", **GIT_ENV)
+        cloned = sh(f"git clone -q {bare} {target}", env=GIT_ENV)
         assert cloned.returncode != 0 and "Read-only file system" in cloned.stderr, cloned
         target = m.mnt / "workspace" / "third_party" / "origin"
         target.parent.mkdir()
-        run(f"git clone -q {bare} {target}", **GIT_ENV)
+        run(f"git clone -q {bare} {target}", env=GIT_ENV)
         assert run("git status --porcelain", cwd=target).stdout == ""
-        run("git fsck --full --strict", cwd=target, **GIT_ENV)
+        run("git fsck --full --strict", cwd=target, env=GIT_ENV)
         for cmd in ("git rev-parse HEAD", "git ls-files -s", "git log --format=%H%s"):
             assert run(cmd, cwd=target).stdout == run(cmd, cwd=native_clone).stdout
 
@@ -449,7 +452,7 @@ def test_venv_and_offline_pip_install(mount_at: Callable[..., Any]) -> None:
             f"{pip} --python {work}/venv/bin/python install --no-index --no-build-isolation ./pkg",
             cwd=work,
             timeout=120,
-            **env,
+            env=env,
         )
         assert "Successfully installed tinypkg-0.1" in install.stdout
         used = run(
@@ -460,9 +463,9 @@ def test_venv_and_offline_pip_install(mount_at: Callable[..., Any]) -> None:
         assert value == "42"
         assert prefix == f"{work}/venv"
         assert module == f"{work}/venv/lib/python3.11/site-packages/tinypkg/__init__.py"
-        listed = run(f"{pip} --python {work}/venv/bin/python list --format=json", **env)
+        listed = run(f"{pip} --python {work}/venv/bin/python list --format=json", env=env)
         assert {"name": "tinypkg", "version": "0.1"} in json.loads(listed.stdout)
-        uninstall = run(f"{pip} --python {work}/venv/bin/python uninstall -y tinypkg", **env)
+        uninstall = run(f"{pip} --python {work}/venv/bin/python uninstall -y tinypkg", env=env)
         assert "Successfully uninstalled tinypkg-0.1" in uninstall.stdout
         gone = sh(f"{work}/venv/bin/python -c 'import tinypkg'")
         assert gone.returncode == 1 and "No module named 'tinypkg'" in gone.stderr
@@ -877,12 +880,12 @@ def verify_stress(base: Path, manifests: list[dict[str, Any]]) -> None:
         assert int(crc, 16) == zlib.crc32(body.encode()), f"torn record: {line[:60]!r}"
         seqs.setdefault(int(wid), []).append(int(seq))
     assert log.endswith(b"\n")
-    for wid, manifest in enumerate(manifests):
-        assert seqs.get(wid, []) == list(range(manifest["log_records"])), f"worker {wid}"
+    for worker, manifest in enumerate(manifests):
+        assert seqs.get(worker, []) == list(range(manifest["log_records"])), f"worker {worker}"
     if latest is not None:
-        header, body = latest.split(b"\n", 1)
+        header, content = latest.split(b"\n", 1)
         _wid, size, crc = header.decode().split(" ")
-        assert len(body) == int(size) and zlib.crc32(body) == int(crc, 16)
+        assert len(content) == int(size) and zlib.crc32(content) == int(crc, 16)
 
 
 @pytest.mark.parametrize(

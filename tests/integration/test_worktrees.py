@@ -1,8 +1,8 @@
-"""Issue 20 §6: git inside `run` in a project that is a linked worktree (its `.git` a file
-naming `<main>/.git/worktrees/<id>`, outside the project) and in a repository with a
-submodule. The main repository's git dir is shown inside at the path the `.git` file names,
-through the mount (zone `gitdir`), under git's rules as `.git` itself: hooks and the rest
-protected, config judged, every refusal audited. What cannot work is refused in one line.
+"""git inside `run` in a project that is a linked worktree (its `.git` a file naming
+`<main>/.git/worktrees/<id>`, outside the project) and in a repository with a submodule. The main
+repository's git dir is shown inside at the path the `.git` file names, through the mount (zone
+`gitdir`), under git's rules as `.git` itself: hooks and the rest protected, config judged, every
+refusal audited. What cannot work is refused in one line.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A project zone cannot be pointed at a host directory (issue 19 §5), on real mounts.
+"""A project zone cannot be pointed at a host directory, on real mounts.
 
 The attack: at trust full, `rm -rf /sandbox/repo/docs && ln -s /tmp/outside /sandbox/repo/docs`,
 after which the next sandbox's zone `docs` showed a host directory (the zone's path was resolved

@@ -53,7 +53,12 @@ class Follower:
     @staticmethod
     def _pump(stream: IO[str]) -> queue.Queue[str]:
         lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
+
+        def pump() -> None:
+            for line in stream:
+                lines.put(line)
+
+        threading.Thread(target=pump, daemon=True).start()
         return lines
 
     @staticmethod

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 SANDBOXFS = [sys.executable, "-m", "sandboxfs"]
@@ -27,9 +27,13 @@ def sandboxfs(
 
 
 def sh(
-    command: str, cwd: Path | None = None, timeout: float = 60, **env: str
+    command: str,
+    cwd: Path | None = None,
+    timeout: float = 60,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run a shell command line with real tools; never raises on failure."""
+    """Run a shell command line with real tools, with `env` added to the environment; never
+    raises on failure."""
     return subprocess.run(
         ["sh", "-c", command],
         capture_output=True,
@@ -37,7 +41,7 @@ def sh(
         cwd=cwd,
         timeout=timeout,
         check=False,
-        env={**os.environ, **env},
+        env={**os.environ, **(env or {})},
     )
 
 

@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -200,16 +201,16 @@ def test_trust_matrix(make: Maker, trust: Trust) -> None:
     for zone in BUILTIN_ZONES:
         spec = DEFAULT_PERMISSIONS[trust][zone]
         operations: list[tuple[str, str, str, Callable[[], object]]] = [
-            ("read", "read", f"/{zone}/a.txt", lambda z=zone: sb.read_text(f"/{z}/a.txt")),
-            ("list", "list", f"/{zone}", lambda z=zone: sb.list(f"/{z}")),
+            ("read", "read", f"/{zone}/a.txt", partial(sb.read_text, f"/{zone}/a.txt")),
+            ("list", "list", f"/{zone}", partial(sb.list, f"/{zone}")),
             (
                 "write-new",
                 "write",
                 f"/{zone}/new.txt",
-                lambda z=zone: sb.write(f"/{z}/new.txt", "n"),
+                partial(sb.write, f"/{zone}/new.txt", "n"),
             ),
-            ("write", "write", f"/{zone}/a.txt", lambda z=zone: sb.write(f"/{z}/a.txt", "w")),
-            ("delete", "delete", f"/{zone}/b.txt", lambda z=zone: sb.delete(f"/{z}/b.txt")),
+            ("write", "write", f"/{zone}/a.txt", partial(sb.write, f"/{zone}/a.txt", "w")),
+            ("delete", "delete", f"/{zone}/b.txt", partial(sb.delete, f"/{zone}/b.txt")),
         ]
         for label, op, path, run in operations:
             want = _expected(spec, label)
@@ -279,17 +280,17 @@ def test_a_closed_zone_is_refused_as_a_zone_for_any_name(make: Maker, trust: str
     `not writable` (never `not readable`, even below a directory) and points to stage."""
     sb = make(trust)
     for path in ("/repo/README.md", "/repo/missing.txt", "/repo/src/main.py", "/repo/no/such"):
-        read = raises(PermissionDenied, lambda p=path: sb.read_text(p), "repo is not readable")
+        read = raises(PermissionDenied, partial(sb.read_text, path), "repo is not readable")
         assert read.errno == errno.EACCES and read.path == path
-        raises(PermissionDenied, lambda p=path: sb.stat(p), "repo is not readable")
-        raises(PermissionDenied, lambda p=path: sb.delete(p), "repo is not deletable")
+        raises(PermissionDenied, partial(sb.stat, path), "repo is not readable")
+        raises(PermissionDenied, partial(sb.delete, path), "repo is not deletable")
         assert sb.check_permission("read", path).error == "PermissionDenied"
     raises(PermissionDenied, lambda: sb.list("/repo/src"), "repo is not listable")
     for path in ("/repo/new.txt", "/repo/src/new.py", "/repo/no/such/dir.py"):
         for change in (sb.write, sb.append):
             exc = raises(
                 PermissionDenied,
-                lambda p=path, c=change: c(p, "x"),
+                partial(change, path, "x"),
                 f"repo is not writable at trust level {trust}",
                 "propose the change with stage",
             )
@@ -387,7 +388,7 @@ def test_stage_refuses_bad_keys_and_checks_everything_first(make: Maker) -> None
     sb = make("session")
     before = sb.list("/staged")
     for key in ("../x.py", "/repo/../x", "/etc/passwd", "/repo", "", "a\0b"):
-        raises(InvalidPath, lambda k=key: sb.stage({k: "x"}, "m"))
+        raises(InvalidPath, partial(sb.stage, {key: "x"}, "m"))
     raises(InvalidPath, lambda: sb.stage({"a.py": "1", "/repo/a.py": "2"}, "m"), "twice")
     raises(DenyListed, lambda: sb.stage({"ok.py": "1", "config/.env": "x"}, "m"), ".env")
     denial = sb.audit_entries()[-1]
@@ -408,7 +409,7 @@ def test_deny_list(make: Maker) -> None:
     deleted (a file that exists never looks deleted)."""
     sb = make("full")
     for path in ("/repo/.env", "/repo/.ssh/id_rsa"):
-        raises(DenyListed, lambda p=path: sb.read_text(p), "deny pattern", "every trust level")
+        raises(DenyListed, partial(sb.read_text, path), "deny pattern", "every trust level")
     raises(DenyListed, lambda: sb.list("/repo/.ssh"), "'.ssh/'")
     raises(DenyListed, lambda: sb.write("/repo/.env", "x"), "'.env'")
     raises(DenyListed, lambda: sb.write("/session/.env", "x"), "'.env'")

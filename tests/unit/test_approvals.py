@@ -345,10 +345,12 @@ def test_the_approver_is_asked_once_for_a_directory(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("answer", [False, None, "deny", "nonsense", "slow", "raises"])
-def test_an_approver_that_refuses_fails_or_is_late_refuses(tmp_path: Path, answer: object) -> None:
+def test_an_approver_that_refuses_fails_or_is_late_refuses(
+    tmp_path: Path, answer: str | bool | None
+) -> None:
     project = api_project(tmp_path)
 
-    def approver(request: dict[str, object]) -> object:
+    def approver(request: dict[str, object]) -> str | bool | None:
         if answer == "slow":
             time.sleep(5)
             return "once"
@@ -387,7 +389,7 @@ def test_the_permission_probe_judges_approvals_without_asking(tmp_path: Path) ->
     assert (project / "a" / "two").exists() and (project / "b" / "one").exists()
 
 
-# ----- issue 34: a grant is exactly what was shown ---------------------------------------------
+# ----- a grant is exactly what was shown ----------------------------------------------------------
 
 ASK_RENAME = Rule("repo-rename", Verdict.ASK, frozenset({Kind.RENAME}), frozenset({"repo"}))
 
@@ -537,7 +539,7 @@ def test_lookups_are_indexed_and_requests_bounded() -> None:
 
 def test_the_grants_of_a_session_are_bounded() -> None:
     b = broker(per_minute=100)
-    b.MAX_GRANTS = 2  # type: ignore[misc]
+    b.MAX_GRANTS = 2
     for n in range(3):
         delete(b, f"/repo/d{n}/x")
     b.answer(1, Answer.DIR, "test")

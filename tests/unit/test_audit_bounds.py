@@ -1,6 +1,6 @@
-"""The audit log stays bounded and truthful under floods, a full disk, kills and a rename
-(issue 22 §1-3): refusals folded with exact counts, fail-closed at a constant cost, unclean ends
-named by verify, the log kept by descriptor, the tools streamed."""
+"""The audit log stays bounded and truthful under floods, a full disk, kills and a rename: refusals
+folded with exact counts, fail-closed at a constant cost, unclean ends named by verify, the log kept
+by descriptor, the tools streamed."""
 
 from __future__ import annotations
 

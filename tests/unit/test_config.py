@@ -108,7 +108,7 @@ def test_defaults_are_read_through_importlib_resources(
         return fake
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(config.resources, "files", fake_files)
+    monkeypatch.setattr("sandboxfs.config.model.resources.files", fake_files)
     assert config.defaults().default_trust is Trust.FULL
     assert asked == ["sandboxfs"]
 

@@ -1,5 +1,5 @@
 """The store's directory descriptors: sized from the descriptor limit, given back under
-pressure, never jamming (issue 22 §1). The mounts themselves: tests/integration/test_descriptors.py.
+pressure, never jamming. The mounts themselves: tests/integration/test_descriptors.py.
 """
 
 from __future__ import annotations

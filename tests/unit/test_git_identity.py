@@ -24,7 +24,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[str], dict[str, st
         seen.append((argv, kwargs["env"]))
         return real(argv, **kwargs)
 
-    monkeypatch.setattr(identity.subprocess, "run", spy)
+    monkeypatch.setattr("sandboxfs.project.identity.subprocess.run", spy)
     return seen
 
 
@@ -117,7 +117,7 @@ def test_a_git_that_hangs_or_is_missing_gives_nothing(
         timeouts.append(kwargs["timeout"])
         raise subprocess.TimeoutExpired(argv, kwargs["timeout"])
 
-    monkeypatch.setattr(identity.subprocess, "run", hangs)
+    monkeypatch.setattr("sandboxfs.project.identity.subprocess.run", hangs)
     assert identity.identity([config], {"HOME": str(tmp_path / "none")}) == {}
     assert timeouts == [identity._TIMEOUT]  # asked once, for both keys
     monkeypatch.undo()

@@ -1,6 +1,7 @@
-"""git's code-running surface (issue 19 §4): the rules of sandboxfs.core.policy.git_rule as a
-table, the policy at every trust level whatever the config says, and the guard through the
-operations adapter (no mount): every refusal EROFS and audited, what git needs still allowed."""
+"""git's code-running surface (what decides which programs the user's git runs): the rules of
+sandboxfs.core.policy.git_rule as a table, the policy at every trust level whatever the config says,
+and the guard through the operations adapter (no mount): every refusal EROFS and audited, what git
+needs still allowed."""
 
 from __future__ import annotations
 

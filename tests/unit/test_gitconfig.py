@@ -1,8 +1,8 @@
-"""Issue 20 §3: git's config changes judged by content (sandboxfs.core.gitconfig): the parser as
-a table (and against git itself where it is installed), the judge as a table, ordinary URLs, the
-bounded read, and the guard through the operations adapter: a rename onto `.git/config` (or any
-git directory's config and config.worktree) is allowed when it changes only allowed settings,
-otherwise refused with EROFS and audited with the setting."""
+"""git's config changes judged by content (sandboxfs.core.gitconfig): the parser as a table (and
+against git itself where it is installed), the judge as a table, ordinary URLs, the bounded read,
+and the guard through the operations adapter: a rename onto `.git/config` (or any git directory's
+config and config.worktree) is allowed when it changes only allowed settings, otherwise refused with
+EROFS and audited with the setting."""
 
 from __future__ import annotations
 

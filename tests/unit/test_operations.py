@@ -3,7 +3,7 @@
 A real `Store` over temporary zone directories, a `Policy` from the built-in defaults and a real
 `AuditLog` are wired into `SandboxOperations`; the async callbacks are awaited with a fake request
 context, as pyfuse3 would call them. Each test checks what the caller gets (the FUSEError errno or
-the result) and what the audit log says (SPEC §4 and §5).
+the result) and what the audit log says.
 """
 
 from __future__ import annotations
@@ -1201,7 +1201,8 @@ async def test_staged_create_only_no_truncate_after_release(
     inode = await h.write_new(ZONE_INO[Zone.STAGED], b"f.txt", b"proposed")
     attr = pyfuse3.EntryAttributes()
     attr.st_size = 0
-    # Reopening with O_TRUNC is refused; truncating by path must be too (SPEC §3).
+    # Create-only: an existing file is never truncated. Reopening with O_TRUNC is refused;
+    # truncating by path must be too.
     await fails(h.ops.open(inode, os.O_WRONLY | os.O_TRUNC, CTX), errno.EACCES)
     await fails(h.ops.setattr(inode, attr, fields(update_size=True), None, CTX), errno.EACCES)
     assert (h.dirs[Zone.STAGED] / "f.txt").read_bytes() == b"proposed"

@@ -1,7 +1,9 @@
-"""Unit tests for the pure policy core (sandboxfs/core/policy.py) against SPEC §3 and §4.
+"""Unit tests for the pure policy core (sandboxfs/core/policy.py) against the permission matrix
+(what each trust level may read, write, list and delete in each zone) and the errno of each
+refusal.
 
-The expected outcomes are written out literally from the SPEC §3 permission matrix below; they
-are deliberately not derived from the code's own DEFAULT_PERMISSIONS.
+The expected outcomes are written out literally from the permission matrix below; they are
+deliberately not derived from the code's own DEFAULT_PERMISSIONS.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ LEVELS = ["untrusted", "session", "workspace", "full"]
 ZONES = ["session", "workspace", "repo", "staged", "workers"]
 OPS = ["read", "write", "list", "delete"]
 
-# SPEC §3, cell by cell: "r w l d" letters, "" for "—", or "create-only" for "w (create-only)".
-SPEC_MATRIX: dict[str, dict[str, str]] = {
+# The matrix, cell by cell: "r w l d" letters, "" for "—", or "create-only" for
+# "w (create-only)".
+MATRIX: dict[str, dict[str, str]] = {
     #             session   workspace  repo    staged          workers
     "untrusted": {"session": "rwld", "workspace": "", "repo": "", "staged": "create-only",
                   "workers": "rl"},
@@ -37,7 +40,7 @@ SPEC_MATRIX: dict[str, dict[str, str]] = {
                   "workers": "rwld"},
 }  # fmt: skip
 
-# The outcome of `decide(zone, op)` on an existing entry, written out per SPEC §3/§4:
+# The outcome of `decide(zone, op)` on an existing entry, written out from the matrix:
 # a denied write/delete in a zone the level can read is EROFS, every other denial EACCES;
 # create-only staging refuses every operation on existing entries with EACCES.
 #                         read    write   list    delete
@@ -80,9 +83,9 @@ def _policy(trust: Trust | str, deny: list[str] | None = None) -> Policy:
     return Policy(defaults.matrix(), defaults.deny if deny is None else deny, Trust(trust))
 
 
-def _spec_zones_with(level: str, op: str) -> list[str]:
-    """Zones (in `/` listing order) where SPEC §3 grants `op` outright at `level`."""
-    return [z for z in ZONES if LETTER[op] in SPEC_MATRIX[level][z].replace("create-only", "")]
+def _matrix_zones_with(level: str, op: str) -> list[str]:
+    """Zones (in `/` listing order) where the matrix grants `op` outright at `level`."""
+    return [z for z in ZONES if LETTER[op] in MATRIX[level][z].replace("create-only", "")]
 
 
 def test_expected_table_is_complete() -> None:
@@ -102,7 +105,7 @@ def test_permission_matrix(level: str, zone: str, op: str, expected: object) -> 
     assert decision.errno == expected, errno.errorcode[decision.errno]
     assert zone in decision.reason
     assert level in decision.reason
-    if SPEC_MATRIX[level][zone] == "create-only":
+    if MATRIX[level][zone] == "create-only":
         assert "create-only" in decision.reason
         return
     adjective = ADJECTIVE[op]
@@ -112,7 +115,7 @@ def test_permission_matrix(level: str, zone: str, op: str, expected: object) -> 
         decision.reason,
     )
     assert match is not None, decision.reason
-    assert match.group(1).split(", ") == (_spec_zones_with(level, op) or ["none"])
+    assert match.group(1).split(", ") == (_matrix_zones_with(level, op) or ["none"])
 
 
 def test_reason_matches_spec_example() -> None:
@@ -158,7 +161,7 @@ def test_decide_create(level: str, zone: str, expected: object) -> None:
     assert decision.errno == expected
     assert zone in decision.reason
     assert level in decision.reason
-    assert f"writable zones: {', '.join(_spec_zones_with(level, 'write'))}" in decision.reason
+    assert f"writable zones: {', '.join(_matrix_zones_with(level, 'write'))}" in decision.reason
 
 
 def test_create_only_staging_allows_create_but_nothing_else() -> None:
@@ -178,7 +181,7 @@ LOOKUP_FLAGS = [(False, False), (True, False), (False, True), (True, True)]
 
 
 def _lookup_expected(level: str, zone: str, is_dir: bool, created_here: bool) -> object:
-    spelling = SPEC_MATRIX[level][zone]
+    spelling = MATRIX[level][zone]
     if spelling == "create-only":
         return OK if (is_dir or created_here) else EACCES
     if "r" in spelling or "l" in spelling:

@@ -534,7 +534,8 @@ def test_socket_families_in_a_child() -> None:
         if not case[4]:
             assert control[name] == 0 or name in ("inet-mptcp", "inet6-tcp", "inet6-udp"), name
     assert "vsock" in proven or control["vsock"] == errno.EAFNOSUPPORT, control
-    if control["vsock"] == 0:  # a machine with vsock (this VM): the hole of issue 19 is closed
+    # A machine with vsock (this VM): AF_VSOCK, which no network namespace confines, is refused.
+    if control["vsock"] == 0:
         assert {"vsock", "vsock-high-word", "vsock-pair"} <= set(proven)
     if os.geteuid() == 0:  # root may open packet sockets, even through (AF_INET, SOCK_PACKET)
         assert {"packet", "inet-sock-packet"} <= set(proven), control

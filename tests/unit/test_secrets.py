@@ -133,6 +133,13 @@ class _Stat:
     st_mtime_ns: int
     st_ctime_ns: int
     st_dev: int = 1
+    st_nlink: int = 1
+    st_uid: int = 0
+    st_gid: int = 0
+    st_rdev: int = 0
+    st_blksize: int = 4096
+    st_blocks: int = 0
+    st_atime_ns: int = 0
 
 
 class CountingContents:

@@ -1,5 +1,5 @@
-"""Workers (issue 26): `.worker` files, and a worker's declaration narrowing a sandbox to what it
-asks, never more than its parent has, through the Python API (the mount and `run` are in
+"""Workers: `.worker` files, and a worker's declaration narrowing a sandbox to what it asks, never
+more than its parent has, through the Python API (the mount and `run` are in
 tests/integration/test_workers.py)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Project zones' directories (issue 19 §5): where a zone path leads, walked without following a
-link once inside the project, and the guard that keeps the sandbox from removing, renaming or
-replacing a zone's directory through /repo. The mount-level attack is in
-tests/integration/test_zone_roots.py; here the project layer, the store and the API.
+"""Project zones' directories: where a zone path leads, walked without following a link once inside
+the project, and the guard that keeps the sandbox from removing, renaming or replacing a zone's
+directory through /repo. The mount-level attack is in tests/integration/test_zone_roots.py; here the
+project layer, the store and the API.
 """
 
 from __future__ import annotations
