@@ -142,6 +142,19 @@ def _answering(approver: Approver, timeout: float) -> Callable[[dict[str, Any]],
     return ask
 
 
+# What each API call is audited as when the audit log refuses it (fail closed, as the mount).
+_AUDITED_AS = {
+    "read": AuditOp.READ,
+    "list": AuditOp.LIST,
+    "write": AuditOp.WRITE,
+    "append to": AuditOp.WRITE,
+    "create directory": AuditOp.MKDIR,
+    "delete": AuditOp.DELETE,
+    "rename": AuditOp.RENAME,
+    "stage": AuditOp.STAGE,
+}
+
+
 class Sandbox:
     """A view of a project's zones at one trust level, enforced and audited like a mount.
 
@@ -461,11 +474,12 @@ class Sandbox:
                 raise make_error(
                     SandboxIOError, action, call.path, "this sandbox is closed", errno.EBADF
                 )
-            if checked and self._audit.failing and not self._audit.try_flush():
-                reason = "the audit log cannot be written; nothing is done until it can"
-                raise make_error(SandboxIOError, action, call.path, reason, errno.ENOSPC)
             outer, self._held = self._held, []  # a nested call keeps its caller's nodes
             try:
+                if checked:  # as the mount: recorded and refused while the log fails
+                    op = _AUDITED_AS.get(action, AuditOp.WRITE)
+                    caller = self._caller
+                    self._gate.fail_closed(op, call.path, pid=caller.pid, uid=caller.uid)
                 yield call
             except (SandboxAPIError, TypeError, ValueError):
                 raise

@@ -73,6 +73,9 @@ class Request:
 Step = Callable[["Gate", Request], None]
 
 
+FAIL_CLOSED = "the audit log cannot be written: refused until it can (fail closed)"
+
+
 class _NullSink:
     """The audit log of a gate without effect: nothing is recorded."""
 
@@ -100,6 +103,18 @@ class Gate:
         self.storage = storage
         self.effect = effect
         self.steps: list[Step] = []
+
+    def fail_closed(self, op: AuditOp | Op, path: str | None, *, pid: int, uid: int) -> None:
+        """While the audit log cannot be written, nothing that would be audited happens: the
+        one fail-closed rule of both front ends. The refusal is recorded (it waits in memory
+        with the log's other refusals, counted at a constant cost) and raised as ENOSPC."""
+        audit = self.guard.audit
+        if audit.failing and not audit.try_flush():
+            self.guard.record(
+                op, path, None, pid=pid, uid=uid, allowed=False, reason=FAIL_CLOSED,
+                err=errno.ENOSPC,
+            )  # fmt: skip
+            raise SandboxError(errno.ENOSPC, FAIL_CLOSED)
 
     def without_effect(self) -> Gate:
         """The same gate, run for its answer only: the guard's current policy, frozen commits,

@@ -140,23 +140,17 @@ def _guarded(
     audited = AuditOp(fn.__name__) if fn.__name__ in _AUDITED_CALLBACKS else None
 
     async def wrapper(self: SandboxOperations, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        audit = self.guard.audit
-        if audited is not None and audit.failing and not audit.try_flush():
-            # Fail closed: nothing that would be audited happens while the log cannot be
-            # written (its refusals wait in memory; see AuditLog.failing). Each such refusal
-            # is counted, at a constant cost, and the count written once the log works again.
+        if audited is not None:
             ctx = next((a for a in args if isinstance(a, pyfuse3.RequestContext)), None)
-            self.guard.record(
-                audited,
-                None,
-                None,
-                pid=ctx.pid if ctx is not None else 0,
-                uid=ctx.uid if ctx is not None else 0,
-                allowed=False,
-                reason="the audit log cannot be written: refused until it can (fail closed)",
-                err=errno.ENOSPC,
-            )
-            raise pyfuse3.FUSEError(errno.ENOSPC)
+            try:
+                self.gate.fail_closed(
+                    audited,
+                    None,
+                    pid=ctx.pid if ctx is not None else 0,
+                    uid=ctx.uid if ctx is not None else 0,
+                )
+            except SandboxError as exc:
+                raise pyfuse3.FUSEError(exc.errno) from None
         try:
             return fn(self, *args, **kwargs)
         except SandboxError as exc:

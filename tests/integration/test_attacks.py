@@ -16,14 +16,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support.cli import sandboxfs, sh
-from tests.support.mounts import Mount, denial, make_project
+from tests.support.mounts import Mount, denial, make_project, mounted_fs
 
 ZONES = ("session", "workspace", "repo", "staged", "workers")
 
@@ -703,21 +702,6 @@ def test_long_names_dotdot_and_non_utf8_names(mount_at: Callable[..., Any]) -> N
 
 
 # ----- a full backing filesystem --------------------------------------------------------------
-
-
-@contextmanager
-def mounted_fs(target: Path, *args: str) -> Iterator[Path]:
-    """`mount *args target` (a tmpfs or a bind mount), lazily unmounted in `finally`."""
-    target.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(
-        ["mount", *args, str(target)], capture_output=True, text=True, check=False
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount {args}: {result.stderr.strip()}")
-    try:
-        yield target
-    finally:
-        subprocess.run(["umount", "-l", str(target)], capture_output=True, check=False)
 
 
 @pytest.fixture

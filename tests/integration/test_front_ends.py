@@ -10,8 +10,11 @@ the kernel's lookup (ENOENT) and the API refuses the path as the zone is refused
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +23,10 @@ from typing import Any, TypeVar
 import pytest
 
 from sandboxfs.api import Sandbox, SandboxAPIError
+from sandboxfs.core.gate import FAIL_CLOSED
 from sandboxfs.layout import audit_path
-from tests.support.mounts import make_project, mounted
+from tests.support.cli import sh
+from tests.support.mounts import make_project, mounted, mounted_fs
 
 Compared = tuple[Any, ...]
 T = TypeVar("T")
@@ -223,3 +228,73 @@ def test_mount_and_api_decide_and_audit_alike(tmp_path: Path, trust: str) -> Non
     # The table means something at every level: some operations allowed, some refused.
     assert None in decided["api"].values()
     assert any(d is not None for d in decided["api"].values())
+
+
+def _fail_closed_mkdirs(project: Path) -> list[tuple[Any, ...]]:
+    """The mkdirs the fail-closed rule refused, as logged: op, allowed, errno, reason."""
+    entries = [json.loads(line) for line in audit_path(project).read_text().splitlines()]
+    return sorted(
+        {
+            (e["op"], e["allowed"], e["errno"], e["reason"])
+            for e in entries
+            if e["op"] == "mkdir" and "(fail closed)" in (e.get("reason") or "")
+        }
+    )
+
+
+def _fill(disk: Path) -> None:
+    """The disk under the state dir filled up, from outside (as root: to the last block)."""
+    with open(disk / "fill", "wb") as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * 65536)
+
+
+def _soon(attempt: Callable[[], bool], within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while not attempt():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _api_tries(call: Callable[[], object]) -> bool:
+    try:
+        call()
+    except SandboxAPIError:
+        return False
+    return True
+
+
+def test_both_front_ends_fail_closed_alike_while_the_audit_log_cannot_be_written(
+    tmp_path: Path,
+) -> None:
+    """A full disk under the state dir: the mount and the API both refuse what they would
+    audit (ENOSPC) and both record the refusal, which reaches the log once there is room."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    small = ("-t", "tmpfs", "-o", "size=1m", "tmpfs")
+    with (
+        mounted_fs(tmp_path / "m-small", *small) as m_fs,
+        mounted_fs(tmp_path / "a-small", *small) as a_fs,
+    ):
+        projects = {"mount": make(m_fs / "p"), "api": make(a_fs / "p")}
+        with mounted(tmp_path / "mnt", projects["mount"], "session", "--session", SESSION) as m:
+            work = m.mnt / "session" / "working"
+            _fill(m_fs)
+            sh(f"for i in $(seq 40); do ls {work}; done", timeout=60)
+            made = sh(f"mkdir {work}/new", timeout=10)
+            assert made.returncode != 0 and "No space left" in made.stderr, made
+            (m_fs / "fill").unlink()
+            assert _soon(lambda: sh(f"mkdir {work}/after", timeout=10).returncode == 0)
+        with Sandbox.open(projects["api"], trust="session", session=SESSION) as sb:
+            _fill(a_fs)
+            for _ in range(40):
+                _api_tries(lambda: sb.list("/session/working"))
+            with pytest.raises(SandboxAPIError) as raised:
+                sb.mkdir("/session/working/new")
+            assert raised.value.errno == errno.ENOSPC
+            (a_fs / "fill").unlink()
+            assert _soon(lambda: _api_tries(lambda: sb.mkdir("/session/working/after")))
+        logged = {side: _fail_closed_mkdirs(project) for side, project in projects.items()}
+    assert logged["mount"] == logged["api"] == [("mkdir", False, "ENOSPC", FAIL_CLOSED)], logged

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.support.cli import sandboxfs
 
 
@@ -135,3 +137,18 @@ def denial(
     assert entry["reason"], entry
     assert entry["session"] == m.session
     return entry
+
+
+@contextmanager
+def mounted_fs(target: Path, *args: str) -> Iterator[Path]:
+    """`mount *args target` (a tmpfs or a bind mount), lazily unmounted in `finally`."""
+    target.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(
+        ["mount", *args, str(target)], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount {args}: {result.stderr.strip()}")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], capture_output=True, check=False)
