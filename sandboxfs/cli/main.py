@@ -73,7 +73,7 @@ from sandboxfs.project.zones import (
     home_project_config,
     validate_project,
 )
-from sandboxfs.run import confine, nest, netproxy, toolchain
+from sandboxfs.run import confine, nest, netproxy, registries, toolchain
 from sandboxfs.run import doctor as doctor_mod
 from sandboxfs.run import supervisor as run_mod
 
@@ -179,6 +179,16 @@ def _run_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
         metavar="HOST[:PORT]",
         help="with --net allow: a host the program may reach (name, *.suffix or address; "
         "no port: 80 and 443; NAME=IP: the name, also at that non-global address); repeatable",
+    )
+    run.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        choices=sorted(registries.REGISTRIES),
+        metavar="REGISTRY",
+        help="with --net allow: every host of a package registry ("
+        + ", ".join(sorted(registries.REGISTRIES))
+        + "), as this machine resolves them; repeatable",
     )
     run.add_argument(
         "--env",
@@ -679,10 +689,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     user = userconfig.load()
     profile = userconfig.agent(args.agent, user) if args.agent is not None else None
     source = str(args.config) if args.config is not None else config_mod.PROJECT_CONFIG_NAME
-    chosen = userconfig.network_choice(args.net, args.allow_host, profile, user, cfg.run, source)
+    asked = [*args.allow_host, *registries.hosts(args.allow)]
+    chosen = userconfig.network_choice(args.net, asked, profile, user, cfg.run, source)
     net, hosts = chosen.mode, chosen.hosts
-    if args.allow_host and net != "allow":
-        raise UserError("--allow-host needs --net allow")
+    if asked and net != "allow":
+        raise UserError(f"{'--allow-host' if args.allow_host else '--allow'} needs --net allow")
     if chosen.ignored is not None:
         _ignored_network(project, workspace, chosen.ignored)
     try:

@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sandboxfs.run.confine import PROXY_ADDRESS
+from sandboxfs.run.registries import registry_of
 
 logger = logging.getLogger(__name__)
 
@@ -650,6 +651,8 @@ class Proxy:
         if not admitted:
             if valid:
                 fix = f"--allow-host {_with_port(host, None if port in WEB_PORTS else port)}"
+                if (registry := registry_of(host)) is not None and port in WEB_PORTS:
+                    fix = f"--allow {registry}"  # its other hosts and addresses with it
                 cause = "not in --allow-host"
                 reason = (
                     f"host {shown} is not in the allowlist (--allow-host); to allow it, start "

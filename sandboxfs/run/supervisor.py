@@ -564,6 +564,7 @@ class _Terminal:
 # ----- the supervisor --------------------------------------------------------------------------
 
 
+FIXES_SHOWN = 50  # hosts the closing line's flags admit at most (the audit has every one)
 KILL_WAIT = 5.0  # seconds to wait for bubblewrap after SIGKILL before giving up on it
 
 
@@ -1226,7 +1227,12 @@ def _start_proxy(
             reason=decision.reason,
             err="EACCES" if not decision.allowed else decision.error,
             detail=f"{decision.method} {decision.target()}",
-            extra={"host": decision.host, "port": decision.port, "address": decision.address},
+            extra={
+                "host": decision.host,
+                "port": decision.port,
+                "address": decision.address,
+                **({"fix": decision.fix} if decision.fix else {}),
+            },
         )
         notices.add(decision.target(), decision.notice())
 
@@ -1379,11 +1385,14 @@ def _summary(req: RunRequest, started: datetime, status: int, lost: str | None =
     staged: set[str] = set()
     refused: dict[str, None] = {}  # hosts and looked-up names, in order, once each
     unreached: dict[str, None] = {}
+    fixes: dict[str, None] = {}  # the flags that would admit each host refused
     for entry in audit_mod.query(audit_path(req.project), query):
         if entry.get("op") in (AuditOp.RUN, AuditOp.MOUNT, AuditOp.UNMOUNT):
             continue
         if entry.get("op") == AuditOp.NET and entry.get("allowed") is not True:
             (refused if entry.get("allowed") is False else unreached)[_net_target(entry)] = None
+            if isinstance(fix := entry.get("fix"), str) and len(fixes) < FIXES_SHOWN:
+                fixes[printable(fix, 300)] = None
         if entry.get("allowed") is False:
             count = entry.get("count", 1)  # identical refusals folded into one entry
             denied += count if isinstance(count, int) else 1
@@ -1403,12 +1412,19 @@ def _summary(req: RunRequest, started: datetime, status: int, lost: str | None =
         parts = [f"refused {_some(refused)}"] if refused else []
         parts += [f"not reached {_some(unreached)}"] if unreached else []
         network = f"; network: {'; '.join(parts)}"
-    return (
+    summary = (
         f"sandboxfs: session {req.session} ended ({ended}): "
         f"{_count(allowed, 'operation')} allowed, {denied} denied, "
         f"{_count(len(staged), 'file')} staged{network}; "
         f"details: sandboxfs audit --session {req.session}"
     )
+    if fixes:  # one line that admits every host refused, rather than one more run per host
+        given = {f"--allow-host {_rule_text(rule)}": None for rule in req.allow}
+        summary += (
+            "\nsandboxfs: to allow every host refused as well, run again with: --net allow "
+            + " ".join({**given, **fixes})
+        )
+    return summary
 
 
 def _net_target(entry: dict[str, Any]) -> str:

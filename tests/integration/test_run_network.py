@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from sandboxfs.run import registries
 from tests.support.cli import SANDBOXFS, wait_until
 from tests.support.run import (
     NOBODY,
@@ -123,30 +124,35 @@ def test_a_refused_host_is_named_once_with_the_flag(project: Path) -> None:
     assert found["not-reached"] == "502"
     pypi = "sandboxfs: network: refused pypi.org:80 (not in --allow-host); to allow it: "
     assert notices(result.stderr) == [
-        f"{pypi}--allow-host pypi.org",
+        f"{pypi}--allow pypi",
         f"sandboxfs: network: refused 127.0.0.1:{other} (not in --allow-host); to allow it: "
         f"--allow-host 127.0.0.1:{other}",
         f"sandboxfs: network: could not reach 127.0.0.1:{closed}: Connection refused",
         "sandboxfs: network: refused files.pythonhosted.org:443 (not in --allow-host); to allow "
-        "it: --allow-host files.pythonhosted.org",
+        "it: --allow pypi",
     ], result.stderr
     # What the program's HTTP client shows says the same (pip: "Tunnel connection failed: ...").
     assert found["urllib-https"] == (
         "Tunnel connection failed: 403 sandboxfs refused files.pythonhosted.org:443 (not in "
-        "--allow-host); to allow it: --allow-host files.pythonhosted.org"
+        "--allow-host); to allow it: --allow pypi"
     )
     assert found["urllib-http"] == (
-        "403 sandboxfs refused pypi.org:80 (not in --allow-host); to allow it: "
-        "--allow-host pypi.org"
+        "403 sandboxfs refused pypi.org:80 (not in --allow-host); to allow it: --allow pypi"
     )
     assert (
         f"network: refused pypi.org:80, 127.0.0.1:{other}, files.pythonhosted.org:443; "
         f"not reached 127.0.0.1:{closed};" in summary(result.stderr)
     )
+    # and one line that admits them all, with what was allowed already
+    assert result.stderr.splitlines()[-1] == (
+        "sandboxfs: to allow every host refused as well, run again with: --net allow "
+        f"--allow-host 127.0.0.1:{allowed} --allow-host 127.0.0.1:{closed} --allow pypi "
+        f"--allow-host 127.0.0.1:{other}"
+    )
     net = audit(project, "--op", "net")
     refused = [e for e in net if e["host"] == "pypi.org"]
     assert len(refused) == 3 and all(e["allowed"] is False for e in refused), net  # each audited
-    assert "to allow it, start sandboxfs run with --allow-host pypi.org" in refused[0]["reason"]
+    assert "to allow it, start sandboxfs run with --allow pypi" in refused[0]["reason"]
 
 
 @needs_curl
@@ -449,3 +455,17 @@ def test_a_project_file_never_widens_the_network(project: Path, tmp_path: Path, 
                        str(port), env=env)  # fmt: skip
         assert narrowed.stdout.splitlines() == ["proxy: no", "direct: no"], narrowed
         assert "asks for" not in narrowed.stderr
+
+
+def test_a_registry_is_allowed_by_its_name_as_this_machine_resolves_it(project: Path) -> None:
+    """`--allow pypi`: its hosts, each pinned to the non-global addresses it resolves to here
+    (a mirror), or by name where it resolves to global ones or not at all."""
+    expected = registries.hosts(["pypi"])
+    assert {h.partition("=")[0] for h in expected} == {"pypi.org", "files.pythonhosted.org"}
+    result = sbx("run", "--project", project, "--net", "allow", "--allow", "pypi", "--", "true")
+    assert result.returncode == 0, result.stderr
+    assert f"network: allow ({', '.join(expected)}; through sandboxfs's proxy)" in result.stderr
+    wrong = sbx("run", "--project", project, "--net", "allow", "--allow", "pipy", "--", "true")
+    assert wrong.returncode == 125 and "invalid choice: 'pipy'" in wrong.stderr, wrong.stderr
+    off = sbx("run", "--project", project, "--allow", "npm", "--", "true")
+    assert off.returncode == 125 and "--allow needs --net allow" in off.stderr, off.stderr

@@ -535,13 +535,14 @@ def test_the_suggested_pin_admits_the_name(make_proxy: MakeProxy, echo: Echo) ->
 def test_web_ports_suggest_a_rule_without_port(make_proxy: MakeProxy) -> None:
     harness = make_proxy("api.test", resolve=lambda h, p: ["203.0.113.80"])
     for request in (
-        b"CONNECT pypi.org:443",
+        b"CONNECT example.org:443",
         b"GET http://[2001:db8::1]:8080/",
         b"GET http://api.test/",
     ):
         harness.request(request + b" HTTP/1.1\r\n\r\n")
     assert [d.notice() for d in harness.decisions] == [
-        "network: refused pypi.org:443 (not in --allow-host); to allow it: --allow-host pypi.org",
+        "network: refused example.org:443 (not in --allow-host); to allow it: "
+        "--allow-host example.org",
         "network: refused [2001:db8::1]:8080 (not in --allow-host); to allow it: "
         "--allow-host [2001:db8::1]:8080",
         "network: refused api.test:80 (api.test resolves to 203.0.113.80 (special-purpose, not "
@@ -871,3 +872,29 @@ def test_close_ends_every_thread_and_connection(make_proxy: MakeProxy, echo: Ech
         assert read_all(tunnel) == b""
         assert read_all(pending) == b""
     harness.proxy.close()  # twice is fine
+
+
+@pytest.mark.parametrize(
+    ("addresses", "expected"),
+    [
+        (["151.101.0.223"], ["pypi.org"]),  # global: the name, as any other
+        (["203.0.113.80", "203.0.113.81"], ["pypi.org=203.0.113.80", "pypi.org=203.0.113.81"]),
+        (["10.1.2.3", "151.101.0.223"], ["pypi.org=10.1.2.3"]),  # the mirror, pinned
+        (["127.0.0.1"], ["pypi.org"]),  # never pinned to loopback: refused as usual
+        (["169.254.169.254"], ["pypi.org"]),  # nor to a metadata address
+        ([], ["pypi.org"]),
+    ],
+)
+def test_a_registry_host_is_pinned_only_to_a_mirrors_address(
+    monkeypatch: pytest.MonkeyPatch, addresses: list[str], expected: list[str]
+) -> None:
+    from sandboxfs.run import registries
+
+    def resolve(host: str, port: int, **_: object) -> list[tuple[object, ...]]:
+        if not addresses:
+            raise socket.gaierror("no such name")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port)) for a in addresses]
+
+    monkeypatch.setattr("socket.getaddrinfo", resolve)
+    monkeypatch.setitem(registries.REGISTRIES, "pypi", ("pypi.org",))
+    assert registries.hosts(["pypi"]) == expected
