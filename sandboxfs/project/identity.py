@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -109,3 +110,40 @@ def _repo_configs(project: Path) -> list[Path]:
         return []
     common = Path(lines[0])
     return [(common if common.is_absolute() else project / common) / "config"]
+
+
+def home_config(existing: bytes, found: Mapping[str, str]) -> bytes | None:
+    """A sandbox home's ~/.gitconfig holding the user's identity (`found`, as identity()
+    gives it): `existing` (what the home's file held, b"" for none) with user.name and
+    user.email set to the user's and nothing else changed. Only those two values come from
+    outside: never the user's config itself (tokens, credential helpers, url rewrites,
+    includes stay there). None where there is nothing to set, or `existing` is not a config
+    file git can change (it is then left as the program made it)."""
+    values = {
+        "user.name": found.get("GIT_AUTHOR_NAME"),
+        "user.email": found.get("GIT_AUTHOR_EMAIL"),
+    }
+    if not any(values.values()):
+        return None
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GIT_CONFIG_NOSYSTEM": "1"}
+    env["GIT_CONFIG_GLOBAL"] = "/dev/null"
+    with tempfile.TemporaryDirectory(prefix="sandboxfs-gitconfig-") as private:
+        config = Path(private) / "config"
+        config.write_bytes(existing)
+        for key, value in values.items():
+            if not value or "\n" in value or "\0" in value:
+                continue
+            try:  # --replace-all: one value however many the program left
+                done = subprocess.run(
+                    ["git", "config", "--file", str(config), "--replace-all", key, value],
+                    capture_output=True,
+                    cwd=private,
+                    env=env,
+                    timeout=_TIMEOUT,
+                    check=False,
+                )
+            except (OSError, subprocess.TimeoutExpired):
+                return None
+            if done.returncode != 0:
+                return None
+        return config.read_bytes()

@@ -525,14 +525,17 @@ def cache_env(home: str) -> dict[str, str]:
     At levels where the repo is read-only, a tool that writes `__pycache__` or `.pytest_cache`
     beside the sources fails or warns (pytest turns the warning into an error under
     `filterwarnings = error`). Pointed at `$HOME/.cache`, they work at every level and the
-    project stays as it was. Tools that already cache under `$HOME` (pip, npm, uv) need nothing.
-    `--env` overrides any of these.
+    project stays as it was; pytest's cache is turned off instead, as no option that moves it
+    is one pytest always knows. Tools that already cache under `$HOME` (pip, npm, uv) need
+    nothing. `--env` overrides any of these.
     """
     cache = f"{home}/.cache"
     return {
         "XDG_CACHE_HOME": cache,
         "PYTHONPYCACHEPREFIX": f"{cache}/pycache",
-        "PYTEST_ADDOPTS": f"-o cache_dir={cache}/pytest",
+        # pytest's cache off rather than moved: `-o cache_dir=` is an unknown option, a warning
+        # (an error under `filterwarnings = error`), wherever the cache provider is off already
+        "PYTEST_ADDOPTS": "-p no:cacheprovider",
         "MYPY_CACHE_DIR": f"{cache}/mypy",
         "RUFF_CACHE_DIR": f"{cache}/ruff",
     }

@@ -13,21 +13,24 @@ it; links are followed, secrets refused, a file already there kept unless forced
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import secrets
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandboxfs.core.policy import Trust
 from sandboxfs.errors import SandboxfsError, UserError
+from sandboxfs.project.identity import home_config
 from sandboxfs.project.zones import (
     ensure_home,
 )
 from sandboxfs.run import toolchain
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_ENTRIES = 10_000
 MAX_BYTES = 100 * 1024 * 1024
 
@@ -39,12 +42,84 @@ def hold(project: Path, workspace: str, trust: Trust) -> int | None:
     """Mark the home `run` uses in use for as long as the descriptor stays open (a shared
     flock: `reset` leaves it alone meanwhile). None where it cannot be marked."""
     try:
-        fd = os.open(ensure_home(project, workspace, trust), _DIR_FLAGS)
+        fd = os.open(ensure_home(project, workspace, trust), DIR_FLAGS)
     except (OSError, SandboxfsError):
         return None
     with contextlib.suppress(OSError):
         fcntl.flock(fd, fcntl.LOCK_SH)
     return fd
+
+
+# ----- the user's git identity -----------------------------------------------------------------
+
+GITCONFIG = ".gitconfig"
+_MAX_GITCONFIG = 1 << 20  # a home's ~/.gitconfig larger than this is left as it is
+
+
+def give_identity(home_fd: int, found: Mapping[str, str]) -> bool:
+    """Set the user's git identity (`found`: sandboxfs.project.identity.identity()) in the
+    ~/.gitconfig of the home open as `home_fd`, so that what reads git's config rather than
+    GIT_AUTHOR_* (`git config user.name`, GitPython and the agents built on it) finds it
+    there, and never writes its own into the repository's config. Only user.name and
+    user.email are set; what else the program keeps there stays. Never follows a link the
+    program left (a link is replaced by a file); a directory, a device or a file too large
+    is left alone. Whether the file was written."""
+    existing, mode = b"", 0o644
+    try:
+        fd = os.open(
+            GITCONFIG, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=home_fd
+        )
+    except FileNotFoundError:
+        fd = None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:  # ELOOP: a link, replaced below
+            return False
+        fd = None
+    if fd is not None:
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_GITCONFIG:
+                return False
+            existing = _read_all(fd, _MAX_GITCONFIG + 1)
+            mode = stat.S_IMODE(st.st_mode)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        if len(existing) > _MAX_GITCONFIG:
+            return False
+    wanted = home_config(existing, found)
+    if wanted is None or (fd is not None and wanted == existing):
+        return False
+    temp = f".{GITCONFIG}.identity-{secrets.token_hex(4)}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        out = os.open(temp, flags, 0o600, dir_fd=home_fd)
+    except OSError:
+        return False
+    try:
+        try:
+            view = memoryview(wanted)
+            while view:
+                view = view[os.write(out, view) :]
+            os.fchmod(out, mode)
+        finally:
+            os.close(out)
+        os.rename(temp, GITCONFIG, src_dir_fd=home_fd, dst_dir_fd=home_fd)  # a link itself
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temp, dir_fd=home_fd)
+        return False
+    return True
+
+
+def _read_all(fd: int, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    total = 0
+    while total < limit and (chunk := os.read(fd, min(1 << 16, limit - total))):
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
 
 
 # ----- seed ---------------------------------------------------------------------------------------
@@ -132,7 +207,7 @@ def seed(home: Path, entries: list[_Entry], force: bool) -> SeedResult:
     """Copy `entries` below the home directory `home`, never following a link there: the
     sandbox may have left links in its home (a link is replaced, not written through)."""
     result = SeedResult()
-    root = os.open(home, _DIR_FLAGS)
+    root = os.open(home, DIR_FLAGS)
     try:
         for entry in entries:
             parts = entry.rel.split("/")
@@ -180,7 +255,7 @@ def _make_dir(parent: int, name: str, mode: int, force: bool) -> int | None:
         st = None
     if st is None:
         os.mkdir(name, mode, dir_fd=parent)
-    return os.open(name, _DIR_FLAGS, dir_fd=parent)
+    return os.open(name, DIR_FLAGS, dir_fd=parent)
 
 
 def _copy_file(parent: int, name: str, entry: _Entry, force: bool) -> bool:

@@ -37,7 +37,9 @@ from sandboxfs.audit import log as audit_mod
 from sandboxfs.audit.log import AuditLog
 from sandboxfs.config.model import Config
 from sandboxfs.core.entry import UNSET, AuditOp, Unset, audit_entry
+from sandboxfs.core.errors import SandboxError
 from sandboxfs.core.policy import Op, Policy, Trust, Zone
+from sandboxfs.core.store import ensure_dirs
 from sandboxfs.core.syscalls import make_undumpable, set_dumpable, write_all
 from sandboxfs.errors import SandboxfsError, SetupError, UserError
 from sandboxfs.fuse.spawn import Starting, start_daemon
@@ -876,7 +878,9 @@ def run(req: RunRequest) -> int:
     run_dir = _make_run_dir(req.session)
     in_use = home.hold(req.project, req.workspace, req.trust)  # `home reset` waits for it
     try:
-        return _run_mounted(req, audit, run_dir, cwd, bwrap)
+        who = project_identity(req.project)
+        _identity_in_home(req, in_use, who)
+        return _run_mounted(req, audit, run_dir, cwd, bwrap, who)
     finally:
         audit.close()
         remove_run_dir(run_dir)  # normally gone already: the daemon removes it
@@ -884,7 +888,29 @@ def run(req: RunRequest) -> int:
             os.close(in_use)
 
 
-def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwrap: str) -> int:
+def _identity_in_home(req: RunRequest, in_use: int | None, who: Mapping[str, str]) -> None:
+    """The user's git identity in the program's home (its ~/.gitconfig; home.give_identity):
+    the workspace's home at this level, or the session's home for a worker without one."""
+    if HOME_ZONE in req.config.zones:
+        if in_use is not None:
+            home.give_identity(in_use, who)
+        return
+    if req.config.worker is not None and "session" not in req.config.worker.zones:
+        return  # its home is the private /tmp: GIT_AUTHOR_* only
+    try:
+        session = ensure_dirs(req.project, *layout.session_parts(req.workspace, req.session))
+        fd = os.open(ensure_dirs(session, "home", mode=0o755), home.DIR_FLAGS)
+    except (OSError, SandboxError):
+        return
+    try:
+        home.give_identity(fd, who)
+    finally:
+        os.close(fd)
+
+
+def _run_mounted(
+    req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwrap: str, who: dict[str, str]
+) -> int:
     mnt = run_dir / "mnt"
     lifeline_r, lifeline_w = os.pipe()
     mount = MountRequest(
@@ -923,7 +949,7 @@ def _run_mounted(req: RunRequest, audit: RunAudit, run_dir: Path, cwd: str, bwra
             path=req.tools.env_path(),
             session=req.session,
             # commits carry the user's name; a worktree's metadata is never pruned by gc inside
-            extra={**project_identity(req.project), **gitdir.environment(req.config), **req.env},
+            extra={**who, **gitdir.environment(req.config), **req.env},
             proxy=req.net == "allow",
         )
         # The git directory of a worktree project, at the path its .git file names (gitdir).

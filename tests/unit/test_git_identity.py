@@ -3,6 +3,7 @@ choice among the config files, one `git config` per file, and nothing but plain 
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 
 from sandboxfs.project import identity
+from sandboxfs.run.home import DIR_FLAGS, give_identity
 
 ADA = "[user]\n\tname = Ada Lovelace\n\temail = ada@example.org\n"
 
@@ -128,3 +130,66 @@ def test_a_git_that_hangs_or_is_missing_gives_nothing(
 def test_only_identity_keys(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         identity.configured([tmp_path / "config"], "core.editor")
+
+
+# ----- the identity in a sandbox home's ~/.gitconfig (sandboxfs.run.home.give_identity) ---------
+
+FOUND = {"GIT_AUTHOR_NAME": 'Ada "A" Lovelace', "GIT_AUTHOR_EMAIL": "-ada@example.org"}
+
+
+def home_identity(home: Path) -> list[str]:
+    out = subprocess.run(
+        ["git", "config", "--file", str(home / ".gitconfig"), "--list"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.splitlines()
+
+
+def give(home: Path, found: dict[str, str] = FOUND) -> bool:
+    fd = os.open(home, DIR_FLAGS)
+    try:
+        return give_identity(fd, found)
+    finally:
+        os.close(fd)
+
+
+def test_a_new_home_gets_the_name_and_email_quoted_as_git_would(tmp_path: Path) -> None:
+    assert give(tmp_path)
+    assert home_identity(tmp_path) == [
+        'user.name=Ada "A" Lovelace',
+        "user.email=-ada@example.org",
+    ]
+    assert not give(tmp_path)  # already so: not written again
+
+
+def test_the_programs_own_settings_stay_and_its_identity_is_replaced(tmp_path: Path) -> None:
+    write(tmp_path / ".gitconfig", "[user]\n\tname = a\n\tname = b\n[core]\n\tpager = cat\n")
+    assert give(tmp_path)
+    assert home_identity(tmp_path) == [
+        'user.name=Ada "A" Lovelace',
+        "user.email=-ada@example.org",
+        "core.pager=cat",
+    ]
+
+
+def test_a_link_is_replaced_never_followed(tmp_path: Path) -> None:
+    outside = write(tmp_path / "outside", "[core]\n\tpager = cat\n")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".gitconfig").symlink_to(outside)
+    assert give(home)
+    assert not (home / ".gitconfig").is_symlink()
+    assert outside.read_text() == "[core]\n\tpager = cat\n"
+    assert home_identity(home) == ['user.name=Ada "A" Lovelace', "user.email=-ada@example.org"]
+
+
+def test_what_git_cannot_change_is_left_alone(tmp_path: Path) -> None:
+    write(tmp_path / ".gitconfig", "[broken\n")
+    assert not give(tmp_path)
+    assert (tmp_path / ".gitconfig").read_text() == "[broken\n"
+    assert not give(tmp_path, {})  # no identity known: nothing to set
+    (tmp_path / ".gitconfig").unlink()
+    (tmp_path / ".gitconfig").mkdir()
+    assert not give(tmp_path)
