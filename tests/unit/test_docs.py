@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from sandboxfs.cli import docs, manpage
 from sandboxfs.cli.main import build_parser
 from sandboxfs.config import model
