@@ -358,6 +358,7 @@ def memory_guard(
         config.protect,
         config.deny_private_keys,
         worker=config.worker_label(),
+        credential_patterns=config.deny_credentials,
     )
     worker = config.worker.name if config.worker is not None else None
     info = MountInfo(session, workspace, "", "", via="api", worker=worker)

@@ -154,8 +154,10 @@ KEY_HELP: dict[str, str] = {
     '"/" inside matches a path from the zone root, a leading "!" is an exception.',
     "ProjectConfig.deny_private_keys": "Patterns added to the built-in list of names refused "
     "when the file holds a private key (decided by content).",
-    "ProjectConfig.inherit_deny": "`false` replaces both built-in lists (deny and private keys) "
-    "with the project's own.",
+    "ProjectConfig.deny_credentials": "Patterns added to the built-in list of config files "
+    "refused when the file holds a credential (a token, a password; decided by content).",
+    "ProjectConfig.inherit_deny": "`false` replaces the three built-in lists (deny, private keys, "
+    "credentials) with the project's own.",
     "ProjectConfig.protect": "Patterns added to the protected paths: readable where the level "
     "allows, never created, changed, renamed or deleted.",
     "ProjectConfig.inherit_protect": "`false` replaces the default protected paths; "
@@ -346,6 +348,7 @@ def config_reference() -> str:
         "",
         f"- deny list: {_listing(built.deny)}",
         f"- private keys (refused when they hold one): {_listing(built.deny_private_keys)}",
+        f"- credentials (refused when they hold one): {_listing(built.deny_credentials)}",
         f"- protected: {_listing(built.protect)}",
         "",
         "### The default matrix",

@@ -2,7 +2,8 @@
 
 A project's `sandboxfs.yaml` may override any field. Its `deny:` list adds to the built-in
 deny list unless it also sets `inherit_deny: false`, so that listing one more secret never
-silently drops the protection of the others (`deny_private_keys:` too, under the same switch);
+silently drops the protection of the others (`deny_private_keys:` and `deny_credentials:` too,
+under the same switch);
 `protect:` and `inherit_protect` work the same
 way, except that the config file itself stays protected whatever the file says (an agent that
 could write it would choose its own policy for the next mount).
@@ -53,12 +54,14 @@ DEFAULT_DENY = [
     "!.env.dist",
     ".netrc",
     ".git-credentials",
-    ".npmrc",
-    ".pypirc",
     ".ssh/",
     ".aws/",
     ".gnupg/",
 ]
+
+# Refused as deny-listed only when the file holds a credential: the package managers' config
+# files their tools must read in a project (sandboxfs.core.credentials).
+DEFAULT_CREDENTIALS = [".npmrc", ".yarnrc", ".yarnrc.yml", ".pypirc", "pip.conf", "pip.ini"]
 
 # Refused as deny-listed only when the file holds a private key (sandboxfs.core.secrets).
 DEFAULT_PRIVATE_KEYS = [
@@ -372,6 +375,7 @@ class Config(_Strict):
     default_trust: Trust = Trust.SESSION
     deny: list[str] = Field(default_factory=lambda: list(DEFAULT_DENY))
     deny_private_keys: list[str] = Field(default_factory=lambda: list(DEFAULT_PRIVATE_KEYS))
+    deny_credentials: list[str] = Field(default_factory=lambda: list(DEFAULT_CREDENTIALS))
     protect: list[str] = Field(default_factory=lambda: list(DEFAULT_PROTECT))
     permissions: dict[Trust, dict[str, Permission]] = Field(
         default_factory=lambda: {
@@ -453,7 +457,7 @@ class Config(_Strict):
     def zone_limits(self) -> dict[Zone, ZoneLimits]:
         return {Zone(name): limits.limits() for name, limits in self.limits.items()}
 
-    @field_validator("deny", "deny_private_keys", "protect")
+    @field_validator("deny", "deny_private_keys", "deny_credentials", "protect")
     @classmethod
     def _valid_patterns(cls, value: list[str]) -> list[str]:
         for pattern in value:
@@ -502,6 +506,7 @@ class ProjectConfig(_Strict):
     default_trust: Trust | None = None
     deny: list[str] = Field(default_factory=list)
     deny_private_keys: list[str] = Field(default_factory=list)
+    deny_credentials: list[str] = Field(default_factory=list)
     inherit_deny: bool = True
     protect: list[str] = Field(default_factory=list)
     inherit_protect: bool = True
@@ -554,9 +559,10 @@ def _merge(base: Config, override: ProjectConfig) -> dict[str, Any]:
         if pattern not in deny:
             deny.append(pattern)
     merged["deny"] = deny
-    keys = list(base.deny_private_keys) if override.inherit_deny else []
-    keys += [pattern for pattern in override.deny_private_keys if pattern not in keys]
-    merged["deny_private_keys"] = keys
+    for field in ("deny_private_keys", "deny_credentials"):
+        inherited = list(getattr(base, field)) if override.inherit_deny else []
+        added = [pattern for pattern in getattr(override, field) if pattern not in inherited]
+        merged[field] = inherited + added
     protect = list(base.protect) if override.inherit_protect else [ALWAYS_PROTECTED]
     protect += [pattern for pattern in override.protect if pattern not in protect]
     merged["protect"] = protect

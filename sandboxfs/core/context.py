@@ -51,6 +51,7 @@ def context(
         "zones": zones,
         "deny": list(policy.deny_patterns),
         "deny_private_keys": list(policy.private_key_patterns),
+        "deny_credentials": list(policy.credential_patterns),
     }
 
 

@@ -144,15 +144,7 @@ class Guard:
         """Switch to another trust level (live promotion or demotion); returns the old one.
         Takes effect for the next check: the policy is rebuilt for the new level."""
         old = self.policy
-        self.policy = Policy(
-            old.matrix,
-            old.deny_patterns,
-            trust,
-            old.protect_patterns,
-            old.private_key_patterns,
-            old.git_dirs,
-            old.worker,
-        )
+        self.policy = old.with_trust(trust)
         self.generation += 1
         return old.trust
 
@@ -512,7 +504,7 @@ class Guard:
         is never read, changed, renamed, linked or deleted."""
         keys = self.keys
         zone = parent.zone
-        if keys is None or zone is None or not self.policy.private_key_patterns:
+        if keys is None or zone is None or not self.policy.private_keys.written:
             return
         relpath = relpath_of(parent, name) if self.policy.private_keys.has_paths else ""
         text = name.decode("utf-8", "surrogateescape")

@@ -478,6 +478,7 @@ class Policy:
         private_key_patterns: Sequence[str] = (),
         git_dirs: Iterable[Zone] = (),
         worker: tuple[str, Mapping[str, str]] | None = None,
+        credential_patterns: Sequence[str] = (),
     ) -> None:
         self.matrix = matrix
         # The worker the matrix was narrowed to (name, declared mode per zone), named in
@@ -488,12 +489,13 @@ class Policy:
         self.trust = trust
         self.deny = Patterns(deny_patterns)
         self.protect = Patterns(protect_patterns)
-        # Files refused as deny-listed ones only when their contents hold a private key
-        # (sandboxfs.core.secrets).
-        self.private_keys = Patterns(private_key_patterns)
+        # Files refused as deny-listed ones only when their contents hold a secret: a private
+        # key or a credential (sandboxfs.core.secrets scans each for both).
+        self.private_keys = Patterns([*private_key_patterns, *credential_patterns])
         self.deny_patterns = self.deny.written
         self.protect_patterns = self.protect.written
-        self.private_key_patterns = self.private_keys.written
+        self.private_key_patterns = Patterns(private_key_patterns).written
+        self.credential_patterns = Patterns(credential_patterns).written
         # The mount's zones, in the order `/` lists them: the built-in ones, then the project's.
         self.zones: tuple[Zone, ...] = tuple(matrix[trust])
         self._decisions = {(zone, op): self._decide(zone, op) for zone in self.zones for op in Op}
@@ -544,12 +546,27 @@ class Policy:
             Rule.DENY,
         )
 
+    def with_trust(self, trust: Trust) -> Policy:
+        """The same policy at another trust level (a live promotion or demotion)."""
+        return Policy(
+            self.matrix,
+            self.deny_patterns,
+            trust,
+            self.protect_patterns,
+            self.private_key_patterns,
+            self.git_dirs,
+            self.worker,
+            self.credential_patterns,
+        )
+
     def private_key_decision(self, vpath: str, pattern: str, what: str) -> Decision:
-        """The refusal of a file matching private-key pattern `pattern` that holds `what`."""
+        """The refusal of a file matching contents-checked pattern `pattern` that holds `what`
+        (a private key or a credential)."""
+        secret = "a credential" if pattern in self.credential_patterns else "a private key"
         return deny(
             errno.EACCES,
             f"{vpath} holds {what} (files matching {pattern!r} are refused when their contents "
-            f"hold a private key); it is never read, changed, renamed or deleted through "
+            f"hold {secret}); it is never read, changed, renamed or deleted through "
             f"sandboxfs, at every trust level",
             Rule.DENY,
         )

@@ -35,6 +35,7 @@ import stat
 from collections import OrderedDict
 from typing import Protocol
 
+from .credentials import credential_in
 from .errors import SandboxError
 from .store import HiddenEntry, Node, StatLike, Store
 from .syscalls import (
@@ -68,6 +69,11 @@ def private_key_in(data: bytes) -> str | None:
     if data[:4] in _KEYSTORE_MAGIC:
         return "a Java keystore (which holds private keys)"
     return _der_key(data)
+
+
+def secret_in(data: bytes) -> str | None:
+    """The private key or credential `data` holds, in words, or None."""
+    return private_key_in(data) or credential_in(data)
 
 
 def _after_length(data: bytes, at: int) -> int:
@@ -148,7 +154,7 @@ class KeyScanner:
             self._known.move_to_end(stamp)
             return self._known[stamp]
         read, data = self.contents.head(parent, name, layer, SCAN_BYTES)
-        return self._remember(read, private_key_in(data))
+        return self._remember(read, secret_in(data))
 
     def holds_key_open(self, fd: int) -> str | None:
         """What private key the file open at `fd` holds now (in words), or None: for a handle
@@ -158,7 +164,7 @@ class KeyScanner:
         if stamp in self._known:
             self._known.move_to_end(stamp)
             return self._known[stamp]
-        return self._remember(st, private_key_in(os.pread(fd, SCAN_BYTES, 0)))
+        return self._remember(st, secret_in(os.pread(fd, SCAN_BYTES, 0)))
 
     def _remember(self, st: StatLike, found: str | None) -> str | None:
         self._known[_stamp(st)] = found

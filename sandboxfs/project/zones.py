@@ -552,6 +552,7 @@ def make_guard(
         config.deny_private_keys,
         git_dir_zones(config),
         config.worker_label(),
+        config.deny_credentials,
     )
     limits = config.zone_limits()
     tallies: dict[Zone, Tally] = {}

@@ -352,12 +352,12 @@ def test_renaming_and_linking_to_deny_listed_names(
         # command -> (virtual path audited, message, op audited there)
         attacks = {
             f"mv {repo}/x.txt {repo}/.env": ("/repo/.env", denied, "rename"),
-            f"mv {repo}/x.txt {repo}/.npmrc": ("/repo/.npmrc", denied, "rename"),
+            f"mv {repo}/x.txt {repo}/.netrc": ("/repo/.netrc", denied, "rename"),
             # .ssh exists (and is shown): mv moves into it, which the deny list refuses.
             f"mv {repo}/x.txt {repo}/.ssh": ("/repo/.ssh/x.txt", denied, "rename"),
             f"mv {repo}/src {repo}/.aws": ("/repo/.aws", denied, "rename"),
             f"ln {repo}/x.txt {repo}/.git-credentials": ("/repo/.git-credentials", denied, "link"),
-            f"ln -s x.txt {repo}/.pypirc": ("/repo/.pypirc", denied, "write"),
+            f"ln -s x.txt {repo}/.env.local": ("/repo/.env.local", denied, "write"),
             f"sh -c 'echo > {repo}/.env'": ("/repo/.env", denied, "write"),
             f"sh -c 'echo > {repo}/src/.env.production'": (
                 "/repo/src/.env.production",
@@ -423,7 +423,7 @@ def test_renaming_and_linking_to_deny_listed_names(
         assert (project / "server.pem").read_text() == "-----BEGIN PRIVATE KEY-----\n"
         assert sorted(p.name for p in (project / ".ssh").iterdir()) == ["id_rsa"]
         assert (project / "src" / "main.py").exists()
-        for name in (".npmrc", ".aws", ".git-credentials", ".pypirc", "src/.env.production"):
+        for name in (".netrc", ".aws", ".git-credentials", ".env.local", "src/.env.production"):
             assert not (project / name).exists(), name
         for name in (".env.test", ".netrc", "server.txt", "copy.txt"):
             assert not (project / name).exists(), name

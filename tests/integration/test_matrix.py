@@ -644,7 +644,9 @@ def test_deny_list_at_full(mount_at: Callable[..., Any], project: Path) -> None:
         checks.append((shell(f"echo > '{repo}/.netrc'"), ".netrc", EACCES))
         checks.append((run("rm", "-f", repo / ".env"), ".env", EACCES))
         checks.append((run("mv", repo / "README.md", repo / ".env"), ".env", EACCES))
-        checks.append((run("ln", repo / "README.md", repo / ".npmrc"), ".npmrc", EACCES))
+        checks.append(
+            (run("ln", repo / "README.md", repo / ".git-credentials"), ".git-credentials", EACCES)
+        )
         # Every zone, not only the repo.
         checks.append((shell(f"echo > '{m.mnt}/session/working/.env.local'"), ".env.*", EACCES))
 
@@ -656,7 +658,7 @@ def test_deny_list_at_full(mount_at: Callable[..., Any], project: Path) -> None:
             failures.append("README.md changed")
         if (project / ".env").read_text() != "API_KEY=secret\n":
             failures.append(".env changed")
-        for absent in (project / ".netrc", project / ".npmrc"):
+        for absent in (project / ".netrc", project / ".git-credentials"):
             if os.path.lexists(absent):
                 failures.append(f"{absent.name} was created in the repo")
         session_env = sandbox_dir(project) / "sessions" / SESSION_ID / "working" / ".env.local"

@@ -220,3 +220,47 @@ def test_venv_and_pip_install_of_a_local_wheel(
         assert use.stdout.split() == ["42", "True"], use
         refused = [e for e in m.audit("--denied") if "/venv/" in (e["path"] or "")]
         assert refused == [], refused
+
+
+NPM = shutil.which("npm")
+
+
+def test_a_fresh_clone_tracking_package_manager_configs_looks_unchanged(
+    mount_at: Callable[..., Any], tmp_path: Path
+) -> None:
+    """`.npmrc` and `pip.conf` without a credential are config the project's tools read: in a
+    brand-new clone (its index racy, so git must read every file) they are not shown modified,
+    `git stash` works and npm reads the project's settings; a token written into one is
+    refused, and the refusal names its key, never its value."""
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    (origin / ".npmrc").write_text("package-lock=false\n//registry.example/:_authToken=${TOK}\n")
+    (origin / "pip.conf").write_text("[global]\nindex-url = https://pypi.example/simple\n")
+    (origin / "package.json").write_text('{"name": "x", "version": "1.0.0"}\n')
+    (origin / "README.md").write_text("# x\n")
+    for cmd in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-qm", "configs"]):
+        assert git(origin, *cmd).returncode == 0
+    project = tmp_path / "clone"
+    assert git(tmp_path, "clone", "-q", str(origin), str(project)).returncode == 0
+    token = "npm_s3cretTokenValue0123456789"
+    (project / "app").mkdir()
+    (project / "app" / ".npmrc").write_text(f"//registry.npmjs.org/:_authToken={token}\n")
+    with mount_at("full", proj=project) as m:
+        repo = m.mnt / "repo"
+        status = inside(m, "git status --porcelain")
+        assert (status.returncode, status.stdout, status.stderr) == (0, "?? app/\n", "")
+        assert (repo / ".npmrc").read_text().startswith("package-lock=false\n")
+        assert "index-url" in (repo / "pip.conf").read_text()
+        (repo / "README.md").write_text("# x, edited\n")
+        stash = inside(m, "git stash -q && git stash pop -q && git status --porcelain")
+        assert (stash.returncode, stash.stdout) == (0, " M README.md\n?? app/\n"), stash
+        if NPM is not None:
+            npm = sh("npm config get package-lock", cwd=repo, env={"HOME": str(tmp_path)})
+            assert (npm.returncode, npm.stdout.strip()) == (0, "false"), npm
+        read = inside(m, "cat app/.npmrc")
+        assert read.returncode != 0 and "Permission denied" in read.stderr, read
+        denied = [e for e in m.audit("--denied") if e["path"] == "/repo/app/.npmrc"]
+        assert denied and "a credential (a value for '_authToken')" in denied[0]["reason"]
+        assert "refused when their contents hold a credential" in denied[0]["reason"]
+        assert all(token not in str(entry) for entry in m.audit())
+    assert git(project, "status", "--porcelain").stdout == " M README.md\n?? app/\n"

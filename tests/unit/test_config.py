@@ -23,8 +23,9 @@ EXAMPLES = sorted((REPO_ROOT / "config").glob("example-*.yaml"))
 
 DEFAULT_DENY = [
     ".env", ".env.*", "!.env.example", "!.env.sample", "!.env.template", "!.env.dist", ".netrc",
-    ".git-credentials", ".npmrc", ".pypirc", ".ssh/", ".aws/", ".gnupg/",
+    ".git-credentials", ".ssh/", ".aws/", ".gnupg/",
 ]  # fmt: skip
+DEFAULT_CREDENTIALS = [".npmrc", ".yarnrc", ".yarnrc.yml", ".pypirc", "pip.conf", "pip.ini"]
 DEFAULT_PRIVATE_KEYS = [
     "*.pem", "*.key", "*.crt", "*.cer", "*.der", "*.p8", "*.pk8", "*.p12", "*.pfx", "*.ppk",
     "*.asc", "*.jks", "*.keystore", "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*",
@@ -202,6 +203,17 @@ def test_private_key_patterns_add_to_defaults_and_follow_inherit_deny(tmp_path: 
     _write(tmp_path, "inherit_deny: false\ndeny_private_keys: ['*.secret']\n")
     loaded = config.load(tmp_path)
     assert (loaded.deny, loaded.deny_private_keys) == ([], ["*.secret"])
+
+
+def test_credential_patterns_add_to_defaults_and_follow_inherit_deny(tmp_path: Path) -> None:
+    assert config.load(tmp_path).deny_credentials == DEFAULT_CREDENTIALS
+    _write(tmp_path, "deny_credentials: ['.npmrc', 'registry.ini']\n")
+    assert config.load(tmp_path).deny_credentials == [*DEFAULT_CREDENTIALS, "registry.ini"]
+    _write(tmp_path, "inherit_deny: false\ndeny_credentials: ['registry.ini']\n")
+    loaded = config.load(tmp_path)
+    assert (loaded.deny_private_keys, loaded.deny_credentials) == ([], ["registry.ini"])
+    _write(tmp_path, "deny_credentials: ['']\n")
+    assert "invalid pattern" in _load_error(tmp_path)
 
 
 def test_exceptions_only_in_deny(tmp_path: Path) -> None:

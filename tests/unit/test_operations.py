@@ -1259,8 +1259,8 @@ async def test_deny_list_at_full(make: Callable[[str], Harness]) -> None:
     await fails(h.ops.create(working, b".netrc", 0o600, os.O_WRONLY, CTX), errno.EACCES)
     await fails(h.ops.mkdir(working, b".aws", 0o700, CTX), errno.EACCES)
     await fails(h.ops.rename(working, b"notes.txt", working, b".env.prod", 0, CTX), errno.EACCES)
-    await fails(h.ops.link(notes, working, b".npmrc", CTX), errno.EACCES)
-    await fails(h.ops.symlink(working, b".pypirc", b"notes.txt", CTX), errno.EACCES)
+    await fails(h.ops.link(notes, working, b".git-credentials", CTX), errno.EACCES)
+    await fails(h.ops.symlink(working, b".env.local", b"notes.txt", CTX), errno.EACCES)
     assert sorted(os.listdir(h.dirs[Zone.SESSION] / "working")) == ["notes.txt"]
     # Templates meant to be committed are ordinary files.
     await h.write_new(working, b".env.example", b"API_KEY=\n")

@@ -275,8 +275,6 @@ DENIED = [
     (".env.example.bak", False, ".env.*"),
     (".netrc", False, ".netrc"),
     (".git-credentials", False, ".git-credentials"),
-    (".npmrc", False, ".npmrc"),
-    (".pypirc", False, ".pypirc"),
     (".ssh", True, ".ssh/"),
     (".aws", True, ".aws/"),
     (".gnupg", True, ".gnupg/"),
@@ -296,7 +294,10 @@ NOT_DENIED = [
     (".env.sample", False),
     (".ENV.Template", False),
     (".env.dist", False),
-    # Refused by their contents only (deny_private_keys), never by name.
+    # Refused by their contents only (deny_private_keys, deny_credentials), never by name.
+    (".npmrc", False),
+    (".pypirc", False),
+    ("pip.conf", False),
     ("server.pem", False),
     ("tls.key", False),
     ("id_rsa", False),
@@ -373,6 +374,26 @@ def test_default_private_key_patterns() -> None:
     decision = policy.private_key_decision("/repo/a.key", "*.key", "a private key (DER)")
     assert (decision.allowed, decision.errno, decision.rule) == (False, EACCES, "deny")
     assert "/repo/a.key holds a private key (DER)" in decision.reason
+
+
+def test_credential_patterns_are_checked_by_contents_and_survive_a_level_change() -> None:
+    defaults = config.defaults()
+    policy = Policy(
+        defaults.matrix(), defaults.deny, Trust.FULL, (), defaults.deny_private_keys,
+        credential_patterns=defaults.deny_credentials,
+    )  # fmt: skip
+    for name in (".npmrc", ".yarnrc.yml", ".pypirc", "pip.conf", "server.pem"):
+        assert policy.deny.match(name, "", False) is None, name
+        assert policy.private_keys.match(name, "", False) is not None, name
+    demoted = policy.with_trust(Trust.UNTRUSTED)
+    assert demoted.trust is Trust.UNTRUSTED
+    assert demoted.private_keys.match(".npmrc", "", False) == ".npmrc"
+    assert demoted.credential_patterns == tuple(defaults.deny_credentials)
+    what = "a credential (a value for '_authToken')"
+    decision = demoted.private_key_decision("/repo/.npmrc", ".npmrc", what)
+    assert (decision.allowed, decision.errno, decision.rule) == (False, EACCES, "deny")
+    assert "refused when their contents hold a credential" in decision.reason
+    assert "hold a private key" in demoted.private_key_decision("/r/a.pem", "*.pem", "k").reason
 
 
 def test_non_utf8_names_do_not_crash() -> None:
