@@ -562,12 +562,16 @@ class Policy:
     def private_key_decision(self, vpath: str, pattern: str, what: str) -> Decision:
         """The refusal of a file matching contents-checked pattern `pattern` that holds `what`
         (a private key or a credential)."""
-        secret = "a credential" if pattern in self.credential_patterns else "a private key"
+        credential = pattern in self.credential_patterns
+        secret = "a credential" if credential else "a private key"
+        # A config file the project's tools must read keeps working once the secret moves to
+        # the environment, which the file then names.
+        fix = "; to let tools read it, name a variable instead (${NPM_TOKEN})" if credential else ""
         return deny(
             errno.EACCES,
             f"{vpath} holds {what} (files matching {pattern!r} are refused when their contents "
             f"hold {secret}); it is never read, changed, renamed or deleted through "
-            f"sandboxfs, at every trust level",
+            f"sandboxfs, at every trust level{fix}",
             Rule.DENY,
         )
 

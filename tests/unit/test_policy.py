@@ -393,6 +393,7 @@ def test_credential_patterns_are_checked_by_contents_and_survive_a_level_change(
     decision = demoted.private_key_decision("/repo/.npmrc", ".npmrc", what)
     assert (decision.allowed, decision.errno, decision.rule) == (False, EACCES, "deny")
     assert "refused when their contents hold a credential" in decision.reason
+    assert decision.reason.endswith("name a variable instead (${NPM_TOKEN})")
     assert "hold a private key" in demoted.private_key_decision("/r/a.pem", "*.pem", "k").reason
 
 
