@@ -138,7 +138,7 @@ def guide(policy: Policy, info: MountInfo, mountpoint: str = CONFINED_MOUNTPOINT
         f"Write your work in: {where}. /tmp is private and gone when you exit; everything "
         "else outside the sandbox's directories is read-only or absent.",
         "Every access is recorded for the user. Refused at every level: names on the deny "
-        f"list ({_some(policy.deny_patterns)}) and files that hold private keys.",
+        f"list ({_some(policy.deny_patterns)}) and files that hold private keys or credentials.",
     ]
     if policy.protect_patterns:
         lines.append(
@@ -161,6 +161,15 @@ def guide(policy: Policy, info: MountInfo, mountpoint: str = CONFINED_MOUNTPOINT
                 f"{base}/<id>/; the user reviews it (sandboxfs staged diff <id>) and lands it "
                 "as one git commit (sandboxfs staged commit <id>):"
             )
+        repo_readable = Zone.REPO in policy.zones and Op.READ in policy.access(Zone.REPO).ops
+        # The example starts from the repository's file where the level may read it, and
+        # writes the whole new content where it may not (a copy from /repo would be refused).
+        start = (
+            f"  cp {root}/repo/src/parse.py {base}/fix-parser/files/src/parse.py"
+            if repo_readable
+            else f"  printf 'def parse(text):\\n    return text or None\\n' > "
+            f"{base}/fix-parser/files/src/parse.py"
+        )
         lines += [
             f"  {base}/<id>/files/<repo path>  the full new content of each file to create or "
             "change (an x bit makes it executable)",
@@ -169,7 +178,7 @@ def guide(policy: Policy, info: MountInfo, mountpoint: str = CONFINED_MOUNTPOINT
             "  <id>: 1-64 of A-Z a-z 0-9 . _ -, not starting with '.'; a new one for each change.",
             "For example:",
             f"  mkdir -p {base}/fix-parser/files/src",
-            f"  cp src/parse.py {base}/fix-parser/files/src/parse.py",
+            start,
             f"  echo 'Fix the parser on empty input' > {base}/fix-parser/message.txt",
         ]
         if policy.access(staged).create_only:

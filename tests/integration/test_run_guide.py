@@ -70,6 +70,24 @@ def test_guide_at_every_level_tells_the_truth(tmp_path: Path, trust: str) -> Non
     assert (shown or ("read-only" if trust == "workspace" else "read-write")) in start
 
 
+@pytest.mark.parametrize("trust", ["untrusted", "workspace"])
+def test_the_guides_example_runs_as_written(tmp_path: Path, trust: str) -> None:
+    """The staging example works verbatim at the level it is shown to: where /sandbox/repo
+    cannot be read it writes the file whole instead of copying it from there."""
+    project = _repo(tmp_path)
+    (project / "src" / "parse.py").write_text("def parse(text):\n    return text\n")
+    shown = sbx("run", "--project", project, "--trust", trust, "-q", "--", "cat", GUIDE)
+    assert shown.returncode == 0, shown.stderr
+    after = shown.stdout.split("For example:\n", 1)[1].splitlines()
+    example = [line.split("  #")[0].strip() for line in after if line.startswith("  ")]
+    assert len(example) >= 3 and ("cp /sandbox/repo/" in example[1]) is (trust == "workspace")
+    script = " && ".join(example)
+    result = sbx("run", "--project", project, "--trust", trust, "-q", "--", "sh", "-c", script)
+    assert result.returncode == 0, (example, result.stderr)
+    listed = sbx("staged", "show", "--project", project, "fix-parser")
+    assert listed.returncode == 0 and "src/parse.py" in listed.stdout, listed
+
+
 def test_quiet_prints_no_start_line(tmp_path: Path) -> None:
     project = _repo(tmp_path)
     result = sbx("run", "--quiet", "--project", project, "--", "true")
