@@ -30,6 +30,7 @@ from sandboxfs.cli import completion, manpage, staged_parser, subcommands
 from sandboxfs.cli import home as home_mod
 from sandboxfs.cli import sessions as sessions_cli
 from sandboxfs.cli import workers as workers_cli
+from sandboxfs.cli.suggest import suggestion
 from sandboxfs.config import model as config_mod
 from sandboxfs.config import user as userconfig
 from sandboxfs.config.inputs import cut
@@ -87,7 +88,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line, exit code 2."""
 
     def error(self, message: str) -> NoReturn:
-        raise UserError(f"{message} (see '{self.prog} --help')")
+        raise UserError(f"{message}{suggestion(self, message)} (see '{self.prog} --help')")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
