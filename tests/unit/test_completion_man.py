@@ -50,7 +50,7 @@ zpty -w z 'zle -C __complete complete-word _main_complete
   __test() { zle __complete; print -r -- __DONE__ >>$__out; zle kill-whole-line; }
   zle -N __test; bindkey "^T" __test'
 for line in "$@"; do zpty -w -n z "$line"$'\C-t'; done
-for i in {1..500}; do
+for i in {1..2500}; do
   (( $(grep -c __DONE__ $out 2>/dev/null || print 0) >= $# )) && break
   sleep 0.02
 done
@@ -82,7 +82,7 @@ def bash_complete(script: Path, line: str, cwd: Path) -> list[str]:
         text=True,
         cwd=cwd,
         env=ENV,
-        timeout=10,
+        timeout=60,  # compinit scans every completion dir: seconds on a loaded 2-core CI
         check=False,
     )
     assert result.returncode == 0 and not result.stderr, result
@@ -201,7 +201,7 @@ def test_zsh_completes(tmp_path: Path, cwd: Path) -> None:
         ["zsh", "-f", "-c", ZSH_DRIVER, "zsh", str(script), str(out), *lines],
         env={**ENV, "TERM": "dumb"},
         cwd=cwd,
-        timeout=20,
+        timeout=60,
         check=True,
     )
     results = [set(chunk.split()) for chunk in out.read_text().split("__DONE__")[:-1]]
