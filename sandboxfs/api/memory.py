@@ -21,9 +21,10 @@ from sandboxfs.config.model import Config
 from sandboxfs.project.zones import SESSION_SUBDIRS
 
 from ..core.errors import SandboxError
-from ..core.guard import Guard, MountInfo
+from ..core.guard import Guard
 from ..core.limits import Tally
 from ..core.policy import Policy, Trust, Zone
+from ..core.rulebase import MountInfo
 from ..core.secrets import KeyScanner
 from ..core.store import FIRST_DYNAMIC_INO, ROOT_INO, Node, StatLike
 

@@ -186,7 +186,7 @@ class Sandbox:
         self._audit = audit
         self._entries = entries
         self.project = project
-        self._gate = Gate(guard, backend)
+        self._gate = Gate(guard, backend, guard.effects)
         self._caller = Caller(os.getpid(), os.getuid(), os.getgid())
         self._zone_names = {zone.value: zone for zone in guard.policy.zones}
         self._held: list[Node] = []
@@ -274,7 +274,7 @@ class Sandbox:
             raise _setup_error(exc) from None
         if approver is not None:
             wait = approval_timeout if approval_timeout is not None else broker.timeout
-            guard.consent.approver = _answering(approver, wait)
+            guard.effects.consent.approver = _answering(approver, wait)
         made = cls(
             backend,
             guard,
@@ -487,7 +487,7 @@ class Sandbox:
                 error = api_error(exc, call.action, call.path, call.dest)
                 raise self._stage_hint(error, call.action) from None
             except Exception as exc:
-                self._guard.internal_error(f"api {action}", exc)
+                self._gate.effects.internal_error(f"api {action}", exc)
                 reason = f"internal error: {type(exc).__name__}: {exc}"
                 raise make_error(SandboxIOError, action, call.path, reason, errno.EIO) from exc
             finally:
@@ -534,7 +534,7 @@ class Sandbox:
         if zone is None or not p.parts or policy.access(zone).any:
             return
         decision = policy.decide(zone, op)
-        raise g.guard.refuse(self._caller, audited or op, p.text, zone, decision)
+        raise g.refusal(self._caller, audited or op, p.text, zone, decision)
 
     def _lookup(self, g: Gate, parent: Node, name: bytes) -> Node | None:
         """The node at parent/name, None when absent; refuses (ENOENT) what this level may
@@ -618,7 +618,7 @@ class Sandbox:
         else:
             reason = f"{vpath} is not a regular file; only regular files can be read or written"
             decision = Decision(False, errno.EINVAL, reason)
-        raise g.guard.refuse(self._caller, op, vpath, node.zone, decision)
+        raise g.refusal(self._caller, op, vpath, node.zone, decision)
 
     # ----- the checks of each operation (shared by the operations and check_permission) -------
 
@@ -1010,7 +1010,7 @@ class Sandbox:
                 zone = g.check_create(caller, parent, name, kind, size=size)
             except SandboxError as exc:
                 decision = Decision(False, exc.errno, exc.reason, exc.rule)
-                raise self._guard.refuse(
+                raise self._gate.refusal(
                     caller, Op.WRITE, parent.vpath(name), parent.zone, decision
                 ) from None
             return Node(0, zone, parent, name, kind == "mkdir")

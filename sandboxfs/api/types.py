@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..core.guard import AuditSink
+from ..core.effects import AuditSink
 from ..core.policy import Zone
 from ..core.store import Node, StatLike
 

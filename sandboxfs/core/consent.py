@@ -20,7 +20,7 @@ from .errors import SandboxError
 from .policy import Decision, Op, Rule, Zone, in_git_dir
 
 if TYPE_CHECKING:
-    from .guard import Caller
+    from .rulebase import Caller
 
 # The Python API's own prompt (Sandbox.open(approver=...)): a pending request's description in,
 # an approvals.Answer value out (None: no answer, refused).

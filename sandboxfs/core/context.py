@@ -6,9 +6,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .guard import MountInfo
 from .limits import ZoneLimits
 from .policy import Op, Policy, Zone
+from .rulebase import MountInfo
 
 
 def context(

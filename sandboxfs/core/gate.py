@@ -1,192 +1,90 @@
-"""The gate: one method per operation, each running all of that operation's rules in one order.
+"""The gate: one method per operation, and in it that operation's rule list, in order.
 
 Both front ends call it and do nothing but translate: the FUSE adapter (sandboxfs.operations:
 inode numbers, handles, errno, the kernel's caches) and the Python API (sandboxfs.api.sandbox:
-paths, typed errors, tool text). For each operation the gate
+paths, typed errors, tool text). Each operation's method (or its `check_<op>`, which the
+operation and a permission probe share) reads as its list:
 
-1. runs the operation's checks (`check_<op>`: the guard's rules in this operation's order,
-   then `_decide`, the one place where a later rule joins every operation),
-2. charges the zone's limits (max_file_bytes, quota),
-3. touches the store through the front end's `action` (the backing call, as the caller),
-4. gives back what a failed or shorter change did not use, and
-5. records the audit entry of the allowed operation.
+1. the rules, each a check of the guard's families (sandboxfs.core.guard): the matrix, the
+   deny list, private keys, protected paths and git's files, frozen staged commits, zone
+   roots, worker layers, the zone's limits;
+2. the approval step (`_approve`: the user's consent, asked only once every rule allowed);
+3. `_decide`, where a later rule joins every operation (worker narrowing, a test's step);
+4. the quota charged, the store touched through the front end's `action` (the backing call,
+   as the caller), what a failed or shorter change did not use given back;
+5. the audit entry of the allowed operation.
 
-Refusals are audited by the guard before its `SandboxError` leaves the gate. A permission
-probe (the API's `check_permission`, `stage`'s precheck) is the same gate run without effect
-(`without_effect`): the same `check_<op>` on the same policy, frozen commits, pinned
-directories and own entries, with nothing audited, charged or changed, so it cannot drift
-from the operation it answers for.
-
-The rules themselves (the matrix, deny and protect patterns, git's surface, private keys,
-frozen staged commits, limits) live in sandboxfs.core.guard and sandboxfs.core.policy.
+What an operation leaves behind (entries, quota, consent) is the gate's `Effects`
+(sandboxfs.core.effects). Every refusal a rule raises is audited by the gate on its way out
+(every public method: `_audited`), before the front end sees its errno. A permission probe
+(the API's `check_permission`, `stage`'s precheck, the cache warm) is the same gate with
+`NoEffects` (`without_effect`): the same lists on the same policy, frozen commits, pinned
+directories and own entries, with nothing audited, charged, asked or changed.
 """
 
 from __future__ import annotations
 
-import copy
 import errno
-import os
+import inspect
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
 
-from .entry import AuditOp
+from .approvals import Kind
 from .errors import SandboxError
-from .guard import Caller, Guard, ReadFile
-from .policy import Decision, Op, Rule, Zone
-from .store import HiddenEntry, Node, StatLike
-
-T = TypeVar("T")
-
-# Set-user-ID and set-group-ID bits never reach a backing file: a confined program (root,
-# maybe) must not leave a set-id executable for someone outside to run.
-SUID_SGID = stat.S_ISUID | stat.S_ISGID
-# sandboxfs has no security.* namespace: it never shows or stores labels or file capabilities.
-SECURITY_XATTR_PREFIX = b"security."
-
-
-class Storage(Protocol):
-    """What the gate asks of a front end's storage (core.store.Store, the API's backends)."""
-
-    def find(self, parent: Node, name: bytes) -> tuple[StatLike, int] | None: ...
-    def target(self, parent: Node, name: bytes) -> StatLike | None: ...
-    def created(self, zone: Zone, st: StatLike) -> bool: ...
-    def stat(self, node: Node) -> StatLike: ...
+from .gate_names import NamesGate
+from .gatebase import (
+    _ACL_XATTRS,
+    _WRITABLE_XATTR_PREFIX,
+    SECURITY_XATTR_PREFIX,
+    SUID_SGID,
+    Request,
+    T,
+    audited,
+)
+from .policy import CONTEXT_REASON, ZONE_ROOT_REASON, Decision, Op, Rule, Zone
+from .rulebase import Caller
+from .store import FIRST_DYNAMIC_INO, ROOT_INO, Node
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One operation as `_decide`'s steps see it, once every built-in rule allowed it."""
-
-    op: AuditOp | Op  # as audited: read, write, list, delete, rename, link
-    caller: Caller
-    path: str
-    zone: Zone | None
-    dest: str | None = None
-    node: Node | None = None  # the existing entry, if there is one
-
-
-# A rule that joins every operation (approvals, worker narrowing): returns to allow, or raises
-# `gate.refuse(...)` (audited) to refuse. Steps run in the order they were added. For a probe
-# (`gate.effect` is False) a step answers without asking anyone or changing anything.
-Step = Callable[["Gate", Request], None]
-
-
-FAIL_CLOSED = "the audit log cannot be written: refused until it can (fail closed)"
-
-
-class _NullSink:
-    """The audit log of a gate without effect: nothing is recorded."""
-
-    failing = False
-
-    def record(self, entry: dict[str, Any]) -> None:
-        pass
-
-    def try_flush(self) -> bool:
-        return True
-
-
-class Gate:
-    """Every operation of one mount or sandbox, in its one order of rules.
-
-    `_decide` (the added steps) runs in every operation that reads or changes an entry's
-    contents or names: open (and the API's read and replace), readlink, create, make, link,
-    remove, rename, setattr, setxattr/removexattr and listing. Lookups and attributes are
-    judged by the guard alone (visibility), and a write through an open handle was decided
-    when the handle was opened (a staged commit under review and a trust change aside).
-    """
-
-    def __init__(self, guard: Guard, storage: Storage, *, effect: bool = True) -> None:
-        self.guard = guard
-        self.storage = storage
-        self.effect = effect
-        self.steps: list[Step] = []
-
-    def fail_closed(self, op: AuditOp | Op, path: str | None, *, pid: int, uid: int) -> None:
-        """While the audit log cannot be written, nothing that would be audited happens: the
-        one fail-closed rule of both front ends. The refusal is recorded (it waits in memory
-        with the log's other refusals, counted at a constant cost) and raised as ENOSPC."""
-        audit = self.guard.audit
-        if audit.failing and not audit.try_flush():
-            self.guard.record(
-                op, path, None, pid=pid, uid=uid, allowed=False, reason=FAIL_CLOSED,
-                err=errno.ENOSPC,
-            )  # fmt: skip
-            raise SandboxError(errno.ENOSPC, FAIL_CLOSED)
-
-    def without_effect(self) -> Gate:
-        """The same gate, run for its answer only: the guard's current policy, frozen commits,
-        pinned directories, key scanner and own entries; no audit entry, no quota charge.
-        Built per question, so that it follows trust changes."""
-        dry = copy.copy(self.guard)
-        dry.audit = _NullSink()
-        dry.tallies = {}
-        dry.consent = self.guard.consent.probe(dry.refuse)
-        gate = Gate(dry, self.storage, effect=False)
-        gate.steps = self.steps
-        return gate
-
-    # ----- the one place a later rule joins every operation ----------------------------------
-
-    def _decide(self, request: Callable[[], Request]) -> None:
-        """After the built-in rules of an operation allowed it and before anything is charged
-        or changed: each added step (see `Step`). Approvals (the user's consent) and worker
-        narrowing are added here, once, for every operation and for the probe alike.
-        `request` builds the operation's Request only when a step is there to read it (a
-        virtual path costs a walk up the tree)."""
-        if self.steps:
-            built = request()
-            for step in self.steps:
-                step(self, built)
-
-    def refuse(
-        self, request: Request, err: int, reason: str, rule: Rule = Rule.MATRIX
-    ) -> SandboxError:
-        """A step's refusal: audited, then returned for the step to raise."""
-        decision = Decision(False, err, reason, rule)
-        return self.guard.refuse(
-            request.caller, request.op, request.path, request.zone, decision, request.dest
-        )
-
-    # ----- limits ----------------------------------------------------------------------------
-
-    def _refund(self, zone: Zone | None, nbytes: int, nfiles: int) -> None:
-        if self.effect:
-            self.guard.freed(zone, nbytes, nfiles)
-
-    # ----- resolving names -------------------------------------------------------------------
-
-    def find(
-        self, caller: Caller, op: Op, parent: Node, name: bytes
-    ) -> tuple[StatLike, int] | None:
-        """storage.find, with an entry that is never part of a zone (sandboxfs's state, another
-        mount) refused as absent to a reader and as EACCES to a writer, audited as `op`."""
-        try:
-            return self.storage.find(parent, name)
-        except HiddenEntry as exc:
-            raise self.guard.hidden(caller, op, parent, name, exc.reason) from None
-
-    def lookup(self, caller: Caller, parent: Node, name: bytes) -> tuple[StatLike, int] | None:
-        """LOOKUP of parent/name (inside a zone): its lstat and workers layer, None when absent
-        or refused as absent (see Guard.visible: the answer does not tell which). A creation
-        after a refused lookup reaches its own operation and is refused there as `write`."""
-        zone = parent.zone
-        assert zone is not None
-        found = self.find(caller, Op.READ, parent, name)
-        st, layer = found if found is not None else (None, 0)
-        created = st is not None and self.storage.created(zone, st)
-        if not self.guard.visible(caller, parent, name, st, created) or st is None:
-            return None
-        return st, layer
-
-    def getattr(self, caller: Caller, node: Node) -> None:
-        """Attributes of a known entry: after a trust change, only what the level may resolve."""
-        if self.guard.generation:
-            self.guard.may_stat(caller, node)
+class Gate(NamesGate):
+    """Every operation of one mount or sandbox, each with its one list of rules (names:
+    sandboxfs.core.gate_names; what they share: sandboxfs.core.gatebase)."""
 
     # ----- files -----------------------------------------------------------------------------
+
+    def _open_rules(self, caller: Caller, node: Node, read: bool, write: bool) -> None:
+        """The rules of opening an existing file to read and/or to write: never a deny-listed
+        one, nor (checked last: it reads the file) one that holds a private key."""
+        g = self.guard
+        assert node.zone is not None
+        op = Op.WRITE if write else Op.READ
+        g.reject_denied_node(caller, op, node)
+        if read and not g.own_readable(node):
+            g.check(caller, Op.READ, node)
+        if write:
+            g.reject_protected_node(caller, Op.WRITE, node)
+            g.check(caller, Op.WRITE, node)
+            g.check_layer(caller, node, Op.WRITE)
+            g.reject_frozen_node(caller, Op.WRITE, node)
+        g.check_suffix_node(caller, node, op, "opening")
+        g.reject_private_key_node(caller, op, node)
+
+    def _approve_open(
+        self, caller: Caller, node: Node, read: bool, write: bool, overwrites: bool
+    ) -> None:
+        """The approval step of an open: reading, writing, and overwriting (truncating, or
+        writing in place, a file this session did not create destroys what it held). A file
+        with other names gets no rule's exclusions (a hard link in `build/` to the user's file
+        is the user's file)."""
+        if not self.effects.asks:
+            return
+        assert node.zone is not None
+        kinds = [Kind.OVERWRITE] if overwrites and not node.created_here else []
+        kinds += [Kind.WRITE] if write else []
+        kinds += [Kind.READ] if read else []
+        shared = write and self._shared(node)
+        op = Op.WRITE if write else Op.READ
+        self._approve(caller, kinds, node.zone, node.vpath, op, exclusions=not shared)
 
     def check_open(
         self,
@@ -198,10 +96,9 @@ class Gate:
         truncate: bool = False,
         in_place: bool = False,
     ) -> None:
-        shared = write and self._shared(node)
-        self.guard.may_open(
-            caller, node, read, write, truncate=truncate, in_place=in_place, shared=shared
-        )
+        """Opening an existing file (`in_place`: for writing without O_APPEND)."""
+        self._open_rules(caller, node, read, write)
+        self._approve_open(caller, node, read, write, truncate or in_place)
         op = Op.WRITE if write else Op.READ
         self._decide(lambda: Request(op, caller, node.vpath(), node.zone, node=node))
 
@@ -231,31 +128,28 @@ class Gate:
             if old_size > new_size:
                 self._refund(node.zone, old_size - new_size, 0)
         if not write:
-            self.guard.did(caller, Op.READ, node, comm=comm)
+            self.effects.did(caller, Op.READ, node, comm=comm)
         return result
-
-    def _made_here(self, zone: Zone, st: StatLike | None) -> bool:
-        """Whether this mount created the entry `st` describes (not the user's: no approval
-        rule asks about changing it); only asked where approval rules exist."""
-        return st is not None and self.guard.consent.active and self.storage.created(zone, st)
-
-    def _shared(self, node: Node) -> bool:
-        """Whether a file's contents are also another name's (approval rules' exclusions do
-        not apply to it); only asked where approval rules exist."""
-        return self.guard.consent.active and self.storage.stat(node).st_nlink > 1
 
     def overwrite_in_place(self, caller: Caller, node: Node) -> None:
         """A write below the end of a file through a handle opened with O_APPEND (whose flag
         fcntl cleared since, or a shared mapping's writeback): an overwrite for the approval
         rules, as an open without O_APPEND is."""
-        self.guard.may_open(caller, node, False, True, in_place=True, shared=self._shared(node))
+        self._open_rules(caller, node, False, True)
+        self._approve_open(caller, node, False, True, True)
+
+    def read_open_key(self, caller: Caller, node: Node, fd: int) -> None:
+        """Reading through a handle on a file that may hold a private key and changed since
+        it was checked (Guard.may_read_open_key)."""
+        self.guard.may_read_open_key(caller, node, fd)
 
     def open_document(self, caller: Caller, node: Node, *, write: bool) -> None:
         """The mount's own documents (/.sandboxfs/context.json and README): read-only at every
         level; reading them is not audited (`sandboxfs status` reads context.json to tell a
         live mount from a dead one)."""
         if write:
-            self.guard.may_write_context(caller, node)
+            decision = Decision(False, errno.EACCES, CONTEXT_REASON)
+            raise self.guard.refuse(caller, Op.WRITE, node.vpath(), None, decision)
 
     def keep(
         self,
@@ -267,9 +161,25 @@ class Gate:
         created: bool,
         grant: int | None = None,
     ) -> None:
-        """A handle opened under an earlier trust level or approval grant, used again (see
-        Guard.may_keep)."""
-        self.guard.may_keep(caller, node, read, write, created, grant)
+        """A handle opened under an earlier trust level or approval grant, used again to read
+        or to write: that must be allowed now (a handle that created its file keeps it while
+        creating is), and the approval grant it was opened under (`grant`) must not have been
+        revoked. Nobody is asked again."""
+        g = self.guard
+        assert node.zone is not None
+        op = Op.WRITE if write else Op.READ
+        if grant is not None and grant in self.effects.consent.revoked_grants:
+            reason = f"{node.vpath()} was opened under approval grant {grant}, since revoked"
+            decision = Decision(False, errno.EACCES, reason, Rule.APPROVAL)
+            raise g.refuse(caller, op, node.vpath(), node.zone, decision)
+        if not created:
+            self._open_rules(caller, node, read, write)
+            return
+        decision = g.policy.decide_create(node.zone)
+        if not decision.allowed:
+            raise g.refuse(caller, Op.WRITE, node.vpath(), node.zone, decision)
+        if write:
+            g.reject_frozen_node(caller, Op.WRITE, node)
 
     def write(
         self,
@@ -284,12 +194,13 @@ class Gate:
     ) -> int:
         """A write of `length` bytes at `off` through an open handle; `action` writes and
         returns how many bytes it wrote. In /staged each write asks again whether its commit
-        is under review (`frozen` runs on that refusal: the front end drops its caches).
-        `size`: the file's size now, where sizes matter (max_file_bytes, a quota): the growth
-        is charged first and what was not written given back."""
+        is under review (the handle may be older than the review: `frozen` runs on that
+        refusal, and the front end drops its caches). `size`: the file's size now, where sizes
+        matter (max_file_bytes, a quota): the growth is charged first and what was not written
+        given back."""
         if node.zone is Zone.STAGED:
             try:
-                self.guard.may_write_staged(caller, node)
+                self.guard.reject_frozen_node(caller, Op.WRITE, node)
             except SandboxError:
                 if frozen is not None:
                     frozen()
@@ -298,7 +209,7 @@ class Gate:
             return action()
         old_size = size()
         new_size = max(old_size, off + length)
-        self.guard.may_resize(caller, node, old_size, new_size)
+        self._resize(caller, node, old_size, new_size)
         try:
             written = action()
         except BaseException:
@@ -321,7 +232,7 @@ class Gate:
         """A handle closed: a writer's (or creator's) entry, with the bytes it wrote."""
         if wrote or created:
             detail = "create" if created else None
-            self.guard.did(caller, Op.WRITE, node, comm=comm, nbytes=nbytes, detail=detail)
+            self.effects.did(caller, Op.WRITE, node, comm=comm, nbytes=nbytes, detail=detail)
 
     def replace(
         self,
@@ -341,18 +252,17 @@ class Gate:
         self.check_open(caller, node, read=False, write=True, truncate=not append)
         if check is not None:
             check()
-        g = self.guard
         expected = -1
 
         def before(old: int) -> None:
             nonlocal expected
             new = old + length if append else length
             if append or old == 0:
-                g.may_resize(caller, node, old, new)
+                self._resize(caller, node, old, new)
             else:
-                g.may_resize(caller, node, old, 0)
+                self._resize(caller, node, old, 0)
                 try:
-                    g.may_resize(caller, node, 0, new)
+                    self._resize(caller, node, 0, new)
                 except BaseException:
                     self._refund(node.zone, -old, 0)  # charge again what truncating gave back
                     raise
@@ -368,248 +278,55 @@ class Gate:
                     actual = expected - length
                 self._refund(node.zone, max(0, expected - actual), 0)
             raise
-        g.did(caller, Op.WRITE, node, nbytes=length)
+        self.effects.did(caller, Op.WRITE, node, nbytes=length)
 
     def readlink(self, caller: Caller, node: Node, action: Callable[[], T]) -> T:
-        """A symbolic link's target: its contents."""
+        """A symbolic link's target is its contents: refused for a deny-listed link."""
+        g = self.guard
         if node.zone is None:
             raise SandboxError(errno.EINVAL)
-        self.guard.may_read_link(caller, node)
+        if not g.own_readable(node):
+            g.check(caller, Op.READ, node)
+        g.reject_denied_node(caller, Op.READ, node)
         self._decide(lambda: Request(Op.READ, caller, node.vpath(), node.zone, node=node))
         return action()
 
-    # ----- creating entries ------------------------------------------------------------------
-
-    def check_create(
-        self,
-        caller: Caller,
-        parent: Node,
-        name: bytes,
-        kind: str = "file",
-        mode: int = 0,
-        size: int = 0,
-    ) -> Zone:
-        """Checks for a new name (kind: file, mkdir, symlink, mknod) of `size` bytes; charges
-        one entry (and the size) to the zone's quota. Returns the zone."""
-        g = self.guard
-        zone = g.may_create(caller, parent, name, kind, mode)
-        if size:
-            try:  # sizes are judged before anything exists
-                g.may_resize(caller, Node(0, zone, parent, name, False), 0, size)
-            except BaseException:
-                self._refund(zone, 0, 1)
-                raise
-        try:
-            self._decide(lambda: Request(Op.WRITE, caller, parent.vpath(name), zone))
-        except BaseException:
-            self._refund(zone, size, 1)
-            raise
-        return zone
-
-    def existing(self, caller: Caller, parent: Node, name: bytes, zone: Zone, err: int) -> None:
-        """A creation met an existing name (err): sandboxfs's state or another mount, or an
-        entry of a create-only zone, are refused (EACCES, audited) as the write they were."""
-        if err in (errno.EEXIST, errno.EISDIR, errno.EXDEV):
-            self.find(caller, Op.WRITE, parent, name)
-        if err == errno.EEXIST:
-            self.guard.refuse_existing(caller, parent, name, zone)
-            raise SandboxError(errno.EEXIST, f"{parent.vpath(name)} already exists")
-        if err == errno.EXDEV:  # the name is the root of another mount
-            self.guard.refuse_mount_root(caller, parent, name, zone)
-
-    def create(
-        self,
-        caller: Caller,
-        parent: Node,
-        name: bytes,
-        action: Callable[[int, int], tuple[T, StatLike | None]],
-        *,
-        flags: int = os.O_WRONLY,
-        mode: int = 0o666,
-        size: int = 0,
-        record: bool = False,
-    ) -> T:
-        """A new regular file: `action(flags, mode)` creates it (with the set-id bits
-        stripped, and O_EXCL where the zone is create-only: "create" never reopens an existing
-        file there) and returns what it made and its lstat. `record`: audited now, with `size`
-        bytes (the API); else when its handle is released (the mount)."""
-        zone = self.check_create(caller, parent, name, "file", size=size)
-        if self.guard.create_only(zone):
-            flags |= os.O_EXCL
-        try:
-            made, st = action(flags, stat.S_IMODE(mode) & ~SUID_SGID)
-        except BaseException as exc:
-            self._refund(zone, size, 1)
-            if isinstance(exc, OSError) and exc.errno is not None:
-                self.existing(caller, parent, name, zone, exc.errno)
-            raise
-        if st is not None:
-            self.guard.created(zone, st)
-        if record:
-            path = parent.vpath(name)
-            self.guard.record(
-                Op.WRITE,
-                path,
-                zone,
-                pid=caller.pid,
-                uid=caller.uid,
-                nbytes=size,
-                detail="create",
-            )
-        return made
-
-    def make(
-        self,
-        caller: Caller,
-        parent: Node,
-        name: bytes,
-        kind: str,
-        action: Callable[[int], tuple[T, StatLike | None]],
-        *,
-        mode: int = 0,
-    ) -> T:
-        """mkdir, symlink or mknod (`kind`): `action(mode)` makes it (mode: the set-id bits
-        stripped) and returns what it made and its lstat (None: the front end keeps its own
-        record of what it created); recorded as `write` with the kind."""
-        zone = self.check_create(caller, parent, name, kind, mode)
-        try:
-            made, st = action(stat.S_IFMT(mode) | (stat.S_IMODE(mode) & ~SUID_SGID))
-        except BaseException as exc:
-            self._refund(zone, 0, 1)
-            if isinstance(exc, OSError) and exc.errno in (errno.EEXIST, errno.EADDRINUSE):
-                # Only a creation that failed can have met sandboxfs's state or a mount.
-                self.find(caller, Op.WRITE, parent, name)
-                self.guard.refuse_existing(caller, parent, name, zone)
-                if exc.errno == errno.EEXIST:
-                    vpath = parent.vpath(name)
-                    raise SandboxError(errno.EEXIST, f"{vpath} already exists") from None
-            raise
-        if st is not None:
-            self.guard.created(zone, st)
-        self.guard.record(
-            Op.WRITE, parent.vpath(name), zone, pid=caller.pid, uid=caller.uid, detail=kind
-        )
-        return made
-
-    def link(
-        self, caller: Caller, node: Node, parent: Node, new_name: bytes, action: Callable[[], T]
-    ) -> T:
-        """A second name for node at parent/new_name (never onto sandboxfs's state or another
-        mount); recorded as `link` from its current path."""
-        g = self.guard
-        src, dest = node.vpath(), parent.vpath(new_name)
-        g.may_link(caller, node, parent, new_name)
-        try:
-            self.storage.target(parent, new_name)
-        except HiddenEntry as exc:
-            raise g.hidden_target(
-                caller, AuditOp.LINK, src, parent.zone, dest, exc.reason
-            ) from None
-        self._decide(lambda: Request(AuditOp.LINK, caller, src, node.zone, dest, node))
-        result = action()
-        g.consent.moved(src, dest, caller.pid, caller.uid)  # the same file, by a new name
-        g.did(caller, AuditOp.LINK, node, path=src, dest=dest)
-        return result
-
-    # ----- removing and renaming -------------------------------------------------------------
-
-    def check_remove(self, caller: Caller, parent: Node, name: bytes) -> tuple[Zone, StatLike, int]:
-        """Checks for deleting parent/name; returns its zone, its lstat and its layer."""
-        g = self.guard
-        op = Op.DELETE
-        zone = g.may_remove_in(caller, parent, name, op)
-        found = self.find(caller, Op.DELETE, parent, name)
-        if found is None:
-            raise SandboxError(errno.ENOENT, f"{parent.vpath(name)} does not exist")
-        st, layer = found
-        created = self._made_here(zone, st)
-        g.may_remove(caller, parent, name, stat.S_ISDIR(st.st_mode), layer, op, created)
-        self._decide(lambda: Request(Op.DELETE, caller, parent.vpath(name), zone))
-        return zone, st, layer
-
-    def remove(
-        self,
-        caller: Caller,
-        parent: Node,
-        name: bytes,
-        action: Callable[[Zone, StatLike, int], None],
-        *,
-        rmdir: bool | None = None,
-    ) -> None:
-        """unlink or rmdir (`rmdir`; None: by the entry's type): `action(zone, st, layer)`
-        removes it; the quota gets back what it held; recorded as `delete`."""
-        zone, st, layer = self.check_remove(caller, parent, name)
-        action(zone, st, layer)
-        self.guard.removed(zone, st)
-        if rmdir is None:
-            rmdir = stat.S_ISDIR(st.st_mode)
-        self.guard.record(
-            Op.DELETE,
-            parent.vpath(name),
-            zone,
-            pid=caller.pid,
-            uid=caller.uid,
-            detail="rmdir" if rmdir else None,
-        )
-
-    def rename(
-        self,
-        caller: Caller,
-        old_parent: Node,
-        name_old: bytes,
-        new_parent: Node,
-        name_new: bytes,
-        action: Callable[[Zone, StatLike, int, StatLike | None], None],
-        *,
-        flags_ok: bool = True,
-        exchange: bool = False,
-        read: ReadFile | None = None,
-    ) -> None:
-        """Move old_parent/name_old to new_parent/name_new in one zone (`exchange`: swap the
-        two): `action(zone, src_st, src_layer, dst_st)` renames; what it replaced leaves the
-        quota; recorded as `rename` src -> dest. `read`: see Guard.may_move."""
-        g = self.guard
-        src, dst = old_parent.vpath(name_old), new_parent.vpath(name_new)
-        zone = g.may_rename_in(caller, old_parent, name_old, new_parent, name_new, flags_ok)
-        found = self.find(caller, Op.WRITE, old_parent, name_old)
-        if found is None:
-            raise SandboxError(errno.ENOENT, f"{src} does not exist")
-        src_st, src_layer = found
-        g.may_rename_from(caller, old_parent, name_old, src_layer, dst)
-        g.may_rename_to(caller, new_parent, name_new)
-        try:
-            dst_st = self.storage.target(new_parent, name_new)
-        except HiddenEntry as exc:  # never onto sandboxfs's state or another mount
-            raise g.hidden_target(caller, AuditOp.RENAME, src, zone, dst, exc.reason) from None
-        moving = [(old_parent, name_old, src_st, new_parent, name_new)]
-        if exchange and dst_st is not None:
-            moving.append((new_parent, name_new, dst_st, old_parent, name_old))
-        replaces = dst_st is not None and not exchange  # an overwrite too, for approvals
-        for parent, name, st, to_parent, to_name in moving:
-            g.may_move(
-                caller,
-                parent,
-                name,
-                st,
-                to_parent,
-                to_name,
-                src,
-                dst,
-                read,
-                replaces=replaces,
-                created=self._made_here(zone, st),
-                replaced_created=replaces and self._made_here(zone, dst_st),
-            )
-        self._decide(lambda: Request(AuditOp.RENAME, caller, src, zone, dst))
-        action(zone, src_st, src_layer, dst_st)
-        if dst_st is not None and not exchange and dst_st.st_ino != src_st.st_ino:
-            g.removed(zone, dst_st)
-        # What moved is not what a grant there covered (Consent.moved).
-        for moved_from, moved_to in [(src, dst), (dst, src)][: 2 if exchange else 1]:
-            g.consent.moved(moved_from, moved_to, caller.pid, caller.uid)
-        g.record(AuditOp.RENAME, src, zone, pid=caller.pid, uid=caller.uid, dest=dst)
-
     # ----- changing attributes ---------------------------------------------------------------
+
+    def _check_change(
+        self,
+        caller: Caller,
+        node: Node,
+        allow_created: bool = True,
+        *,
+        overwrites: bool = False,
+    ) -> None:
+        """The rules of writing to an existing entry (setattr, xattrs): never to `/`, a zone
+        root or /.sandboxfs. In a create-only zone, entries this mount created may still get
+        their mode, times and xattrs set (tar and cp -p do that after writing), but only their
+        creating handle may change their size. `overwrites`: a size change (truncate(2),
+        ftruncate) not covered by how its handle was opened, an overwrite for the approval
+        step too."""
+        g = self.guard
+        if node.ino < FIRST_DYNAMIC_INO:
+            reason = (
+                CONTEXT_REASON if node.zone is None and node.ino != ROOT_INO else ZONE_ROOT_REASON
+            )
+            raise g.refuse(
+                caller, Op.WRITE, node.vpath(), node.zone, Decision(False, errno.EACCES, reason)
+            )
+        assert node.zone is not None
+        g.reject_denied_node(caller, Op.WRITE, node)
+        g.reject_protected_node(caller, Op.WRITE, node)
+        g.reject_frozen_node(caller, Op.WRITE, node)
+        if not (allow_created and node.created_here and g.policy.access(node.zone).create_only):
+            g.check(caller, Op.WRITE, node)
+            g.check_layer(caller, node, Op.WRITE)
+        g.reject_private_key_node(caller, Op.WRITE, node)
+        if not node.created_here and self.effects.asks:  # approvals: truncate, chmod, xattr
+            kinds = [Kind.OVERWRITE, Kind.WRITE] if overwrites else [Kind.WRITE]
+            shared = overwrites and self._shared(node)
+            self._approve(caller, kinds, node.zone, node.vpath, Op.WRITE, exclusions=not shared)
 
     def setattr(
         self,
@@ -629,21 +346,16 @@ class Gate:
         times; `action(mode)` changes the rest; one `write` entry names what changed. A size
         change is an overwrite for the approval rules unless its handle was opened as one
         (`overwrite_granted`)."""
-        g = self.guard
         overwrites = size is not None and not overwrite_granted
-        g.may_change(
-            caller,
-            node,
-            allow_created=creating or size is None,
-            overwrites=overwrites,
-            shared=overwrites and self._shared(node),
+        self._check_change(
+            caller, node, allow_created=creating or size is None, overwrites=overwrites
         )
         self._decide(lambda: Request(Op.WRITE, caller, node.vpath(), node.zone, node=node))
         changes: list[str] = []
         if size is not None:
             current, truncate, new_size = size
             old_size = current()
-            g.may_resize(caller, node, old_size, new_size)
+            self._resize(caller, node, old_size, new_size)
             try:
                 truncate(new_size)
             except BaseException:
@@ -659,7 +371,7 @@ class Gate:
             changes.append("times")
         action(mode)
         if changes:
-            g.did(caller, Op.WRITE, node, detail="setattr " + " ".join(changes))
+            self.effects.did(caller, Op.WRITE, node, detail="setattr " + " ".join(changes))
 
     # ----- extended attributes ---------------------------------------------------------------
 
@@ -687,31 +399,43 @@ class Gate:
         self, caller: Caller, node: Node, name: bytes, what: str, action: Callable[[], None]
     ) -> None:
         """setxattr or removexattr (`what`): only user.* and POSIX ACLs."""
-        self.guard.may_change_xattr(caller, node, name)
+        self._check_change(caller, node)
+        if not name.startswith(_WRITABLE_XATTR_PREFIX) and name not in _ACL_XATTRS:
+            reason = (
+                "only user.* extended attributes and POSIX ACLs can be set or removed "
+                "through sandboxfs"
+            )
+            decision = Decision(False, errno.EPERM, reason)
+            raise self.guard.refuse(caller, Op.WRITE, node.vpath(), node.zone, decision)
         self._decide(lambda: Request(Op.WRITE, caller, node.vpath(), node.zone, node=node))
         action()
         detail = f"{what} {name.decode('utf-8', 'replace')}"
-        self.guard.did(caller, Op.WRITE, node, detail=detail)
+        self.effects.did(caller, Op.WRITE, node, detail=detail)
 
     # ----- listing ---------------------------------------------------------------------------
 
-    def check_list(self, caller: Caller, node: Node) -> None:
+    def _list_rules(self, caller: Caller, node: Node) -> None:
+        """Listing a zone's directory: the matrix (or a directory this mount created, at a
+        create-only level), then never a deny-listed directory, nor one inside."""
         g = self.guard
+        g.check_list(caller, node)
+        g.reject_denied_node(caller, Op.LIST, node)
+
+    def check_list(self, caller: Caller, node: Node) -> None:
         if node.zone is not None:
-            g.check_listing(caller, node)
+            self._list_rules(caller, node)
             self._decide(lambda: Request(Op.LIST, caller, node.vpath(), node.zone, node=node))
 
     def opendir(self, caller: Caller, node: Node) -> None:
-        """Opening a directory to list it (never a deny-listed one, nor one inside); recorded
-        at once as `list`."""
+        """Opening a directory to list it; recorded at once as `list`."""
         self.check_list(caller, node)
         if node.zone is not None:
-            self.guard.did(caller, Op.LIST, node)
+            self.effects.did(caller, Op.LIST, node)
 
     def relist(self, caller: Caller, node: Node) -> None:
         """A directory handle opened under an earlier trust level, read again."""
         if node.zone is not None:
-            self.guard.check_list(caller, node)
+            self._list_rules(caller, node)
 
     def listed(
         self, parent: Node, name: bytes, is_dir: bool, ino: int | None = None, own: bool = False
@@ -722,3 +446,10 @@ class Gate:
     def lists_all(self, parent: Node) -> bool:
         """Whether a listing of parent shows every name it holds (see Guard.lists_all)."""
         return self.guard.lists_all(parent.zone)
+
+
+# Every public operation audits the refusals its rules raise as they leave the gate.
+for _name, _method in inspect.getmembers(Gate, inspect.isfunction):
+    if not _name.startswith("_") and not getattr(_method, "audits_refusals", False):
+        setattr(Gate, _name, audited(_method))
+del _name, _method

@@ -29,9 +29,10 @@ from sandboxfs.config.model import CacheConfig
 from sandboxfs.core.approvals import ApprovalError, Mode
 from sandboxfs.core.consent import Consent
 from sandboxfs.core.context import context_document
+from sandboxfs.core.effects import AuditSink
 from sandboxfs.core.entry import AuditOp
-from sandboxfs.core.guard import AuditSink, MountInfo
 from sandboxfs.core.policy import Trust, Zone
+from sandboxfs.core.rulebase import MountInfo
 from sandboxfs.core.store import (
     CONTEXT_NAME,
     CONTROL_NAME,
@@ -191,7 +192,7 @@ def serve(
         comm = guard.process_names.get(pid)
 
         def lifecycle(op: AuditOp) -> None:
-            guard.record(
+            guard.effects.record(
                 op, "/", None, pid=pid, uid=os.getuid(), comm=comm, detail=str(req.mountpoint)
             )
 
@@ -206,7 +207,7 @@ def serve(
         ops.kernel_store = pyfuse3.notify_store
         lifecycle(AuditOp.MOUNT)
         if approvals.mode is Mode.OFF and approvals.asks:  # --no-approvals: loudly, audited
-            guard.record(
+            guard.effects.record(
                 AuditOp.APPROVAL,
                 "/",
                 None,
@@ -377,10 +378,10 @@ class Control:
                 trust=guard.policy.trust.value,
                 session=self.info.session,
                 mountpoint=self.info.mountpoint,
-                failing=_audit_failure(guard.audit),
+                failing=_audit_failure(guard.effects.audit),
             )
         if request["op"] in ("approvals", "answer", "revoke", "connect"):
-            return approvals_reply(guard.consent, request, peer.pid, peer.uid)
+            return approvals_reply(guard.effects.consent, request, peer.pid, peer.uid)
         trust: Trust = request["trust"]
         async with self.changing:
             if self.ops.warm is not None:  # it listed what the old level may list

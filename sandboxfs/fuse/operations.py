@@ -31,8 +31,9 @@ from sandboxfs.core.entry import AuditOp
 from sandboxfs.core.errors import SandboxError
 from sandboxfs.core.gate import Gate
 from sandboxfs.core.gitconfig import read_bounded
-from sandboxfs.core.guard import Guard, MountInfo
+from sandboxfs.core.guard import Guard
 from sandboxfs.core.policy import Trust, Zone
+from sandboxfs.core.rulebase import MountInfo
 from sandboxfs.core.store import (
     CONTEXT_INO,
     CONTEXT_NAME,
@@ -165,7 +166,7 @@ def _guarded(
             raise
         except Exception as exc:
             log.exception("internal error in %s", fn.__name__)
-            self.guard.internal_error(fn.__name__, exc)
+            self.gate.effects.internal_error(fn.__name__, exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     wrapper.__name__ = fn.__name__
@@ -196,7 +197,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         super().__init__()
         self.store = store
         self.guard = guard
-        self.gate = Gate(guard, store)
+        self.gate = Gate(guard, store, guard.effects)
         self.context_json = context_json
         self._write_guides()
         self._pid_namespace = os.readlink("/proc/self/ns/pid")
@@ -301,7 +302,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             isinstance(handle, FileHandle)
             and writable
             and not handle.appends
-            and handle.grant not in self.guard.consent.revoked_grants
+            and handle.grant not in self.gate.effects.consent.revoked_grants
         )
         opened: list[int] = []
         keeps_cache = False
@@ -517,7 +518,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
 
     def _pending_text(self) -> bytes:
         """What waits for the user's approval, at the end of the guide (core.approvals)."""
-        broker = self.guard.consent.broker
+        broker = self.gate.effects.consent.broker
         return broker.pending_text().encode() if broker is not None else b""
 
     def _write_guides(self) -> None:
@@ -583,7 +584,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
             in_place=accmode != os.O_RDONLY and not appends,
             comm=comm,
         )
-        grant = self.guard.consent.last_grant  # the approval grant that let it open, if any
+        grant = self.gate.effects.consent.last_grant  # the approval grant that let it open, if any
         stamp = (st.st_mtime_ns, st.st_size)
         keep_cache = node.cache_stamp == stamp and not truncate
         node.cache_stamp = stamp
@@ -642,7 +643,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         now, as opening it would be (mapped pages come through read too: direct_io is off)."""
         stamp = _key_stamp(os.fstat(handle.fd))
         if stamp != handle.key_stamp:
-            self.guard.may_read_open_key(handle, handle.node, handle.fd)
+            self.gate.read_open_key(handle, handle.node, handle.fd)
             handle.key_stamp = stamp
 
     @_guarded
@@ -656,7 +657,11 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
                 handle, node, read=False, write=True, created=handle.created, grant=handle.grant
             )
             handle.write_generation = self.guard.generation
-        if handle.appends and self.guard.consent.active and off < os.fstat(handle.fd).st_size:
+        if (
+            handle.appends
+            and self.gate.effects.consent.active
+            and off < os.fstat(handle.fd).st_size
+        ):
             self.gate.overwrite_in_place(handle, node)
             handle.appends = False
 
@@ -745,7 +750,7 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         """
         if self.kernel_store is None or node.open_fds or node.zone is None:
             return None
-        if not self.guard.may_cache(node.zone):
+        if not self.guard.cacheable(node.zone):
             return None  # nobody may read it here (a create-only zone): nothing to cache
         whole = self.store.read_whole(fd, _KERNEL_STORE_LIMIT)
         if whole is None:
@@ -993,8 +998,8 @@ class SandboxOperations(pyfuse3.Operations):  # type: ignore[misc]
         self._write_guides()
         self.replies.given.clear()
         detail = f"{old.value} -> {trust.value}"
-        self.guard.record(AuditOp.TRUST, None, None, pid=pid, uid=uid, detail=detail)
-        self.guard.audit.try_flush()
+        self.gate.effects.record(AuditOp.TRUST, None, None, pid=pid, uid=uid, detail=detail)
+        self.gate.effects.audit.try_flush()
         return old
 
     def kernel_caches(self) -> tuple[list[int], list[tuple[int, bytes]]]:

@@ -25,10 +25,12 @@ from sandboxfs.config.model import (
 )
 from sandboxfs.core.approvals import Broker, Mode
 from sandboxfs.core.context import CONFINED_MOUNTPOINT
+from sandboxfs.core.effects import AuditSink
 from sandboxfs.core.errors import SandboxError
-from sandboxfs.core.guard import AuditSink, Guard, MountInfo
+from sandboxfs.core.guard import Guard
 from sandboxfs.core.limits import Tally
 from sandboxfs.core.policy import BUILTIN_ZONES, Policy, Trust, Zone, fold
+from sandboxfs.core.rulebase import MountInfo
 from sandboxfs.core.secrets import KeyScanner, StoreContents
 from sandboxfs.core.store import STATE_DIR_NAME, Store, ensure_dirs
 from sandboxfs.errors import UserError
@@ -577,7 +579,9 @@ def make_guard(
     if pinned:
         guard.pin_zone_roots(lambda relpath: pinned.get(fold(relpath)))
     guard.inspect_contents(KeyScanner(StoreContents(store)))
-    guard.consent.broker = approvals if approvals is not None else approval_broker(config, Mode.ASK)
+    guard.effects.consent.broker = (
+        approvals if approvals is not None else approval_broker(config, Mode.ASK)
+    )
     return guard
 
 

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import pytest
 
 from sandboxfs.api import Sandbox, SandboxAPIError
-from sandboxfs.core.gate import FAIL_CLOSED
+from sandboxfs.core.effects import FAIL_CLOSED
 from sandboxfs.layout import audit_path
 from tests.support.cli import sh
 from tests.support.mounts import make_project, mounted, mounted_fs

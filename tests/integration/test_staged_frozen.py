@@ -305,13 +305,13 @@ async def test_only_writes_in_staged_ask_about_review(
 ) -> None:
     """A write to any other zone costs nothing more than before: not even a call."""
     asked: list[int] = []
-    real = harness.guard.may_write_staged
+    real = harness.guard.reject_frozen_node
 
-    def spy(caller: Any, node: Any) -> None:
+    def spy(caller: Any, op: Any, node: Any) -> None:
         asked.append(node.ino)
-        real(caller, node)
+        real(caller, op, node)
 
-    monkeypatch.setattr(harness.guard, "may_write_staged", spy)
+    monkeypatch.setattr(harness.guard, "reject_frozen_node", spy)
     session_fh, _ = await open_for_writing(harness, "/session/working", b"n.txt")
     staged_fh, staged_ino = await open_for_writing(harness, "/staged/c0", b"n.txt")
     asked.clear()

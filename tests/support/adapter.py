@@ -15,8 +15,9 @@ import pytest
 from sandboxfs.audit.log import AuditLog, read_entries
 from sandboxfs.config.model import defaults
 from sandboxfs.core.context import context_document
-from sandboxfs.core.guard import Guard, MountInfo
+from sandboxfs.core.guard import Guard
 from sandboxfs.core.policy import Policy, Trust, Zone
+from sandboxfs.core.rulebase import MountInfo
 from sandboxfs.core.secrets import KeyScanner, StoreContents
 from sandboxfs.core.store import ROOT_INO, Store
 from sandboxfs.fuse import operations

@@ -45,7 +45,7 @@ from sandboxfs.api import (
 )
 from sandboxfs.audit.log import AuditLog, verify
 from sandboxfs.config.model import DEFAULT_PERMISSIONS, load
-from sandboxfs.core.gate import Gate, Request
+from sandboxfs.core.gatebase import GateBase, Request
 from sandboxfs.core.policy import BUILTIN_ZONES, Trust
 from sandboxfs.layout import audit_path
 
@@ -697,7 +697,7 @@ def test_a_step_of_the_gate_joins_every_operation_and_the_probe(make: Maker) -> 
     sb = make("session")
     asked: list[tuple[str, str]] = []
 
-    def no_b(gate: Gate, request: Request) -> None:
+    def no_b(gate: GateBase, request: Request) -> None:
         asked.append((str(request.op), request.path))
         if request.path.startswith("/session/b"):
             raise gate.refuse(request, errno.EACCES, f"{request.path}: the user said no")

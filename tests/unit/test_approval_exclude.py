@@ -11,7 +11,7 @@ import pytest
 
 from sandboxfs.config import model as config
 from sandboxfs.core.approvals import PROFILES, Broker, Kind, Rule, Verdict, excluded
-from sandboxfs.core.guard import ProcessNames
+from sandboxfs.core.procnames import ProcessNames
 from sandboxfs.errors import UserError
 
 AGENT = PROFILES["agent"]

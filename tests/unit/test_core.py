@@ -13,12 +13,16 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
-from sandboxfs.core.guard import Guard, MountInfo
+from sandboxfs.core.gate import Gate
+from sandboxfs.core.gatebase import Storage
+from sandboxfs.core.guard import Guard
 from sandboxfs.core.limits import Quota, Tally, ZoneLimits
 from sandboxfs.core.policy import Policy, Trust, Zone
+from sandboxfs.core.rulebase import MountInfo
 from sandboxfs.core.store import Node
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,8 +113,10 @@ import errno, os
 from pathlib import Path
 from sandboxfs.config.model import defaults
 from sandboxfs.core.errors import SandboxError
-from sandboxfs.core.guard import Guard, MountInfo
+from sandboxfs.core.guard import Guard
+from sandboxfs.core.rulebase import MountInfo
 from sandboxfs.core.policy import Trust, Zone
+from sandboxfs.core.gate import Gate
 from sandboxfs.core.store import Store
 from sandboxfs.project.zones import make_guard, prepare_zones
 
@@ -132,7 +138,7 @@ class Caller:
     pid, uid, gid = os.getpid(), os.getuid(), os.getgid()
 
 try:
-    guard.may_create(Caller(), store.zone_roots[Zone.REPO], b"x.txt")
+    Gate(guard, store).check_create(Caller(), store.zone_roots[Zone.REPO], b"x.txt")
 except SandboxError as exc:
     assert exc.errno == errno.EACCES, exc
 else:
@@ -257,14 +263,16 @@ def test_guard_refusals_are_audited_with_the_limit(tmp_path: Path) -> None:
     sink = _Sink()
     guard = Guard(policy, sink, MountInfo("s", "w", "/p", "/m"), limits=limits)
     root = Node(4, Zone.SESSION, None, b"session", True)
+    gate = Gate(guard, cast(Storage, None))
     with pytest.raises(Exception) as raised:
-        guard.may_create(_Caller(), root, b"run.sh")
+        gate.check_create(_Caller(), root, b"run.sh")
     assert getattr(raised.value, "errno", None) == errno.EACCES
     node = Node(99, Zone.SESSION, root, b"a.md", False)
     with pytest.raises(Exception) as raised:
-        guard.may_resize(_Caller(), node, 5, 11)
+        gate.write(_Caller(), node, 5, 6, lambda: 6, size=lambda: 5)
     assert getattr(raised.value, "errno", None) == errno.EFBIG
-    guard.may_resize(_Caller(), node, 11, 3)  # shrinking an oversized file is always fine
+    # Writing inside an oversized file (not growing it) is always fine.
+    assert gate.write(_Caller(), node, 0, 3, lambda: 3, size=lambda: 11) == 3
     assert [(e["path"], e["errno"], e["allowed"]) for e in sink.entries] == [
         ("/session/run.sh", "EACCES", False),
         ("/session/a.md", "EFBIG", False),

@@ -24,8 +24,8 @@ import pyfuse3
 import pytest
 
 from sandboxfs.audit.log import read_entries
-from sandboxfs.core.guard import ProcessNames
 from sandboxfs.core.policy import Zone
+from sandboxfs.core.procnames import ProcessNames
 from sandboxfs.core.store import (
     CONTEXT_INO,
     CONTROL_INO,
