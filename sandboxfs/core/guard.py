@@ -65,7 +65,7 @@ class Caller(Protocol):
 
 
 class AuditSink(Protocol):
-    """Where entries go (sandboxfs.audit.log.AuditLog)."""
+    """Where entries go (sandboxfs.audit.writer.AuditLog)."""
 
     @property
     def failing(self) -> bool: ...
