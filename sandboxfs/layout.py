@@ -65,7 +65,7 @@ def audit_path(project: Path) -> Path:
 
 
 def audit_reserve(project: Path) -> Path:
-    """The space the audit log keeps preallocated for a full disk (sandboxfs.audit.log)."""
+    """The space the audit log keeps preallocated for a full disk (sandboxfs.audit.reserve)."""
     return audit_path(project).with_suffix(".reserve")
 
 

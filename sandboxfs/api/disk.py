@@ -21,7 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sandboxfs.audit.log import AuditLog, AuditQuery, query
+from sandboxfs.audit.reader import AuditQuery, query
+from sandboxfs.audit.writer import AuditLog
 from sandboxfs.config.model import Config
 from sandboxfs.layout import audit_path
 from sandboxfs.project.state import hold

@@ -1,6 +1,6 @@
 """The audit log's anchor: a secret key and the chain's head, kept in the user's own state
 directory outside every project, so a program that sees only the project cannot rebuild the
-chain or cut its end unnoticed (see sandboxfs.audit.log).
+chain or cut its end unnoticed (see sandboxfs.audit.common).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -40,8 +41,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sandboxfs.audit import log as audit_mod
+from sandboxfs.audit import prune as prune_mod
+from sandboxfs.audit import verify as verify_mod
+from sandboxfs.audit.common import log_files
+from sandboxfs.audit.reader import AuditQuery, follow, iter_query, json_line
 from sandboxfs.cli import subcommands as subcommands_mod
+from sandboxfs.cli.audit_table import Clock, format_row, format_table
 from sandboxfs.core.entry import AuditOp
 from sandboxfs.core.policy import BUILTIN_ZONES, Trust
 from sandboxfs.errors import Failure
@@ -187,7 +192,7 @@ def _note(message: str) -> None:
 
 
 def _show(args: argparse.Namespace, path: Path) -> int:
-    q = audit_mod.AuditQuery(
+    q = AuditQuery(
         session=args.session,
         workspace=args.workspace,
         op=args.op,
@@ -200,29 +205,28 @@ def _show(args: argparse.Namespace, path: Path) -> int:
         worker=args.worker,
         limit=None if args.follow else args.lines,
     )
-    clock = audit_mod.Clock(local=args.local)
+    clock = Clock(local=args.local)
     if args.follow:
-        if not audit_mod.log_files(path):
+        if not log_files(path):
             _note(f"no audit log yet at {path}; waiting for entries")
         if not args.json:
-            print(audit_mod.format_table([], clock), flush=True)
+            print(format_table([], clock), flush=True)
         with contextlib.suppress(KeyboardInterrupt):  # the way to stop following: no failure
-            audit_mod.follow(
-                path, q, sys.stdout, as_json=args.json, last=args.lines or 0, clock=clock
-            )
+            render = json_line if args.json else functools.partial(format_row, clock=clock)
+            follow(path, q, sys.stdout, render=render, last=args.lines or 0)
         return 0
-    if not audit_mod.log_files(path):
+    if not log_files(path):
         _note(_no_log(path))
         return 0
     # Streamed: one entry at a time, so memory stays flat whatever the log's size.
     shown = 0
-    for entry in audit_mod.iter_query(path, q):
+    for entry in iter_query(path, q):
         if args.json:
             line = json.dumps(entry, sort_keys=True)
         else:
             if not shown:
-                print(audit_mod.format_table([], clock))
-            line = audit_mod.format_row(entry, clock)
+                print(format_table([], clock))
+            line = format_row(entry, clock)
         print(line)
         shown += 1
     if not shown and not args.json:
@@ -231,20 +235,20 @@ def _show(args: argparse.Namespace, path: Path) -> int:
 
 
 def _verify(args: argparse.Namespace, path: Path) -> int:
-    result = audit_mod.verify(path)
+    result = verify_mod.verify(path)
     # No log and no anchor that says otherwise: nothing was ever written, so nothing to verify.
-    if not result.ok and not result.keyed and not audit_mod.log_files(path):
+    if not result.ok and not result.keyed and not log_files(path):
         raise Failure(_no_log(path))
     print(result.message)
     return 0 if result.ok else 1
 
 
 def _prune(args: argparse.Namespace, path: Path) -> int:
-    if not audit_mod.log_files(path):
+    if not log_files(path):
         _note(_no_log(path))
         return 0
     before = args.before.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    count = audit_mod.prune(path, args.before, dry_run=True)
+    count = prune_mod.prune(path, args.before, dry_run=True)
     if count == 0:
         print(f"nothing to prune: no entries older than {before} at the start of {path}")
         return 0
@@ -252,6 +256,6 @@ def _prune(args: argparse.Namespace, path: Path) -> int:
     if not subcommands_mod.ask_first("audit prune", what, args.yes):
         _note("nothing pruned")
         return 1
-    dropped = audit_mod.prune(path, args.before)
+    dropped = prune_mod.prune(path, args.before)
     print(f"pruned {dropped} entries older than {before} from {path}")
     return 0

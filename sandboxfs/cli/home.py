@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sandboxfs.audit.log import record_now
+from sandboxfs.audit.writer import record_now
 from sandboxfs.cli import subcommands
 from sandboxfs.config import user as userconfig
 from sandboxfs.core.entry import AuditOp

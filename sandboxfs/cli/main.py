@@ -23,7 +23,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
-from sandboxfs.audit.log import record_now
+from sandboxfs.audit.writer import record_now
 from sandboxfs.cli import approvals as approvals_cli
 from sandboxfs.cli import audit as audit_cli
 from sandboxfs.cli import completion, manpage, staged_parser, subcommands

@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from sandboxfs.audit.log import MIN_ROTATE_BYTES, ROTATE_BYTES
+from sandboxfs.audit.writer import MIN_ROTATE_BYTES, ROTATE_BYTES
 from sandboxfs.config import inputs
 from sandboxfs.config.inputs import cut, shown
 from sandboxfs.core import approvals
@@ -154,7 +154,7 @@ class CacheConfig(_Strict):
 
 class AuditConfig(_Strict):
     """`rotate_bytes`: past this size the log goes on in a new file (0: never; see
-    sandboxfs.audit.Segment)."""
+    sandboxfs.audit.common.Segment)."""
 
     sync: bool = False
     flush_interval: float = Field(default=0.05, gt=0)

@@ -28,7 +28,7 @@ FAIL_CLOSED = "the audit log cannot be written: refused until it can (fail close
 
 
 class AuditSink(Protocol):
-    """Where audit entries go (sandboxfs.audit's writer, the API's memory sink)."""
+    """Where audit entries go (sandboxfs.audit.writer.AuditLog, the API's memory sink)."""
 
     @property
     def failing(self) -> bool: ...

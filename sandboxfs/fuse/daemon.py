@@ -24,7 +24,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from sandboxfs.audit.log import AuditLog
+from sandboxfs.audit.writer import AuditLog
 from sandboxfs.config.model import CacheConfig
 from sandboxfs.core.approvals import ApprovalError, Mode
 from sandboxfs.core.consent import Consent

@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from sandboxfs.audit.anchor import make_private_dirs
-from sandboxfs.audit.log import log_files, record_now
+from sandboxfs.audit.common import log_files
+from sandboxfs.audit.writer import record_now
 from sandboxfs.core.entry import AuditOp
 from sandboxfs.core.syscalls import fstat
 from sandboxfs.errors import Failure, SandboxfsError, UserError

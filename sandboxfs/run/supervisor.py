@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from sandboxfs import layout
-from sandboxfs.audit import log as audit_mod
-from sandboxfs.audit.log import AuditLog
+from sandboxfs.audit import reader as audit_reader
+from sandboxfs.audit.writer import AuditLog
 from sandboxfs.config.model import Config
 from sandboxfs.core.entry import UNSET, AuditOp, Unset, audit_entry
 from sandboxfs.core.errors import SandboxError
@@ -1406,13 +1406,13 @@ def start_line(req: RunRequest, policy: Policy, cwd: str) -> str:
 
 
 def _summary(req: RunRequest, started: datetime, status: int, lost: str | None = None) -> str:
-    query = audit_mod.AuditQuery(session=req.session, since=started)
+    query = audit_reader.AuditQuery(session=req.session, since=started)
     allowed = denied = 0
     staged: set[str] = set()
     refused: dict[str, None] = {}  # hosts and looked-up names, in order, once each
     unreached: dict[str, None] = {}
     fixes: dict[str, None] = {}  # the flags that would admit each host refused
-    for entry in audit_mod.query(audit_path(req.project), query):
+    for entry in audit_reader.query(audit_path(req.project), query):
         if entry.get("op") in (AuditOp.RUN, AuditOp.MOUNT, AuditOp.UNMOUNT):
             continue
         if entry.get("op") == AuditOp.NET and entry.get("allowed") is not True:

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sandboxfs.audit.log import record_now
+from sandboxfs.audit.writer import record_now
 from sandboxfs.core.entry import AuditOp
 from sandboxfs.layout import LANDING_JOURNAL, audit_path, interrupted_landings
 

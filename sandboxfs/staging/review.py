@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sandboxfs.audit.log import AuditQuery, query
+from sandboxfs.audit.reader import AuditQuery, query
 from sandboxfs.core.entry import AuditOp
 from sandboxfs.layout import audit_path, review_dir, review_parts, staged_dir
 from sandboxfs.project.zones import check_id

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from sandboxfs.audit.log import AuditLog
+from sandboxfs.audit.writer import AuditLog
 from tests.support.audit import Follower, audit, follow
 from tests.support.cli import SANDBOXFS, assert_one_line_error
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sandboxfs.audit.log import segments
+from sandboxfs.audit.common import segments
 from tests.support.audit import Follower, audit, follow
 from tests.support.cli import sh, wait_until
 

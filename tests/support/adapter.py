@@ -12,7 +12,8 @@ from typing import Any, cast
 import pyfuse3
 import pytest
 
-from sandboxfs.audit.log import AuditLog, read_entries
+from sandboxfs.audit.reader import read_entries
+from sandboxfs.audit.writer import AuditLog
 from sandboxfs.config.model import defaults
 from sandboxfs.core.context import context_document
 from sandboxfs.core.guard import Guard

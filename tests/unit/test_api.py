@@ -43,7 +43,8 @@ from sandboxfs.api import (
     StagedCommit,
     SuffixNotAllowed,
 )
-from sandboxfs.audit.log import AuditLog, verify
+from sandboxfs.audit.verify import verify
+from sandboxfs.audit.writer import AuditLog
 from sandboxfs.config.model import DEFAULT_PERMISSIONS, load
 from sandboxfs.core.gatebase import GateBase, Request
 from sandboxfs.core.policy import BUILTIN_ZONES, Trust

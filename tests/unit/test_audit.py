@@ -30,20 +30,15 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import sandboxfs.audit.log as audit_mod
+from sandboxfs.audit import reserve as reserve_mod
+from sandboxfs.audit import writer as writer_mod
 from sandboxfs.audit.anchor import Anchor, anchor_path
-from sandboxfs.audit.log import (
-    GENESIS,
-    TAMPER_OP,
-    AuditLog,
-    AuditQuery,
-    follow,
-    format_table,
-    prune,
-    query,
-    read_entries,
-    verify,
-)
+from sandboxfs.audit.common import GENESIS
+from sandboxfs.audit.prune import prune
+from sandboxfs.audit.reader import AuditQuery, follow, json_line, query, read_entries
+from sandboxfs.audit.verify import verify
+from sandboxfs.audit.writer import TAMPER_OP, AuditLog
+from sandboxfs.cli.audit_table import format_row, format_table
 from sandboxfs.core.syscalls import write_all
 from sandboxfs.errors import Failure
 from sandboxfs.fuse import daemon
@@ -729,7 +724,7 @@ def test_follow_streams_new_entries_across_prune(tmp_path: Path, as_json: bool) 
     thread = threading.Thread(
         target=follow,
         args=(path, AuditQuery(op="write"), out),
-        kwargs={"as_json": as_json, "poll": 0.01, "stop": stop},
+        kwargs={"render": json_line if as_json else format_row, "poll": 0.01, "stop": stop},
     )
     thread.start()
     try:
@@ -766,7 +761,7 @@ def test_follow_waits_for_the_log_to_appear(tmp_path: Path) -> None:
             log.close()
         return "/first" in out.getvalue()
 
-    follow(path, AuditQuery(), out, as_json=True, poll=0.001, stop=stop)
+    follow(path, AuditQuery(), out, render=json_line, poll=0.001, stop=stop)
     assert json.loads(out.getvalue())["path"] == "/first"
 
 
@@ -1167,7 +1162,7 @@ def test_an_anchor_that_cannot_be_made_again_fails_the_log_closed(
 ) -> None:
     """The anchor deleted under a live log and its directory unusable: entries stay queued
     (the log is failing, so the mount refuses operations), none is written without a mac."""
-    monkeypatch.setattr(audit_mod, "_RETRY_EVERY", 0.0)
+    monkeypatch.setattr(writer_mod, "_RETRY_EVERY", 0.0)
     path = tmp_path / "audit.jsonl"
     log = AuditLog(path)
     try:
@@ -1202,11 +1197,11 @@ def test_reserve_is_preallocated_beside_the_log(tmp_path: Path) -> None:
     AuditLog(path).close()
     reserve = tmp_path / "audit.reserve"
     st = reserve.stat()
-    assert st.st_size == audit_mod.RESERVE_BYTES
-    assert st.st_blocks * 512 >= audit_mod.RESERVE_BYTES  # allocated, not sparse
+    assert st.st_size == reserve_mod.RESERVE_BYTES
+    assert st.st_blocks * 512 >= reserve_mod.RESERVE_BYTES  # allocated, not sparse
     assert stat.S_IMODE(st.st_mode) == 0o600
     AuditLog(path, reserve=SMALL_RESERVE).close()  # never shrunk by a smaller setting
-    assert _size(reserve) == audit_mod.RESERVE_BYTES
+    assert _size(reserve) == reserve_mod.RESERVE_BYTES
 
 
 class _FullDisk:
@@ -1217,7 +1212,7 @@ class _FullDisk:
         self.reserve = reserve
         self.until = until
         self.refused = 0
-        self.real = write_all  # the one audit.log imports, before the test patches it there
+        self.real = write_all  # the one audit.writer imports, before the test patches it there
 
     def __call__(self, fd: int, data: bytes | bytearray) -> None:
         if self.until is None or _size(self.reserve) >= self.until:
@@ -1234,14 +1229,14 @@ def test_full_disk_gives_back_reserve_for_a_denial(
     log = AuditLog(path, reserve=SMALL_RESERVE)
     log.record(_entry(path="/before"))
     full = _FullDisk(reserve, until=SMALL_RESERVE)
-    monkeypatch.setattr(audit_mod, "write_all", full)
+    monkeypatch.setattr(writer_mod, "write_all", full)
     log.record(_entry(path="/repo/.env", allowed=False, errno="EACCES"))
     assert [e["path"] for e in read_entries(path)] == ["/before", "/repo/.env"]
     assert full.refused == 1 and _size(reserve) < SMALL_RESERVE
     assert not log.failing
     # Space returns: the next write fills the reserve up again.
-    monkeypatch.setattr(audit_mod, "write_all", full.real)
-    monkeypatch.setattr(audit_mod, "_REFILL_EVERY", 0.0)
+    monkeypatch.setattr(writer_mod, "write_all", full.real)
+    monkeypatch.setattr(reserve_mod, "_REFILL_EVERY", 0.0)
     log.record(_entry(path="/later", allowed=False))
     assert _size(reserve) == SMALL_RESERVE
     log.close()
@@ -1255,15 +1250,15 @@ def test_failing_when_even_the_reserve_is_gone(
     reserve = tmp_path / "audit.reserve"
     log = AuditLog(path, reserve=SMALL_RESERVE)
     full = _FullDisk(reserve, until=None)
-    monkeypatch.setattr(audit_mod, "write_all", full)
+    monkeypatch.setattr(writer_mod, "write_all", full)
     log.record(_entry(path="/denied-1", allowed=False))
     assert log.failing
     assert _size(reserve) == 0 and path.read_bytes() == b""  # no torn line left either
     log.record(_entry(path="/denied-2", allowed=False))
     assert log.failing and not log.try_flush()
-    monkeypatch.setattr(audit_mod, "write_all", full.real)
+    monkeypatch.setattr(writer_mod, "write_all", full.real)
     assert not log.try_flush()  # while failing, at most one attempt every _RETRY_EVERY
-    time.sleep(audit_mod._RETRY_EVERY)
+    time.sleep(writer_mod._RETRY_EVERY)
     log.record(_entry(path="/denied-2", allowed=False))  # not written again: counted
     assert log.try_flush() and not log.failing
     assert [e["path"] for e in read_entries(path)] == ["/denied-1", "/denied-2"]
@@ -1308,8 +1303,8 @@ def _fill(directory: Path) -> Path:
 def test_denial_lands_on_a_really_full_file_system(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(audit_mod, "_REFILL_EVERY", 0.0)
-    monkeypatch.setattr(audit_mod, "_RETRY_EVERY", 0.0)
+    monkeypatch.setattr(reserve_mod, "_REFILL_EVERY", 0.0)
+    monkeypatch.setattr(writer_mod, "_RETRY_EVERY", 0.0)
     with _small_tmpfs(tmp_path / "small", "2m") as fs:
         path = fs / ".sandbox" / "audit.jsonl"
         log = AuditLog(path, reserve=SMALL_RESERVE, fold_refusals=False)
@@ -1345,8 +1340,8 @@ def test_the_table_shows_an_entry_neither_allowed_nor_refused_as_such() -> None:
     """An approval request asking the user is neither allowed nor refused: `-`, with what it
     asked; a cross-zone rename that failed (EXDEV) is `failed`, with the errno."""
     asked = _entry(op="approval", allowed=None, detail="request 1: delete of /x asks the user")
-    row = audit_mod.format_row(asked)
+    row = format_row(asked)
     assert "  -  " in row and row.rstrip().endswith("request 1: delete of /x asks the user")
     failed = _entry(op="rename", allowed=None, errno="EXDEV", reason="across zones")
-    assert "failed" in audit_mod.format_row(failed)
-    assert "EXDEV: across zones" in audit_mod.format_row(failed)
+    assert "failed" in format_row(failed)
+    assert "EXDEV: across zones" in format_row(failed)

@@ -15,18 +15,15 @@ from typing import Any
 
 import pytest
 
-from sandboxfs.audit import log as audit_mod
-from sandboxfs.audit.log import (
-    ITEMISED_BURST,
-    UNCLEAN_OP,
-    AuditLog,
-    AuditQuery,
-    iter_query,
-    prune,
-    query,
-    read_entries,
-    verify,
-)
+from sandboxfs.audit import fold as fold_mod
+from sandboxfs.audit import writer as writer_mod
+from sandboxfs.audit.common import visible_text
+from sandboxfs.audit.fold import ITEMISED_BURST
+from sandboxfs.audit.markers import UNCLEAN_OP
+from sandboxfs.audit.prune import prune
+from sandboxfs.audit.reader import AuditQuery, iter_query, query, read_entries
+from sandboxfs.audit.verify import verify
+from sandboxfs.audit.writer import AuditLog
 from sandboxfs.core.syscalls import write_all
 
 
@@ -73,7 +70,7 @@ def test_identical_refusals_become_one_entry_with_an_exact_count(tmp_path: Path)
 def test_window_end_writes_the_count_without_a_close(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(audit_mod, "REPEAT_WINDOW", 0.05)
+    monkeypatch.setattr(fold_mod, "REPEAT_WINDOW", 0.05)
     path = tmp_path / "audit.jsonl"
     log = AuditLog(path)
     for _ in range(3):
@@ -87,7 +84,7 @@ def test_window_end_writes_the_count_without_a_close(
 def test_distinct_refusals_past_the_limit_are_counted_per_op(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("sandboxfs.audit.log.time.monotonic", lambda: 1000.0)  # no refill
+    monkeypatch.setattr("sandboxfs.audit.fold.time.monotonic", lambda: 1000.0)  # no refill
     path = tmp_path / "audit.jsonl"
     log = AuditLog(path)
     for i in range(3000):
@@ -100,7 +97,7 @@ def test_distinct_refusals_past_the_limit_are_counted_per_op(
     assert {e["op"]: e["count"] for e in summaries} == {"read": counted, "write": counted}
     assert all(e["path"] is None and e["pid"] is None for e in summaries)
     assert _refused_total(path) == 3000
-    assert audit_mod._text(summaries[0]["reason"]).startswith(f"{counted} refusals of read counted")
+    assert visible_text(summaries[0]["reason"]).startswith(f"{counted} refusals of read counted")
 
 
 def test_a_60s_refusal_loop_stays_well_under_5mb(
@@ -109,7 +106,7 @@ def test_a_60s_refusal_loop_stays_well_under_5mb(
     """60 one-second windows of a tight loop over distinct and repeated refusals, with the
     clock stepped instead of waited for: the log's growth is bounded and the count exact."""
     clock = [1000.0]
-    monkeypatch.setattr("sandboxfs.audit.log.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("sandboxfs.audit.fold.time.monotonic", lambda: clock[0])
     path = tmp_path / "audit.jsonl"
     log = AuditLog(path)
     total = 0
@@ -135,7 +132,7 @@ def test_failing_closed_costs_the_same_per_request_and_is_counted(
     def full(fd: int, data: bytes | bytearray) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("sandboxfs.audit.log.write_all", full)
+    monkeypatch.setattr("sandboxfs.audit.writer.write_all", full)
     log.record(_refusal(path="/first"))
     assert log.failing
 
@@ -151,8 +148,8 @@ def test_failing_closed_costs_the_same_per_request_and_is_counted(
         burst(2000)
     late = burst(2000)
     assert late < early * 3 + 20e-6, (early, late)  # constant, not growing with the queue
-    monkeypatch.setattr("sandboxfs.audit.log.write_all", write_all)
-    time.sleep(audit_mod._RETRY_EVERY)
+    monkeypatch.setattr("sandboxfs.audit.writer.write_all", write_all)
+    time.sleep(writer_mod._RETRY_EVERY)
     assert log.try_flush() and not log.failing
     log.close()
     assert _refused_total(path) == 1 + 12 * 2000
@@ -178,7 +175,7 @@ def test_a_renamed_project_keeps_its_log(tmp_path: Path) -> None:
 _WRITER = """
 import sys, time
 from pathlib import Path
-from sandboxfs.audit.log import AuditLog
+from sandboxfs.audit.writer import AuditLog
 log = AuditLog(Path(sys.argv[1]))
 log.record({"op": "write", "path": "/repo/written", "allowed": True})
 log.flush()

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from sandboxfs.api import PermissionDenied, Sandbox
-from sandboxfs.audit.log import AuditLog, read_entries, record_now
+from sandboxfs.audit.reader import read_entries
+from sandboxfs.audit.writer import AuditLog, record_now
 from sandboxfs.cli.audit import OPS
 from sandboxfs.core.entry import AuditOp, audit_entry, errno_name
 from sandboxfs.core.policy import Op

@@ -17,19 +17,11 @@ from pathlib import Path
 import pytest
 
 from sandboxfs.audit.anchor import Anchor, anchor_path
-from sandboxfs.audit.log import (
-    GENESIS,
-    MIN_ROTATE_BYTES,
-    AuditLog,
-    AuditQuery,
-    follow,
-    iter_query,
-    log_files,
-    prune,
-    read_entries,
-    segments,
-    verify,
-)
+from sandboxfs.audit.common import GENESIS, log_files, segments
+from sandboxfs.audit.prune import prune
+from sandboxfs.audit.reader import AuditQuery, follow, iter_query, json_line, read_entries
+from sandboxfs.audit.verify import verify
+from sandboxfs.audit.writer import MIN_ROTATE_BYTES, AuditLog
 from sandboxfs.config.model import AuditConfig
 from tests.support.audit import T0, _entry, _ts
 
@@ -274,7 +266,7 @@ def test_follow_goes_on_across_rotations(tmp_path: Path) -> None:
     thread = threading.Thread(
         target=follow,
         args=(path, AuditQuery(), out),
-        kwargs={"as_json": True, "poll": 0.05, "stop": stop},
+        kwargs={"render": json_line, "poll": 0.05, "stop": stop},
     )
     thread.start()
     try:
@@ -296,7 +288,7 @@ def test_follow_goes_on_across_rotations(tmp_path: Path) -> None:
 def test_follow_with_last_n_reads_back_into_segments(tmp_path: Path) -> None:
     path = _rotated(tmp_path)
     out = io.StringIO()
-    follow(path, AuditQuery(allowed=False), out, as_json=True, last=20, stop=lambda: True)
+    follow(path, AuditQuery(allowed=False), out, render=json_line, last=20, stop=lambda: True)
     shown = [json.loads(line)["id"] for line in out.getvalue().splitlines()]
     assert len(shown) == 14 and shown[0] < segments(path)[-1].first  # all 14 refusals
     assert shown == sorted(shown)

@@ -23,7 +23,7 @@ from typing import Any, cast
 import pyfuse3
 import pytest
 
-from sandboxfs.audit.log import read_entries
+from sandboxfs.audit.reader import read_entries
 from sandboxfs.core.policy import Zone
 from sandboxfs.core.procnames import ProcessNames
 from sandboxfs.core.store import (
