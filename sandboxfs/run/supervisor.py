@@ -49,6 +49,7 @@ from sandboxfs.project.identity import project_identity
 from sandboxfs.project.mounts import MountRequest, lazy_unmount, sandboxfs_mounts
 from sandboxfs.project.zones import CONFINED_HOME, HOME_ZONE
 from sandboxfs.run import confine, doctor, home, seccomp
+from sandboxfs.run.dnsstub import DnsStub, Lookup, lookup_refusal
 from sandboxfs.run.nest import (
     NEST_DIR,
     NEST_HOST_DIR,
@@ -59,13 +60,10 @@ from sandboxfs.run.nest import (
 )
 from sandboxfs.run.netproxy import (
     Allowlist,
-    DnsStub,
     HostRule,
-    Lookup,
     NetDecision,
     Notices,
     Proxy,
-    lookup_refusal,
     printable,
     rule_text,
 )
