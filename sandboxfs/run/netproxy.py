@@ -155,25 +155,38 @@ def parse_allow_host(text: str) -> HostRule:
         raise bad("give a host name, not a URL")
     if any(c in text for c in "/?#@\\%"):
         raise bad("give a host name only, without a path, user or zone")
-    host, port_text = text, None
+    host, port_text = _split_host_port(text, bad)
+    port = None
+    if port_text is not None:
+        port = _parse_port(port_text)
+        if port is None:
+            raise bad(f"the port must be a number from 1 to 65535, not {port_text!r}")
+    return _host_rule(host, port, bad)
+
+
+def _split_host_port(text: str, bad: Callable[[str], AllowHostError]) -> tuple[str, str | None]:
+    """`HOST[:PORT]` or `[IPv6][:PORT]` as the host and the port's text (None: no port)."""
     if text.startswith("["):
         close = text.find("]")
         if close < 0:
             raise bad("missing ']' after the IPv6 address")
         host, rest = text[1:close], text[close + 1 :]
+        port_text = None
         if rest:
             if not rest.startswith(":"):
                 raise bad("expected ':PORT' after ']'")
             port_text = rest[1:]
         if _ip(host) is None or ":" not in host:
             raise bad("only an IPv6 address goes in brackets")
-    elif text.count(":") == 1:
+        return host, port_text
+    if text.count(":") == 1:
         host, port_text = text.split(":")
-    port = None
-    if port_text is not None:
-        port = _parse_port(port_text)
-        if port is None:
-            raise bad(f"the port must be a number from 1 to 65535, not {port_text!r}")
+        return host, port_text
+    return text, None
+
+
+def _host_rule(host: str, port: int | None, bad: Callable[[str], AllowHostError]) -> HostRule:
+    """The rule for an IP literal, a `*.DOMAIN` wildcard or a host name, checked."""
     address = _ip(host)
     if address is not None:
         return HostRule(str(address), port)
@@ -334,6 +347,23 @@ class Allowlist:
 
 def _address_class(address: _IPAddress) -> str | None:
     """Why a connection to `address` is refused by default, or None when it is global."""
+    if isinstance(address, ipaddress.IPv6Address) and address in _NAT64:
+        # DNS64 gives v4-only hosts these addresses; judge the IPv4 address inside.
+        embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+        inner = _address_class(embedded)
+        return None if inner is None else f"NAT64 of {embedded}, {inner}"
+    kind = _scope_class(address) or _network_class(address)
+    if kind is not None:
+        return kind
+    if address.is_reserved:
+        return "reserved"
+    if address.is_private or not address.is_global:
+        return "special-purpose, not globally routable"
+    return None
+
+
+def _scope_class(address: _IPAddress) -> str | None:
+    """(_address_class) What the address's own scope refuses, in either family."""
     if address.is_unspecified:
         return "unspecified"
     if address.is_loopback:
@@ -344,25 +374,21 @@ def _address_class(address: _IPAddress) -> str | None:
         return "link-local"
     if address.is_multicast:
         return "multicast"
+    return None
+
+
+def _network_class(address: _IPAddress) -> str | None:
+    """(_address_class) The private networks of the address's family (NAT64 judged before)."""
     if isinstance(address, ipaddress.IPv4Address):
         if address in _CGNAT:
             return "carrier-grade NAT, shared"
         if any(address in net for net in _RFC1918):
             return "private"
-    else:
-        if address in _NAT64:
-            # DNS64 gives v4-only hosts these addresses; judge the IPv4 address inside.
-            embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-            inner = _address_class(embedded)
-            return None if inner is None else f"NAT64 of {embedded}, {inner}"
-        if address in _ULA:
-            return "private, unique local"
-        if address.is_site_local:
-            return "site-local"
-    if address.is_reserved:
-        return "reserved"
-    if address.is_private or not address.is_global:
-        return "special-purpose, not globally routable"
+        return None
+    if address in _ULA:
+        return "private, unique local"
+    if address.is_site_local:
+        return "site-local"
     return None
 
 
@@ -392,6 +418,16 @@ class _Request:
     version: str
     headers: tuple[tuple[str, str], ...]
     rest: bytes  # bytes read after the header (body or tunnel data)
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """One request naming a host, as the proxy decides on it."""
+
+    conn: socket.socket
+    client: tuple[str, int]
+    request: _Request
+    host: str  # in rule form (canonical_host), or as sent (cut) when it is no valid name
 
 
 class Proxy:
@@ -598,80 +634,63 @@ class Proxy:
             host = canonical_host(request.host)
         except ValueError:
             host, valid = request.host[:255], False
+        asked = _Asked(conn, client, request, host)
         port = request.port
-
-        def report(
-            allowed: bool,
-            reason: str | None,
-            address: str | None,
-            cause: str | None = None,
-            fix: str | None = None,
-            error: str | None = None,
-        ) -> NetDecision | None:
-            decision = NetDecision(
-                host, port, allowed, reason, address, client, request.method, cause, fix, error
-            )
-            try:
-                self._on_decision(decision)
-            except Exception:
-                logger.exception("proxy: reporting a network decision failed; refusing")
-                self._respond(
-                    conn,
-                    "403 Forbidden",
-                    f"the request to {_with_port(host, port)} could not be recorded in the "
-                    "audit log, so it is refused",
-                    denied=True,
-                )
-                return None
-            return decision
-
-        def refuse(
-            cause: str, fix: str | None, address: str | None, reason: str | None = None
-        ) -> None:
-            """Refused by the policy: 403, with why and the flag that would allow it."""
-            reason = reason or f"{cause}; to allow it, start sandboxfs run with {fix}"
-            decision = report(False, reason, address, cause, fix)
-            if decision is not None:
-                self._respond(conn, "403 Forbidden", reason, denied=True, decision=decision)
-
-        def fail(cause: str, error: str, address: str | None, brief: str | None = None) -> None:
-            """Admitted, but not completed: 502, with what failed (`brief`: in fewer words)."""
-            reason = f"connect failed: {cause}"
-            decision = report(True, reason, address, brief or cause, None, error)
-            if decision is not None:
-                self._respond(conn, "502 Bad Gateway", reason, denied=False, decision=decision)
-
-        shown = _with_port(host, port)
         admitted = self._allowlist.admits(host, port)
         if not admitted and valid and self._ask is not None:  # approvals: the user may admit it
             admitted = self._ask_user(conn, host, port, client)
         if not admitted:
-            if valid:
-                fix = f"--allow-host {_with_port(host, None if port in WEB_PORTS else port)}"
-                if (registry := registry_of(host)) is not None and port in WEB_PORTS:
-                    fix = f"--allow {registry}"  # its other hosts and addresses with it
-                cause = "not in --allow-host"
-                reason = (
-                    f"host {shown} is not in the allowlist (--allow-host); to allow it, start "
-                    f"sandboxfs run with {fix} (allowed now: {self._allowlist.describe()})"
-                )
-                refuse(cause, fix, None, reason)
-            else:
-                cause = "not a valid host name"
-                refuse(cause, None, None, f"host {shown} is {cause}, so it is not in the allowlist")
+            self._refuse_unlisted(asked, valid)
             return None
+        candidates = self._candidates(asked)
+        if candidates is None:
+            return None
+        passing = self._usable(asked, candidates)
+        if passing is None:
+            return None
+        return self._connect_any(asked, passing)
+
+    def _refuse_unlisted(self, asked: _Asked, valid: bool) -> None:
+        """A host the allowlist does not admit (nor the user): 403, with the flag that would."""
+        host, port = asked.host, asked.request.port
+        shown = _with_port(host, port)
+        if valid:
+            fix = f"--allow-host {_with_port(host, None if port in WEB_PORTS else port)}"
+            if (registry := registry_of(host)) is not None and port in WEB_PORTS:
+                fix = f"--allow {registry}"  # its other hosts and addresses with it
+            cause = "not in --allow-host"
+            reason = (
+                f"host {shown} is not in the allowlist (--allow-host); to allow it, start "
+                f"sandboxfs run with {fix} (allowed now: {self._allowlist.describe()})"
+            )
+            self._refuse(asked, cause, fix, None, reason)
+        else:
+            cause = "not a valid host name"
+            reason = f"host {shown} is {cause}, so it is not in the allowlist"
+            self._refuse(asked, cause, None, None, reason)
+
+    def _candidates(self, asked: _Asked) -> list[str] | None:
+        """The addresses to try: an IP literal's own, or what the name resolves to; None once
+        the client has been answered (502: no such name, no address)."""
+        host, port = asked.host, asked.request.port
         literal = _ip(host)
         if literal is not None:
-            candidates = [str(literal)]
-        else:
-            try:
-                candidates = list(self._resolve(host, port))
-            except Exception as exc:
-                fail(f"cannot resolve {host} ({_describe_error(exc)})", _resolve_error(exc), None)
-                return None
-            if not candidates:
-                fail(f"{host} has no address", "EAI_NONAME", None)
-                return None
+            return [str(literal)]
+        try:
+            candidates = list(self._resolve(host, port))
+        except Exception as exc:
+            cause = f"cannot resolve {host} ({_describe_error(exc)})"
+            self._fail(asked, cause, _resolve_error(exc), None)
+            return None
+        if not candidates:
+            self._fail(asked, f"{host} has no address", "EAI_NONAME", None)
+            return None
+        return candidates
+
+    def _usable(self, asked: _Asked, candidates: list[str]) -> list[_IPAddress] | None:
+        """The candidates that may be connected to, each once: global addresses, and those a
+        rule lists exactly; None once the client has been answered (403: only refused ones)."""
+        host, port = asked.host, asked.request.port
         passing: list[_IPAddress] = []
         refused: list[tuple[_IPAddress, str]] = []
         for text in candidates:
@@ -685,27 +704,87 @@ class Proxy:
                 passing.append(address)
             else:
                 refused.append((address, kind))
-        if not passing:
-            if not refused:
-                fail(f"{host} resolved to no usable address", "EAI_NONAME", None)
-                return None
-            cause, fix = _address_refusal(host, port, refused)
-            refuse(cause, fix, str(refused[0][0]))
+        if passing:
+            return passing
+        if not refused:
+            self._fail(asked, f"{host} resolved to no usable address", "EAI_NONAME", None)
             return None
+        cause, fix = _address_refusal(host, port, refused)
+        self._refuse(asked, cause, fix, str(refused[0][0]))
+        return None
+
+    def _connect_any(self, asked: _Asked, passing: list[_IPAddress]) -> socket.socket | None:
+        """The first address that connects, reported; else None once the client has been
+        answered (502, with what failed at each)."""
+        host, port = asked.host, asked.request.port
         failures: list[tuple[str, str]] = []
         for address in passing:
             upstream = self._connect(address, port, failures)
             if upstream is None:
                 continue
-            if report(True, None, str(address)):
+            if self._report(asked, True, None, str(address)):
                 return upstream
             self._forget(upstream)
             return None
         texts = [text for text, _ in failures]
         # An address asked for by itself: "Connection refused", not "ADDRESS:PORT: Connection ..."
-        brief = texts[0].removeprefix(f"{shown}: ") if literal is not None else None
-        fail("; ".join(texts), failures[-1][1], str(passing[-1]), brief)
+        shown = _with_port(host, port)
+        brief = texts[0].removeprefix(f"{shown}: ") if _ip(host) is not None else None
+        self._fail(asked, "; ".join(texts), failures[-1][1], str(passing[-1]), brief)
         return None
+
+    def _report(
+        self,
+        asked: _Asked,
+        allowed: bool,
+        reason: str | None,
+        address: str | None,
+        cause: str | None = None,
+        fix: str | None = None,
+        error: str | None = None,
+    ) -> NetDecision | None:
+        """Report the decision before the client learns it; None (and 403) when it cannot be
+        recorded: a request not in the audit is refused."""
+        host, port, request = asked.host, asked.request.port, asked.request
+        decision = NetDecision(
+            host, port, allowed, reason, address, asked.client, request.method, cause, fix, error
+        )
+        try:
+            self._on_decision(decision)
+        except Exception:
+            logger.exception("proxy: reporting a network decision failed; refusing")
+            self._respond(
+                asked.conn,
+                "403 Forbidden",
+                f"the request to {_with_port(host, port)} could not be recorded in the "
+                "audit log, so it is refused",
+                denied=True,
+            )
+            return None
+        return decision
+
+    def _refuse(
+        self,
+        asked: _Asked,
+        cause: str,
+        fix: str | None,
+        address: str | None,
+        reason: str | None = None,
+    ) -> None:
+        """Refused by the policy: 403, with why and the flag that would allow it."""
+        reason = reason or f"{cause}; to allow it, start sandboxfs run with {fix}"
+        decision = self._report(asked, False, reason, address, cause, fix)
+        if decision is not None:
+            self._respond(asked.conn, "403 Forbidden", reason, denied=True, decision=decision)
+
+    def _fail(
+        self, asked: _Asked, cause: str, error: str, address: str | None, brief: str | None = None
+    ) -> None:
+        """Admitted, but not completed: 502, with what failed (`brief`: in fewer words)."""
+        reason = f"connect failed: {cause}"
+        decision = self._report(asked, True, reason, address, brief or cause, None, error)
+        if decision is not None:
+            self._respond(asked.conn, "502 Bad Gateway", reason, denied=False, decision=decision)
 
     def _connect(
         self, address: _IPAddress, port: int, failures: list[tuple[str, str]]
@@ -762,13 +841,9 @@ class Proxy:
         deadline = time.monotonic() + HEADER_TIMEOUT
         buf = bytearray()
         while True:
-            # Leading empty lines before a request line are allowed (RFC 9112, 2.2).
-            while buf.startswith(b"\r\n") or buf.startswith(b"\n"):
-                del buf[: 2 if buf.startswith(b"\r\n") else 1]
-            ends = [(buf.find(t), t) for t in (b"\r\n\r\n", b"\n\n")]
-            found = [(i, t) for i, t in ends if i >= 0]
-            if found:
-                index, term = min(found)
+            found = _head_end(buf)
+            if found is not None:
+                index, term = found
                 if index + len(term) > HEADER_LIMIT:
                     break
                 return bytes(buf[:index]), bytes(buf[index + len(term) :])
@@ -876,20 +951,7 @@ class Proxy:
         while not all(p.done for p in pipes):
             if end_with_upstream and pipes[1].done:
                 return
-            wanted: dict[int, int] = {client.fileno(): 0, upstream.fileno(): 0}
-            for pipe in pipes:
-                if not pipe.eof and len(pipe.buf) < _RELAY_BUFFER:
-                    wanted[pipe.src.fileno()] |= select.POLLIN
-                if pipe.buf:
-                    wanted[pipe.dst.fileno()] |= select.POLLOUT
-            for fd, events in wanted.items():
-                if registered.get(fd, 0) == events:
-                    continue
-                if events:
-                    poller.register(fd, events)
-                else:
-                    poller.unregister(fd)
-                registered[fd] = events
+            _update_poller(poller, registered, _wanted_events(pipes))
             if not any(registered.values()):
                 return  # cannot happen: a pipe not done always wants something
             ready = dict(poller.poll())
@@ -900,6 +962,40 @@ class Proxy:
                     pipe.step(ready.get(pipe.src.fileno(), 0), ready.get(pipe.dst.fileno(), 0))
                 except OSError:
                     return  # a reset or a broken pipe ends the whole connection
+
+
+def _head_end(buf: bytearray) -> tuple[int, bytes] | None:
+    """Where the request header in `buf` ends, and with which blank line; None while it has not.
+    Leading empty lines before a request line are allowed (RFC 9112, 2.2): dropped here."""
+    while buf.startswith(b"\r\n") or buf.startswith(b"\n"):
+        del buf[: 2 if buf.startswith(b"\r\n") else 1]
+    ends = [(buf.find(t), t) for t in (b"\r\n\r\n", b"\n\n")]
+    found = [(i, t) for i, t in ends if i >= 0]
+    return min(found) if found else None
+
+
+def _wanted_events(pipes: tuple[_Pipe, _Pipe]) -> dict[int, int]:
+    """(relay) What to poll each socket for: reading while its pipe has room, writing while
+    the other way has bytes waiting."""
+    wanted: dict[int, int] = {pipes[0].src.fileno(): 0, pipes[0].dst.fileno(): 0}
+    for pipe in pipes:
+        if not pipe.eof and len(pipe.buf) < _RELAY_BUFFER:
+            wanted[pipe.src.fileno()] |= select.POLLIN
+        if pipe.buf:
+            wanted[pipe.dst.fileno()] |= select.POLLOUT
+    return wanted
+
+
+def _update_poller(poller: select.poll, registered: dict[int, int], wanted: dict[int, int]) -> None:
+    """Register what is wanted now with `poller`, where it changed (`registered`: what it has)."""
+    for fd, events in wanted.items():
+        if registered.get(fd, 0) == events:
+            continue
+        if events:
+            poller.register(fd, events)
+        else:
+            poller.unregister(fd)
+        registered[fd] = events
 
 
 class _Pipe:
