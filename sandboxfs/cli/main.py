@@ -74,9 +74,10 @@ from sandboxfs.project.zones import (
     home_project_config,
     validate_project,
 )
-from sandboxfs.run import confine, nest, netproxy, registries, toolchain
+from sandboxfs.run import confine, nest, netproxy, registries, rundir, toolchain
 from sandboxfs.run import doctor as doctor_mod
 from sandboxfs.run import supervisor as run_mod
+from sandboxfs.run.request import EXIT_SETUP, RunRequest
 
 UNMOUNT_WAIT = 10.0
 BUSY_WAIT = 2.0  # seconds umount tries again while the mount is busy
@@ -552,7 +553,7 @@ def _recover_landings(project: Path, workspace: str) -> None:
 
 def cmd_mount(args: argparse.Namespace) -> int:
     state.check_state_root()  # before anything is written: the audit log's key is there
-    run_mod.sweep_dead_runs()
+    rundir.sweep_dead_runs()
     read_only, cache = _apply_mount_options(args)
     project = validate_project(args.project)
     home = check_home_project(project, args.allow_home_project)
@@ -730,7 +731,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     narrowed, session, _ = _session_with_attachments(
         args, project, workspace, full, narrowed, trust
     )
-    req = run_mod.RunRequest(
+    req = RunRequest(
         project=project,
         trust=trust,
         workspace=workspace,
@@ -842,7 +843,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    run_mod.sweep_dead_runs()
+    rundir.sweep_dead_runs()
     control.sweep()  # control sockets of daemons that were killed
     mountpoint = Path(os.path.abspath(args.mountpoint))
     if str(mountpoint) not in sandboxfs_mounts():
@@ -1176,7 +1177,7 @@ def exit_code(exc: SandboxfsError, run: bool) -> int:
     if isinstance(exc, NotRunnable):
         return EXIT_NOT_FOUND
     if isinstance(exc, SetupError) or (run and isinstance(exc, UserError)):
-        return run_mod.EXIT_SETUP
+        return EXIT_SETUP
     return 2 if isinstance(exc, UserError) else 1
 
 
@@ -1201,7 +1202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"(please report it)",
             file=sys.stderr,
         )
-        return run_mod.EXIT_SETUP if argv[:1] == ["run"] else 1
+        return EXIT_SETUP if argv[:1] == ["run"] else 1
 
 
 def _write_crash_report(argv: Sequence[str]) -> Path | None:

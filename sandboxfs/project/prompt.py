@@ -296,7 +296,7 @@ def fit_all(lines: list[str], cols: int) -> list[str]:
 
 
 class RelayPrompt:
-    """The prompt inside `sandboxfs run`'s own terminal relay (sandboxfs.run.supervisor).
+    """The prompt inside `sandboxfs run`'s own terminal relay (sandboxfs.run.terminal).
 
     run polls the daemon's control socket from outside the sandbox. A request is shown on a
     screen of sandboxfs's own (`ENTER`), fitted to the terminal, while the program's output and

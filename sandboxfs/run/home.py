@@ -64,33 +64,48 @@ def give_identity(home_fd: int, found: Mapping[str, str]) -> bool:
     user.email are set; what else the program keeps there stays. Never follows a link the
     program left (a link is replaced by a file); a directory, a device or a file too large
     is left alone. Whether the file was written."""
-    existing, mode = b"", 0o644
+    current = _current_gitconfig(home_fd)
+    if current is None:
+        return False
+    existing, mode = current
+    wanted = home_config(b"" if existing is None else existing, found)
+    if wanted is None or (existing is not None and wanted == existing):
+        return False
+    return _replace_gitconfig(home_fd, wanted, mode)
+
+
+def _current_gitconfig(home_fd: int) -> tuple[bytes | None, int] | None:
+    """(give_identity) The ~/.gitconfig there is, and its mode: no content when there is none,
+    or a link (replaced); None when it is to be left alone (not a regular file, too large, or
+    unreadable)."""
     try:
         fd = os.open(
             GITCONFIG, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=home_fd
         )
     except FileNotFoundError:
-        fd = None
+        return None, 0o644
     except OSError as exc:
         if exc.errno != errno.ELOOP:  # ELOOP: a link, replaced below
-            return False
-        fd = None
-    if fd is not None:
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_GITCONFIG:
-                return False
-            existing = _read_all(fd, _MAX_GITCONFIG + 1)
-            mode = stat.S_IMODE(st.st_mode)
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-        if len(existing) > _MAX_GITCONFIG:
-            return False
-    wanted = home_config(existing, found)
-    if wanted is None or (fd is not None and wanted == existing):
-        return False
+            return None
+        return None, 0o644
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_GITCONFIG:
+            return None
+        existing = _read_all(fd, _MAX_GITCONFIG + 1)
+        mode = stat.S_IMODE(st.st_mode)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(existing) > _MAX_GITCONFIG:
+        return None
+    return existing, mode
+
+
+def _replace_gitconfig(home_fd: int, wanted: bytes, mode: int) -> bool:
+    """(give_identity) Write a new file beside it and rename it over ~/.gitconfig (over a link
+    too, never through it); whether that was done."""
     temp = f".{GITCONFIG}.identity-{secrets.token_hex(4)}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:

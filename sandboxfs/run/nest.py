@@ -475,33 +475,36 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """The request (JSON, at most MAX_REQUEST bytes) and the descriptors that came with it."""
     data = b""
     fds: list[int] = []
-    while True:
-        chunk, ancdata, _flags, _addr = conn.recvmsg(
-            MAX_REQUEST + 1, socket.CMSG_SPACE(3 * array.array("i").itemsize)
-        )
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                got = array.array("i")
-                got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
-                fds.extend(got)
-        if not chunk:
-            break
-        data += chunk
-        if len(data) > MAX_REQUEST:
-            for fd in fds:
-                os.close(fd)
-            raise ValueError("request too large")
     try:
+        while True:
+            chunk, ancdata, _flags, _addr = conn.recvmsg(
+                MAX_REQUEST + 1, socket.CMSG_SPACE(3 * array.array("i").itemsize)
+            )
+            fds.extend(_passed_fds(ancdata))
+            if not chunk:
+                break
+            data += chunk
+            if len(data) > MAX_REQUEST:
+                raise ValueError("request too large")
         request = json.loads(data)
-    except ValueError:
+        if not isinstance(request, dict):
+            raise ValueError("expected a JSON object")
+    except ValueError:  # a request refused: the descriptors that came with it are closed
         for fd in fds:
             os.close(fd)
         raise
-    if not isinstance(request, dict):
-        for fd in fds:
-            os.close(fd)
-        raise ValueError("expected a JSON object")
     return request, fds
+
+
+def _passed_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors an SCM_RIGHTS message carried (now this process's own)."""
+    fds: list[int] = []
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+            fds.extend(got)
+    return fds
 
 
 def _check_stdio(fds: list[int]) -> None:

@@ -21,9 +21,8 @@ allowlist, or one whose addresses are all refused (403). Reported as failed (`al
 an `error`): admitted by the policy, but the name did not resolve or no address could be
 connected to (502; the caller audits it as a failure, not as a refusal). Otherwise connected.
 
-`DnsStub` is the sandbox's only nameserver (with `--net none` too): it answers every query
-REFUSED, resolving nothing, and reports the name so that `run` can say that the network is off,
-or that names go through the proxy. `Notices` prints each refusal once on `run`'s stderr.
+`Notices` prints each refusal once on `run`'s stderr, the proxy's and the DNS stub's
+(sandboxfs.run.dnsstub: the sandbox's only nameserver, with `--net none` too).
 
 Everything is stdlib and thread-based: one accept thread and one thread per connection, with
 non-blocking sockets waited on with poll() together with a wake-up socket that `close()` makes
@@ -41,13 +40,11 @@ import os
 import re
 import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sandboxfs.run.confine import PROXY_ADDRESS
 from sandboxfs.run.registries import registry_of
 
 logger = logging.getLogger(__name__)
@@ -60,7 +57,7 @@ MAX_CONNECTIONS = 512  # connections served at once; more are closed at once (bo
 NOTICE_LIMIT = 20  # refused hosts that `run` names on its stderr; the audit has every one
 WEB_PORTS = (80, 443)  # what a rule without a port admits
 _RELAY_BUFFER = 64 * 1024
-_THREAD_PREFIX = "sandboxfs-netproxy"
+THREAD_PREFIX = "sandboxfs-netproxy"
 _EXPECTED = "expected HOST, HOST:PORT, *.DOMAIN[:PORT], IP[:PORT], [IPv6]:PORT or HOST[:PORT]=IP"
 
 _IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -158,25 +155,38 @@ def parse_allow_host(text: str) -> HostRule:
         raise bad("give a host name, not a URL")
     if any(c in text for c in "/?#@\\%"):
         raise bad("give a host name only, without a path, user or zone")
-    host, port_text = text, None
+    host, port_text = _split_host_port(text, bad)
+    port = None
+    if port_text is not None:
+        port = _parse_port(port_text)
+        if port is None:
+            raise bad(f"the port must be a number from 1 to 65535, not {port_text!r}")
+    return _host_rule(host, port, bad)
+
+
+def _split_host_port(text: str, bad: Callable[[str], AllowHostError]) -> tuple[str, str | None]:
+    """`HOST[:PORT]` or `[IPv6][:PORT]` as the host and the port's text (None: no port)."""
     if text.startswith("["):
         close = text.find("]")
         if close < 0:
             raise bad("missing ']' after the IPv6 address")
         host, rest = text[1:close], text[close + 1 :]
+        port_text = None
         if rest:
             if not rest.startswith(":"):
                 raise bad("expected ':PORT' after ']'")
             port_text = rest[1:]
         if _ip(host) is None or ":" not in host:
             raise bad("only an IPv6 address goes in brackets")
-    elif text.count(":") == 1:
+        return host, port_text
+    if text.count(":") == 1:
         host, port_text = text.split(":")
-    port = None
-    if port_text is not None:
-        port = _parse_port(port_text)
-        if port is None:
-            raise bad(f"the port must be a number from 1 to 65535, not {port_text!r}")
+        return host, port_text
+    return text, None
+
+
+def _host_rule(host: str, port: int | None, bad: Callable[[str], AllowHostError]) -> HostRule:
+    """The rule for an IP literal, a `*.DOMAIN` wildcard or a host name, checked."""
     address = _ip(host)
     if address is not None:
         return HostRule(str(address), port)
@@ -264,7 +274,7 @@ def _normalize_name(text: str) -> str:
     return name
 
 
-def _canonical_host(text: str) -> str:
+def canonical_host(text: str) -> str:
     """The host as the client asked, in rule form: an IP literal or a normalized name."""
     if text.startswith("[") and text.endswith("]"):
         text = text[1:-1]
@@ -290,7 +300,7 @@ class Allowlist:
     def admits(self, host: str, port: int) -> bool:
         """Whether a request naming `host` (name or IP literal, as the client asked) may go on."""
         try:
-            canonical = _canonical_host(host)
+            canonical = canonical_host(host)
         except ValueError:
             return False
         address = _ip(canonical)
@@ -315,7 +325,7 @@ class Allowlist:
         if address is None:
             return False
         try:
-            name = None if host is None else _canonical_host(host)
+            name = None if host is None else canonical_host(host)
         except ValueError:
             name = None
         for rule in self.rules:
@@ -337,6 +347,23 @@ class Allowlist:
 
 def _address_class(address: _IPAddress) -> str | None:
     """Why a connection to `address` is refused by default, or None when it is global."""
+    if isinstance(address, ipaddress.IPv6Address) and address in _NAT64:
+        # DNS64 gives v4-only hosts these addresses; judge the IPv4 address inside.
+        embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+        inner = _address_class(embedded)
+        return None if inner is None else f"NAT64 of {embedded}, {inner}"
+    kind = _scope_class(address) or _network_class(address)
+    if kind is not None:
+        return kind
+    if address.is_reserved:
+        return "reserved"
+    if address.is_private or not address.is_global:
+        return "special-purpose, not globally routable"
+    return None
+
+
+def _scope_class(address: _IPAddress) -> str | None:
+    """(_address_class) What the address's own scope refuses, in either family."""
     if address.is_unspecified:
         return "unspecified"
     if address.is_loopback:
@@ -347,25 +374,21 @@ def _address_class(address: _IPAddress) -> str | None:
         return "link-local"
     if address.is_multicast:
         return "multicast"
+    return None
+
+
+def _network_class(address: _IPAddress) -> str | None:
+    """(_address_class) The private networks of the address's family (NAT64 judged before)."""
     if isinstance(address, ipaddress.IPv4Address):
         if address in _CGNAT:
             return "carrier-grade NAT, shared"
         if any(address in net for net in _RFC1918):
             return "private"
-    else:
-        if address in _NAT64:
-            # DNS64 gives v4-only hosts these addresses; judge the IPv4 address inside.
-            embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-            inner = _address_class(embedded)
-            return None if inner is None else f"NAT64 of {embedded}, {inner}"
-        if address in _ULA:
-            return "private, unique local"
-        if address.is_site_local:
-            return "site-local"
-    if address.is_reserved:
-        return "reserved"
-    if address.is_private or not address.is_global:
-        return "special-purpose, not globally routable"
+        return None
+    if address in _ULA:
+        return "private, unique local"
+    if address.is_site_local:
+        return "site-local"
     return None
 
 
@@ -395,6 +418,16 @@ class _Request:
     version: str
     headers: tuple[tuple[str, str], ...]
     rest: bytes  # bytes read after the header (body or tunnel data)
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """One request naming a host, as the proxy decides on it."""
+
+    conn: socket.socket
+    client: tuple[str, int]
+    request: _Request
+    host: str  # in rule form (canonical_host), or as sent (cut) when it is no valid name
 
 
 class Proxy:
@@ -431,7 +464,7 @@ class Proxy:
         if self._accept_thread is not None or self._closed:
             raise RuntimeError("the proxy was already started")
         self._listener.setblocking(False)
-        thread = threading.Thread(target=self._accept_loop, name=f"{_THREAD_PREFIX}-accept")
+        thread = threading.Thread(target=self._accept_loop, name=f"{THREAD_PREFIX}-accept")
         thread.daemon = True
         self._accept_thread = thread
         self._accepting = True
@@ -515,7 +548,7 @@ class Proxy:
             conn.setblocking(False)
             self._sockets.add(conn)
             thread = threading.Thread(
-                target=self._serve, args=(conn,), name=f"{_THREAD_PREFIX}-conn"
+                target=self._serve, args=(conn,), name=f"{THREAD_PREFIX}-conn"
             )
             thread.daemon = True
             self._threads.add(thread)
@@ -598,83 +631,66 @@ class Proxy:
         Returns the connected upstream socket, or None once the client has been answered."""
         valid = True
         try:
-            host = _canonical_host(request.host)
+            host = canonical_host(request.host)
         except ValueError:
             host, valid = request.host[:255], False
+        asked = _Asked(conn, client, request, host)
         port = request.port
-
-        def report(
-            allowed: bool,
-            reason: str | None,
-            address: str | None,
-            cause: str | None = None,
-            fix: str | None = None,
-            error: str | None = None,
-        ) -> NetDecision | None:
-            decision = NetDecision(
-                host, port, allowed, reason, address, client, request.method, cause, fix, error
-            )
-            try:
-                self._on_decision(decision)
-            except Exception:
-                logger.exception("proxy: reporting a network decision failed; refusing")
-                self._respond(
-                    conn,
-                    "403 Forbidden",
-                    f"the request to {_with_port(host, port)} could not be recorded in the "
-                    "audit log, so it is refused",
-                    denied=True,
-                )
-                return None
-            return decision
-
-        def refuse(
-            cause: str, fix: str | None, address: str | None, reason: str | None = None
-        ) -> None:
-            """Refused by the policy: 403, with why and the flag that would allow it."""
-            reason = reason or f"{cause}; to allow it, start sandboxfs run with {fix}"
-            decision = report(False, reason, address, cause, fix)
-            if decision is not None:
-                self._respond(conn, "403 Forbidden", reason, denied=True, decision=decision)
-
-        def fail(cause: str, error: str, address: str | None, brief: str | None = None) -> None:
-            """Admitted, but not completed: 502, with what failed (`brief`: in fewer words)."""
-            reason = f"connect failed: {cause}"
-            decision = report(True, reason, address, brief or cause, None, error)
-            if decision is not None:
-                self._respond(conn, "502 Bad Gateway", reason, denied=False, decision=decision)
-
-        shown = _with_port(host, port)
         admitted = self._allowlist.admits(host, port)
         if not admitted and valid and self._ask is not None:  # approvals: the user may admit it
             admitted = self._ask_user(conn, host, port, client)
         if not admitted:
-            if valid:
-                fix = f"--allow-host {_with_port(host, None if port in WEB_PORTS else port)}"
-                if (registry := registry_of(host)) is not None and port in WEB_PORTS:
-                    fix = f"--allow {registry}"  # its other hosts and addresses with it
-                cause = "not in --allow-host"
-                reason = (
-                    f"host {shown} is not in the allowlist (--allow-host); to allow it, start "
-                    f"sandboxfs run with {fix} (allowed now: {self._allowlist.describe()})"
-                )
-                refuse(cause, fix, None, reason)
-            else:
-                cause = "not a valid host name"
-                refuse(cause, None, None, f"host {shown} is {cause}, so it is not in the allowlist")
+            self._refuse_unlisted(asked, valid)
             return None
+        candidates = self._candidates(asked)
+        if candidates is None:
+            return None
+        passing = self._usable(asked, candidates)
+        if passing is None:
+            return None
+        return self._connect_any(asked, passing)
+
+    def _refuse_unlisted(self, asked: _Asked, valid: bool) -> None:
+        """A host the allowlist does not admit (nor the user): 403, with the flag that would."""
+        host, port = asked.host, asked.request.port
+        shown = _with_port(host, port)
+        if valid:
+            fix = f"--allow-host {_with_port(host, None if port in WEB_PORTS else port)}"
+            if (registry := registry_of(host)) is not None and port in WEB_PORTS:
+                fix = f"--allow {registry}"  # its other hosts and addresses with it
+            cause = "not in --allow-host"
+            reason = (
+                f"host {shown} is not in the allowlist (--allow-host); to allow it, start "
+                f"sandboxfs run with {fix} (allowed now: {self._allowlist.describe()})"
+            )
+            self._refuse(asked, cause, fix, None, reason)
+        else:
+            cause = "not a valid host name"
+            reason = f"host {shown} is {cause}, so it is not in the allowlist"
+            self._refuse(asked, cause, None, None, reason)
+
+    def _candidates(self, asked: _Asked) -> list[str] | None:
+        """The addresses to try: an IP literal's own, or what the name resolves to; None once
+        the client has been answered (502: no such name, no address)."""
+        host, port = asked.host, asked.request.port
         literal = _ip(host)
         if literal is not None:
-            candidates = [str(literal)]
-        else:
-            try:
-                candidates = list(self._resolve(host, port))
-            except Exception as exc:
-                fail(f"cannot resolve {host} ({_describe_error(exc)})", _resolve_error(exc), None)
-                return None
-            if not candidates:
-                fail(f"{host} has no address", "EAI_NONAME", None)
-                return None
+            return [str(literal)]
+        try:
+            candidates = list(self._resolve(host, port))
+        except Exception as exc:
+            cause = f"cannot resolve {host} ({_describe_error(exc)})"
+            self._fail(asked, cause, _resolve_error(exc), None)
+            return None
+        if not candidates:
+            self._fail(asked, f"{host} has no address", "EAI_NONAME", None)
+            return None
+        return candidates
+
+    def _usable(self, asked: _Asked, candidates: list[str]) -> list[_IPAddress] | None:
+        """The candidates that may be connected to, each once: global addresses, and those a
+        rule lists exactly; None once the client has been answered (403: only refused ones)."""
+        host, port = asked.host, asked.request.port
         passing: list[_IPAddress] = []
         refused: list[tuple[_IPAddress, str]] = []
         for text in candidates:
@@ -688,27 +704,87 @@ class Proxy:
                 passing.append(address)
             else:
                 refused.append((address, kind))
-        if not passing:
-            if not refused:
-                fail(f"{host} resolved to no usable address", "EAI_NONAME", None)
-                return None
-            cause, fix = _address_refusal(host, port, refused)
-            refuse(cause, fix, str(refused[0][0]))
+        if passing:
+            return passing
+        if not refused:
+            self._fail(asked, f"{host} resolved to no usable address", "EAI_NONAME", None)
             return None
+        cause, fix = _address_refusal(host, port, refused)
+        self._refuse(asked, cause, fix, str(refused[0][0]))
+        return None
+
+    def _connect_any(self, asked: _Asked, passing: list[_IPAddress]) -> socket.socket | None:
+        """The first address that connects, reported; else None once the client has been
+        answered (502, with what failed at each)."""
+        host, port = asked.host, asked.request.port
         failures: list[tuple[str, str]] = []
         for address in passing:
             upstream = self._connect(address, port, failures)
             if upstream is None:
                 continue
-            if report(True, None, str(address)):
+            if self._report(asked, True, None, str(address)):
                 return upstream
             self._forget(upstream)
             return None
         texts = [text for text, _ in failures]
         # An address asked for by itself: "Connection refused", not "ADDRESS:PORT: Connection ..."
-        brief = texts[0].removeprefix(f"{shown}: ") if literal is not None else None
-        fail("; ".join(texts), failures[-1][1], str(passing[-1]), brief)
+        shown = _with_port(host, port)
+        brief = texts[0].removeprefix(f"{shown}: ") if _ip(host) is not None else None
+        self._fail(asked, "; ".join(texts), failures[-1][1], str(passing[-1]), brief)
         return None
+
+    def _report(
+        self,
+        asked: _Asked,
+        allowed: bool,
+        reason: str | None,
+        address: str | None,
+        cause: str | None = None,
+        fix: str | None = None,
+        error: str | None = None,
+    ) -> NetDecision | None:
+        """Report the decision before the client learns it; None (and 403) when it cannot be
+        recorded: a request not in the audit is refused."""
+        host, port, request = asked.host, asked.request.port, asked.request
+        decision = NetDecision(
+            host, port, allowed, reason, address, asked.client, request.method, cause, fix, error
+        )
+        try:
+            self._on_decision(decision)
+        except Exception:
+            logger.exception("proxy: reporting a network decision failed; refusing")
+            self._respond(
+                asked.conn,
+                "403 Forbidden",
+                f"the request to {_with_port(host, port)} could not be recorded in the "
+                "audit log, so it is refused",
+                denied=True,
+            )
+            return None
+        return decision
+
+    def _refuse(
+        self,
+        asked: _Asked,
+        cause: str,
+        fix: str | None,
+        address: str | None,
+        reason: str | None = None,
+    ) -> None:
+        """Refused by the policy: 403, with why and the flag that would allow it."""
+        reason = reason or f"{cause}; to allow it, start sandboxfs run with {fix}"
+        decision = self._report(asked, False, reason, address, cause, fix)
+        if decision is not None:
+            self._respond(asked.conn, "403 Forbidden", reason, denied=True, decision=decision)
+
+    def _fail(
+        self, asked: _Asked, cause: str, error: str, address: str | None, brief: str | None = None
+    ) -> None:
+        """Admitted, but not completed: 502, with what failed (`brief`: in fewer words)."""
+        reason = f"connect failed: {cause}"
+        decision = self._report(asked, True, reason, address, brief or cause, None, error)
+        if decision is not None:
+            self._respond(asked.conn, "502 Bad Gateway", reason, denied=False, decision=decision)
 
     def _connect(
         self, address: _IPAddress, port: int, failures: list[tuple[str, str]]
@@ -765,13 +841,9 @@ class Proxy:
         deadline = time.monotonic() + HEADER_TIMEOUT
         buf = bytearray()
         while True:
-            # Leading empty lines before a request line are allowed (RFC 9112, 2.2).
-            while buf.startswith(b"\r\n") or buf.startswith(b"\n"):
-                del buf[: 2 if buf.startswith(b"\r\n") else 1]
-            ends = [(buf.find(t), t) for t in (b"\r\n\r\n", b"\n\n")]
-            found = [(i, t) for i, t in ends if i >= 0]
-            if found:
-                index, term = min(found)
+            found = _head_end(buf)
+            if found is not None:
+                index, term = found
                 if index + len(term) > HEADER_LIMIT:
                     break
                 return bytes(buf[:index]), bytes(buf[index + len(term) :])
@@ -879,20 +951,7 @@ class Proxy:
         while not all(p.done for p in pipes):
             if end_with_upstream and pipes[1].done:
                 return
-            wanted: dict[int, int] = {client.fileno(): 0, upstream.fileno(): 0}
-            for pipe in pipes:
-                if not pipe.eof and len(pipe.buf) < _RELAY_BUFFER:
-                    wanted[pipe.src.fileno()] |= select.POLLIN
-                if pipe.buf:
-                    wanted[pipe.dst.fileno()] |= select.POLLOUT
-            for fd, events in wanted.items():
-                if registered.get(fd, 0) == events:
-                    continue
-                if events:
-                    poller.register(fd, events)
-                else:
-                    poller.unregister(fd)
-                registered[fd] = events
+            _update_poller(poller, registered, _wanted_events(pipes))
             if not any(registered.values()):
                 return  # cannot happen: a pipe not done always wants something
             ready = dict(poller.poll())
@@ -903,6 +962,40 @@ class Proxy:
                     pipe.step(ready.get(pipe.src.fileno(), 0), ready.get(pipe.dst.fileno(), 0))
                 except OSError:
                     return  # a reset or a broken pipe ends the whole connection
+
+
+def _head_end(buf: bytearray) -> tuple[int, bytes] | None:
+    """Where the request header in `buf` ends, and with which blank line; None while it has not.
+    Leading empty lines before a request line are allowed (RFC 9112, 2.2): dropped here."""
+    while buf.startswith(b"\r\n") or buf.startswith(b"\n"):
+        del buf[: 2 if buf.startswith(b"\r\n") else 1]
+    ends = [(buf.find(t), t) for t in (b"\r\n\r\n", b"\n\n")]
+    found = [(i, t) for i, t in ends if i >= 0]
+    return min(found) if found else None
+
+
+def _wanted_events(pipes: tuple[_Pipe, _Pipe]) -> dict[int, int]:
+    """(relay) What to poll each socket for: reading while its pipe has room, writing while
+    the other way has bytes waiting."""
+    wanted: dict[int, int] = {pipes[0].src.fileno(): 0, pipes[0].dst.fileno(): 0}
+    for pipe in pipes:
+        if not pipe.eof and len(pipe.buf) < _RELAY_BUFFER:
+            wanted[pipe.src.fileno()] |= select.POLLIN
+        if pipe.buf:
+            wanted[pipe.dst.fileno()] |= select.POLLOUT
+    return wanted
+
+
+def _update_poller(poller: select.poll, registered: dict[int, int], wanted: dict[int, int]) -> None:
+    """Register what is wanted now with `poller`, where it changed (`registered`: what it has)."""
+    for fd, events in wanted.items():
+        if registered.get(fd, 0) == events:
+            continue
+        if events:
+            poller.register(fd, events)
+        else:
+            poller.unregister(fd)
+        registered[fd] = events
 
 
 class _Pipe:
@@ -966,151 +1059,6 @@ class Notices:
             else:
                 self._seen.add(key)
         self._write(line)
-
-
-# ----- the DNS stub: the one nameserver the sandbox has -------------------------------------------
-
-
-@dataclass(frozen=True)
-class Lookup:
-    """One DNS query a program inside sent to the stub."""
-
-    name: str  # lowercase, without the trailing dot; as sent (not necessarily a valid name)
-    qtype: int  # 1 A, 28 AAAA, 12 PTR...
-    client: tuple[str, int]  # the querying socket's address inside the sandbox
-
-    @property
-    def notable(self) -> bool:
-        """A host on a network, worth telling the user about: not a reverse lookup and not a
-        single label (the sandbox's own host name, which tools look up to find their FQDN)."""
-        return self.qtype != _PTR and "." in self.name and not self.name.endswith(".arpa")
-
-
-def lookup_refusal(name: str, allowlist: Allowlist | None) -> str:
-    """Why a lookup inside got no answer, and what to do: `allowlist` None is `--net none`."""
-    shown = printable(name, 255)
-    if allowlist is None:
-        return (
-            f"the network is off (--net none): {shown} was not looked up; to let the program "
-            f"reach it: --net allow --allow-host {shown}"
-        )
-    proxy = "http://{}:{}".format(*PROXY_ADDRESS)
-    text = (
-        f"{shown} was looked up inside the sandbox, which has no DNS (--net allow): programs "
-        f"reach hosts through the proxy, HTTPS_PROXY={proxy}, which resolves names itself"
-    )
-    try:
-        admitted = any(allowlist.admits(name, port) for port in WEB_PORTS) or any(
-            rule.host == _canonical_host(name) for rule in allowlist.rules
-        )
-    except ValueError:
-        admitted = False
-    return text if admitted else f"{text}; {shown} is not allowed either: --allow-host {shown}"
-
-
-class DnsStub:
-    """Answers every DNS query that reaches `sockets` (UDP, bound inside the sandbox where its
-    /etc/resolv.conf points) with REFUSED, once `on_lookup` has been told of it: the sandbox
-    has no DNS, and this is how `run` learns that a program looked a name up, and says so.
-
-    Nothing is ever resolved: a name a program chose must not leave the sandbox as a query."""
-
-    def __init__(self, sockets: Sequence[socket.socket], on_lookup: Callable[[Lookup], None]):
-        self._sockets = list(sockets)
-        self._on_lookup = on_lookup
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def start(self) -> None:
-        for sock in self._sockets:
-            sock.setblocking(False)
-        self._thread = threading.Thread(target=self._serve, name=f"{_THREAD_PREFIX}-dns")
-        self._thread.daemon = True
-        self._thread.start()
-
-    def close(self, timeout: float = 5.0) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
-        if self._thread is not None:
-            self._thread.join(timeout)
-        if self._thread is None or not self._thread.is_alive():
-            for sock in (*self._sockets, self._wake_r, self._wake_w):
-                sock.close()
-
-    def _serve(self) -> None:
-        poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
-        by_fd = {sock.fileno(): sock for sock in self._sockets}
-        for fd in by_fd:
-            poller.register(fd, select.POLLIN)
-        while True:
-            ready = poller.poll()
-            if self._closed or any(fd == self._wake_r.fileno() for fd, _ in ready):
-                return
-            for fd, _ in ready:
-                sock = by_fd.get(fd)
-                if sock is None:
-                    continue
-                try:
-                    data, peer = sock.recvfrom(4096)
-                except OSError:
-                    continue  # nothing after all, or an ICMP error from an earlier answer
-                self._answer(sock, data, peer)
-
-    def _answer(self, sock: socket.socket, data: bytes, peer: tuple[str, int]) -> None:
-        query = parse_dns_query(data)
-        if query is None:
-            return  # not a query a resolver sends: no answer
-        ident, flags, question, name, qtype = query
-        try:
-            self._on_lookup(Lookup(name, qtype, (str(peer[0]), int(peer[1]))))
-        except Exception:
-            logger.exception("dns stub: reporting a lookup failed")
-        with contextlib.suppress(OSError):
-            sock.sendto(dns_refused(ident, flags, question), peer)
-
-
-_PTR = 12
-_REFUSED = 5
-
-
-def parse_dns_query(data: bytes) -> tuple[int, int, bytes, str, int] | None:
-    """A standard query with one question: (id, flags, the question's bytes, its name, its
-    type); None for anything else (a response, a compressed or truncated question)."""
-    if len(data) < 12:
-        return None
-    ident, flags, questions = struct.unpack_from("!3H", data)
-    if flags & 0x8000 or questions != 1:
-        return None
-    pos, labels, length = 12, [], 0
-    while True:
-        if pos >= len(data):
-            return None
-        size = data[pos]
-        pos += 1
-        if size == 0:
-            break
-        if size & 0xC0 or pos + size > len(data):
-            return None
-        labels.append(data[pos : pos + size].decode("latin-1"))
-        pos += size
-        length += size + 1
-        if length > 255:
-            return None
-    if pos + 4 > len(data):
-        return None
-    qtype = struct.unpack_from("!H", data, pos)[0]
-    name = ".".join(labels).lower()
-    return ident, flags, data[12 : pos + 4], name, qtype
-
-
-def dns_refused(ident: int, flags: int, question: bytes) -> bytes:
-    """The answer REFUSED to a query: its id, opcode and recursion-desired bit, its question."""
-    return struct.pack("!6H", ident, 0x8000 | (flags & 0x7900) | _REFUSED, 1, 0, 0, 0) + question
 
 
 # ----- parsing ------------------------------------------------------------------------------------

@@ -205,11 +205,15 @@ class Limits:
         """Why `path` (absolute, without links) may not be shown inside; None when it may.
         `credentials`: an agent's own login counts as a secret (for `home seed`, not)."""
         show = _tilde(path, self.home)
-        if path in NEVER_WHOLE:
-            return f"{show} is a whole system directory"
-        for top in NEVER_BELOW:
-            if _within(path, top):
-                return f"{show} is under {top}, which the sandbox has its own of"
+        return (
+            _system_refusal(path, show)
+            or self._secret_refusal(path, show, credentials)
+            or self._state_refusal(path, show)
+        )
+
+    def _secret_refusal(self, path: str, show: str, credentials: bool) -> str | None:
+        """(refusal) A secret by its name, a secret of the home's, the home itself, or what
+        holds any of them."""
         for part in path.split("/"):
             folded = part.casefold()
             if any(fnmatch.fnmatchcase(folded, pattern) for pattern in SECRET_NAMES):
@@ -224,6 +228,11 @@ class Limits:
         for rel in secrets:
             if _within(f"{self.home}/{rel}", path):
                 return f"{show} holds ~/{rel}, a secret"
+        return None
+
+    def _state_refusal(self, path: str, show: str) -> str | None:
+        """(refusal) The project, sandboxfs's state, a project's state dir: in them or
+        holding them (each is shown inside its own way, or not at all)."""
         if _within(path, self.project):
             return (
                 f"{show} is in the project, which the sandbox sees only through the mount, "
@@ -238,6 +247,17 @@ class Limits:
             if fold(part) == STATE_DIR_NAME:
                 return f"{show} is in a project's state dir ({part})"
         return None
+
+
+def _system_refusal(path: str, show: str) -> str | None:
+    """(Limits.refusal) A whole system directory, or what is under one the sandbox has its own
+    of."""
+    if path in NEVER_WHOLE:
+        return f"{show} is a whole system directory"
+    for top in NEVER_BELOW:
+        if _within(path, top):
+            return f"{show} is under {top}, which the sandbox has its own of"
+    return None
 
 
 def caller_home() -> str:
@@ -406,6 +426,14 @@ class _Resolver:
             real = follow(program, links)
         except OSError as exc:
             raise NotRunnable(f"{shown_as}: {program}: {exc.strerror}") from None
+        self._bind_program(shown_as, program, real, links)
+        interpreter = _shebang(real)
+        if interpreter is not None:
+            self._add_interpreter(shown_as, interpreter, depth)
+
+    def _bind_program(self, shown_as: str, program: str, real: str, links: dict[str, str]) -> None:
+        """(add_program) Bind the largest of the program's trees that may be shown, and the links
+        on the way to it; NotRunnable when any of them may not be shown."""
         for location in links:
             why = self.limits.refusal(location)
             if why is not None:
@@ -420,9 +448,12 @@ class _Resolver:
             if why is not None:
                 raise NotRunnable(self._unshowable(shown_as, program, why))
         self.tools.links.update(links)
-        interpreter = _shebang(real)
-        if interpreter is None:
-            return
+
+    def _add_interpreter(
+        self, shown_as: str, interpreter: tuple[str, str | None], depth: int
+    ) -> None:
+        """(add_program) What a script's `#!` line runs: shown too, and on the sandbox's PATH
+        for `#!/usr/bin/env NAME`."""
         command, name = interpreter
         if name is None:  # an absolute interpreter: #!/home/u/venv/bin/python
             if not command.startswith("/"):
@@ -475,7 +506,13 @@ def _shebang(path: str) -> tuple[str, str | None] | None:
         return None
     if os.path.basename(interpreter) != "env":
         return interpreter, None
-    words = rest.split()
+    name = _env_program(rest.split())
+    return None if name is None else (interpreter, name)
+
+
+def _env_program(words: list[str]) -> str | None:
+    """(_shebang) The program `env` runs, past its options and NAME=VALUE settings; None for
+    none."""
     while words:
         word = words[0]
         if word in ("-i", "--ignore-environment", "-", "-0", "--null", "-v", "--debug"):
@@ -490,7 +527,7 @@ def _shebang(path: str) -> tuple[str, str | None] | None:
         elif word.startswith("-") or "=" in word:
             words.pop(0)
         else:
-            return interpreter, word
+            return word
     return None
 
 
@@ -597,32 +634,39 @@ def expose(
     patterns = Patterns(list(deny))
     tools = tools if tools is not None else Toolchain()
     for written, source in paths:
-        path = os.path.abspath(os.path.expanduser(written))
-        why = limits.refusal(path)  # as written first: ~/.ssh is refused, there or not
-        if why is not None:
-            raise UserError(f"{source} {written}: refused: {why}")
-        links: dict[str, str] = {}
-        try:
-            real = follow(path, links)
-        except OSError as exc:
-            raise UserError(f"{source} {written}: {exc.strerror}") from None
-        for place in [*links, real]:
-            why = limits.refusal(place)
-            if why is not None:
-                raise UserError(f"{source} {written}: refused: {why}")
-        if _shown_as_is(real):
-            continue  # the system: there already
-        if os.path.isdir(real):
-            try:
-                tools.covers += covered(real, patterns)
-            except UserError as exc:
-                raise UserError(f"{source} {written}: refused: {exc.message}") from None
-        tools.bind(real)
-        tools.links.update(links)
-        tools.shown.append(path)
+        _expose_one(written, source, limits, tools, patterns)
     for directory in caller_env.get("PATH", "").split(":"):
         if directory.startswith("/") and any(
             _within(directory, p) or os.path.dirname(p) == directory for p in tools.shown
         ):
             tools.path.append(directory)  # in what is shown, or holds it (~/.local/bin/tool)
     return tools
+
+
+def _expose_one(
+    written: str, source: str, limits: Limits, tools: Toolchain, patterns: Patterns
+) -> None:
+    """(expose) One path, into `tools`: refused as written, on the way, and where it leads."""
+    path = os.path.abspath(os.path.expanduser(written))
+    why = limits.refusal(path)  # as written first: ~/.ssh is refused, there or not
+    if why is not None:
+        raise UserError(f"{source} {written}: refused: {why}")
+    links: dict[str, str] = {}
+    try:
+        real = follow(path, links)
+    except OSError as exc:
+        raise UserError(f"{source} {written}: {exc.strerror}") from None
+    for place in [*links, real]:
+        why = limits.refusal(place)
+        if why is not None:
+            raise UserError(f"{source} {written}: refused: {why}")
+    if _shown_as_is(real):
+        return  # the system: there already
+    if os.path.isdir(real):
+        try:
+            tools.covers += covered(real, patterns)
+        except UserError as exc:
+            raise UserError(f"{source} {written}: refused: {exc.message}") from None
+    tools.bind(real)
+    tools.links.update(links)
+    tools.shown.append(path)

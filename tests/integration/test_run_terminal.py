@@ -23,7 +23,7 @@ from typing import IO, Any
 
 import pytest
 
-from sandboxfs.run import supervisor as run_mod
+from sandboxfs.run import rundir
 from tests.support.cli import SANDBOXFS, wait_until
 from tests.support.run import UserTerminal, fuse_mounts, nothing_left_behind, run_dirs
 
@@ -407,7 +407,7 @@ def _state(pid: int) -> str:
 def test_the_sweep_tells_a_dead_run_from_one_being_created(tmp_path: Path) -> None:
     """Without mounts: a directory whose run is gone (or a zombie) is removed at once; one
     with no owner yet, or an owner still being written, is left alone while it is young."""
-    root = run_mod.runtime_root()
+    root = rundir.runtime_root()
     root.mkdir(parents=True, exist_ok=True)
     gone = subprocess.Popen(["true"])
     gone.wait()
@@ -417,16 +417,16 @@ def test_the_sweep_tells_a_dead_run_from_one_being_created(tmp_path: Path) -> No
     for path in dirs.values():
         (path / "mnt").mkdir(parents=True)
     (dirs["dead"] / "owner").write_text(f"{gone.pid} 1\n")
-    (dirs["zombie"] / "owner").write_text(f"{zombie.pid} {run_mod._start_time(zombie.pid)}\n")
+    (dirs["zombie"] / "owner").write_text(f"{zombie.pid} {rundir._start_time(zombie.pid)}\n")
     (dirs["writing"] / "owner").write_text("")
-    (dirs["live"] / "owner").write_text(f"{os.getpid()} {run_mod._start_time(os.getpid())}\n")
+    (dirs["live"] / "owner").write_text(f"{os.getpid()} {rundir._start_time(os.getpid())}\n")
     try:
-        run_mod.sweep_dead_runs()
+        rundir.sweep_dead_runs()
         assert sorted(p.name for p in run_dirs()) == ["creating", "live", "writing"]
     finally:
         zombie.wait()
         for path in dirs.values():
-            run_mod.remove_run_dir(path)
+            rundir.remove_run_dir(path)
             for leftover in path.glob("*"):
                 leftover.unlink()
             with suppress(OSError):

@@ -385,7 +385,7 @@ def test_the_childs_descriptors_are_each_their_own_source(tmp_path: Path) -> Non
     """The child bubblewrap becomes gets each descriptor at its number (200 /etc copies among
     them): no dup2 may replace a source still to be placed, whatever the order and wherever
     the sources lie."""
-    from sandboxfs.run.supervisor import _arrange_fds
+    from sandboxfs.run.processes import _arrange_fds
 
     sources, content = [], {}
     for i in range(200):
