@@ -198,7 +198,21 @@ class NodeSteps:
             if refused:
                 g.existing(caller, parent, name, zone, errno.EEXIST)
 
-    # ----- what listing and creating share ----------------------------------------------------
+    # ----- listing and creating ---------------------------------------------------------------
+
+    def _zones_listed(self, g: Gate, recursive: bool) -> tuple[list[str], list[tuple[Node, str]]]:
+        """Listing `/`: the zones' paths, and (recursive) the roots of those this level may
+        list, opened as the directories to walk."""
+        policy = g.guard.policy
+        found: list[str] = []
+        pending: list[tuple[Node, str]] = []
+        for zone in policy.zones:
+            found.append(f"/{zone.value}")
+            if recursive and policy.decide(zone, Op.LIST).allowed:
+                root = self._backend.zone_roots[zone]
+                g.opendir(self._caller, root)
+                pending.append((root, f"/{zone.value}"))
+        return found, pending
 
     def _created_here(self, parent: Node, name: bytes) -> bool:
         """Whether this sandbox made parent/name (listing a create-only zone shows only those)."""

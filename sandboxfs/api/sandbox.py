@@ -581,16 +581,10 @@ class Sandbox(NodeSteps):
         with self._call("list", path) as call:
             p = self._path(call, path)
             g = self._gate
-            policy = g.guard.policy
             found: list[str] = []
             pending: list[tuple[Node, str]] = []
             if p.zone is None:
-                for zone in policy.zones:
-                    found.append(f"/{zone.value}")
-                    if recursive and policy.decide(zone, Op.LIST).allowed:
-                        root = self._backend.zone_roots[zone]
-                        g.opendir(self._caller, root)
-                        pending.append((root, f"/{zone.value}"))
+                found, pending = self._zones_listed(g, recursive)
             else:
                 pending.append((self._listable(g, p), p.text))
             while pending:

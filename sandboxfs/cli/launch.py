@@ -15,6 +15,7 @@ from sandboxfs.errors import UserError
 from sandboxfs.layout import STATE_DIR_NAME, interrupted_landings, state_dir, state_root
 from sandboxfs.project import workers
 from sandboxfs.project.mounts import choose_session, discard_new_session
+from sandboxfs.project.zones import check_home_project, home_project_config
 from sandboxfs.run import toolchain
 
 
@@ -81,6 +82,18 @@ def approvals_mode(args: argparse.Namespace, default: str) -> str:
         )
         return "off"
     return str(args.approvals or default)
+
+
+def load_config(args: argparse.Namespace, project: Path) -> config_mod.Config:
+    """The project's config (--config, else its sandboxfs.yaml), with a home project's logins
+    hidden where --allow-home-project lets the project be a home; its zones outside the
+    project checked (check_zones_beside)."""
+    home = check_home_project(project, args.allow_home_project)
+    cfg = config_mod.load(project, args.config)
+    if home:
+        cfg = home_project_config(cfg, project)
+    check_zones_beside(project, cfg, args.config)
+    return cfg
 
 
 def check_zones_beside(project: Path, cfg: config_mod.Config, config_file: Path | None) -> None:

@@ -10,14 +10,11 @@ from typing import Any, TypeVar
 
 from sandboxfs.cli import launch
 from sandboxfs.cli.subcommands import trust_level
-from sandboxfs.config import model as config_mod
 from sandboxfs.errors import SandboxfsError, UserError
 from sandboxfs.project import state
 from sandboxfs.project.mounts import MountRequest, discard_new_session, validate_mountpoint
 from sandboxfs.project.zones import (
-    check_home_project,
     check_id,
-    home_project_config,
     validate_project,
 )
 from sandboxfs.run import supervisor as run_mod
@@ -98,11 +95,7 @@ def main(args: argparse.Namespace) -> int:
     run_mod.sweep_dead_runs()
     read_only, cache = _apply_mount_options(args)
     project = validate_project(args.project)
-    home = check_home_project(project, args.allow_home_project)
-    cfg = config_mod.load(project, args.config)
-    if home:
-        cfg = home_project_config(cfg, project)
-    launch.check_zones_beside(project, cfg, args.config)
+    cfg = launch.load_config(args, project)
     if cache:
         cfg = cfg.model_copy(update={"cache": cfg.cache.model_copy(update=cache)})
     mountpoint = validate_mountpoint(args.mountpoint, project)
@@ -145,52 +138,79 @@ def main(args: argparse.Namespace) -> int:
         raise
 
 
+# The -o options that are flags (`ro` also, which has no long flag), and the long flag each sets.
+_FLAG_OPTIONS = {"allow_other": "allow_other", "audit_sync": "audit_sync", "debug": "debug"}
+# The -o options that take a value: the long option each sets, and its argparse type.
+_VALUE_OPTIONS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "trust": ("trust", trust_level),
+    "project": ("project", Path),
+    "workspace": ("workspace", str),
+    "session": ("session", str),
+    "new_session": ("new_session", str),
+    "config": ("config", Path),
+}
+_CACHE_OPTIONS = ("entry_timeout", "attr_timeout")
+
+
 def _apply_mount_options(args: argparse.Namespace) -> tuple[bool, dict[str, float]]:
     """`-o a,b=c`: each option sets what its long flag sets; returns (ro, cache timeouts)."""
     read_only = False
     cache: dict[str, float] = {}
-    flags = {"allow_other": "allow_other", "audit_sync": "audit_sync", "debug": "debug"}
-    valued: dict[str, tuple[str, Callable[[str], Any]]] = {
-        "trust": ("trust", trust_level),
-        "project": ("project", Path),
-        "workspace": ("workspace", str),
-        "session": ("session", str),
-        "new_session": ("new_session", str),
-        "config": ("config", Path),
-    }
-    accepted = ", ".join(MOUNT_OPTIONS)
     for group in args.options:
         for option in filter(None, group.split(",")):
             name, sep, value = option.partition("=")
-            if name in flags or name == "ro":
-                if sep:
-                    raise UserError(f"mount option {name} takes no value (got {option!r})")
-                if name == "ro":
+            if name in _FLAG_OPTIONS or name == "ro":
+                if _set_flag(args, name, sep, option):
                     read_only = True
-                else:
-                    setattr(args, flags[name], True)
-            elif name in valued or name in ("entry_timeout", "attr_timeout"):
-                if not value:
-                    raise UserError(f"mount option {name} needs a value: {name}=...")
-                if name in valued:
-                    dest, convert = valued[name]
-                    try:
-                        setattr(args, dest, convert(value))
-                    except argparse.ArgumentTypeError as exc:
-                        raise UserError(f"mount option {option}: {exc}") from None
-                else:
-                    try:
-                        seconds = float(value)
-                    except ValueError:
-                        seconds = -1.0
-                    if not seconds >= 0:
-                        raise UserError(f"mount option {option}: expected a number of seconds >= 0")
-                    cache[name] = seconds
+            elif name in _VALUE_OPTIONS:
+                _set_value(args, name, value, option)
+            elif name in _CACHE_OPTIONS:
+                cache[name] = _seconds(name, value, option)
             else:
+                accepted = ", ".join(MOUNT_OPTIONS)
                 raise UserError(f"unknown mount option {option!r}; accepted: {accepted}")
     if args.session is not None and args.new_session is not None:
         raise UserError("--session and --new-session (or their -o forms) exclude each other")
     return read_only, cache
+
+
+def _set_flag(args: argparse.Namespace, name: str, sep: str, option: str) -> bool:
+    """A flag option: sets its long flag, or returns True for `ro`, which has none."""
+    if sep:
+        raise UserError(f"mount option {name} takes no value (got {option!r})")
+    if name == "ro":
+        return True
+    setattr(args, _FLAG_OPTIONS[name], True)
+    return False
+
+
+def _set_value(args: argparse.Namespace, name: str, value: str, option: str) -> None:
+    """An option with a value: sets its long option, converted as argparse would."""
+    dest, convert = _VALUE_OPTIONS[name]
+    text = _needed(name, value)
+    try:
+        setattr(args, dest, convert(text))
+    except argparse.ArgumentTypeError as exc:
+        raise UserError(f"mount option {option}: {exc}") from None
+
+
+def _seconds(name: str, value: str, option: str) -> float:
+    """A cache timeout's value: a number of seconds, 0 or more."""
+    text = _needed(name, value)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise UserError(f"mount option {option}: expected a number of seconds >= 0")
+    return seconds
+
+
+def _needed(name: str, value: str) -> str:
+    """`value`, refused when empty (`-o trust=`, or `-o trust` with no `=`)."""
+    if not value:
+        raise UserError(f"mount option {name} needs a value: {name}=...")
+    return value
 
 
 def _mounted_line(req: MountRequest, resumed: bool) -> str:

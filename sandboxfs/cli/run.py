@@ -22,9 +22,7 @@ from sandboxfs.layout import audit_path, state_dir, state_root
 from sandboxfs.project import gitdir, state, workers
 from sandboxfs.project import zones as project_mod
 from sandboxfs.project.zones import (
-    check_home_project,
     check_id,
-    home_project_config,
     validate_project,
 )
 from sandboxfs.run import confine, nest, netproxy, registries, toolchain
@@ -128,35 +126,20 @@ def add_parser(sub: argparse._SubParsersAction[P]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Every option is checked, and what CMD needs of the host found, before anything starts:
-    a bad one is one line and exit 125 (sandboxfs.cli.main.exit_code)."""
+    a refusal is one line, its exit code run's (sandboxfs.cli.main.exit_code)."""
     if args.parent_pid is not None:  # a nested child (sandboxfs.run.nest)
         die_with_parent(signal.SIGTERM)
         if os.getppid() != args.parent_pid:  # the parent ended before that took effect
             raise SetupError("the run that started this child has ended")
     state.check_state_root()  # before anything is written: the audit log's key is there
-    command = list(args.argv)
-    if command[:1] == ["--"]:
-        command = command[1:]
-    if not command:
-        raise UserError("run needs a command: sandboxfs run [OPTIONS] -- CMD [ARG...]")
+    command = _command(args.argv)
     project = validate_project(args.project)
-    home = check_home_project(project, args.allow_home_project)
-    cfg = config_mod.load(project, args.config)
-    if home:
-        cfg = home_project_config(cfg, project)
-    launch.check_zones_beside(project, cfg, args.config)
+    cfg = launch.load_config(args, project)
     workspace = check_id("workspace", args.workspace)
     launch.recover_landings(project, workspace)
     user = userconfig.load()
     profile = userconfig.agent(args.agent, user) if args.agent is not None else None
-    source = str(args.config) if args.config is not None else config_mod.PROJECT_CONFIG_NAME
-    asked = [*args.allow_host, *registries.hosts(args.allow)]
-    chosen = userconfig.network_choice(args.net, asked, profile, user, cfg.run, source)
-    net, hosts = chosen.mode, chosen.hosts
-    if asked and net != "allow":
-        raise UserError(f"{'--allow-host' if args.allow_host else '--allow'} needs --net allow")
-    if chosen.ignored is not None:
-        _ignored_network(project, workspace, chosen.ignored)
+    net, hosts = _network(args, project, workspace, cfg, user, profile)
     try:
         allow = tuple(netproxy.parse_allow_host(h) for h in hosts) if net == "allow" else ()
         env = profile.environment(os.environ) if profile is not None else {}
@@ -171,15 +154,8 @@ def main(args: argparse.Namespace) -> int:
         )
     trust = args.trust or cfg.default_trust
     full = gitdir.with_git_dir(project_mod.with_home(cfg, project, workspace, trust), project)
-    if args.within is not None:
-        try:
-            full = nest.within(full, config_mod.WorkerScope.model_validate_json(args.within))
-        except ValueError:
-            raise UserError("--within: not a worker scope") from None
-    try:
-        nesting = nest.Nesting() if args.nesting is None else nest.Nesting.parse(args.nesting)
-    except (ValueError, KeyError, TypeError):
-        raise UserError("--nesting: not a place in a tree of nested runs") from None
+    full = _within(args, full)
+    nesting = _nesting(args)
     narrowed = launch.for_worker(args, project, full, trust)
     # A nested child shows its parent's view of the host, and finds CMD inside, in it.
     tools = (
@@ -213,6 +189,55 @@ def main(args: argparse.Namespace) -> int:
         return run_mod.run(req)
     finally:
         workers.discard_attachments(narrowed)  # copies: what was given is in the audit log
+
+
+def _command(argv: list[str]) -> list[str]:
+    """CMD and its arguments, after the `--` that separates them from run's options."""
+    command = list(argv)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise UserError("run needs a command: sandboxfs run [OPTIONS] -- CMD [ARG...]")
+    return command
+
+
+def _network(
+    args: argparse.Namespace,
+    project: Path,
+    workspace: str,
+    cfg: config_mod.Config,
+    user: userconfig.UserConfig,
+    profile: userconfig.AgentProfile | None,
+) -> tuple[str, list[str]]:
+    """The run's network mode and --net allow's hosts, as the user chose them
+    (userconfig.network_choice); what the project's file asked beyond that is said and
+    audited (_ignored_network)."""
+    source = str(args.config) if args.config is not None else config_mod.PROJECT_CONFIG_NAME
+    asked = [*args.allow_host, *registries.hosts(args.allow)]
+    chosen = userconfig.network_choice(args.net, asked, profile, user, cfg.run, source)
+    if asked and chosen.mode != "allow":
+        raise UserError(f"{'--allow-host' if args.allow_host else '--allow'} needs --net allow")
+    if chosen.ignored is not None:
+        _ignored_network(project, workspace, chosen.ignored)
+    return chosen.mode, chosen.hosts
+
+
+def _within(args: argparse.Namespace, full: config_mod.Config) -> config_mod.Config:
+    """`full` within --within, the ceiling a nested child's parent run passes (its zones)."""
+    if args.within is None:
+        return full
+    try:
+        return nest.within(full, config_mod.WorkerScope.model_validate_json(args.within))
+    except ValueError:
+        raise UserError("--within: not a worker scope") from None
+
+
+def _nesting(args: argparse.Namespace) -> nest.Nesting:
+    """This run's place in its tree of nested runs (--nesting; a top-level run's own)."""
+    try:
+        return nest.Nesting() if args.nesting is None else nest.Nesting.parse(args.nesting)
+    except (ValueError, KeyError, TypeError):
+        raise UserError("--nesting: not a place in a tree of nested runs") from None
 
 
 def _ignored_network(project: Path, workspace: str, ignored: str) -> None:

@@ -42,37 +42,42 @@ def main(args: argparse.Namespace) -> int:
         if wanted not in mounts:
             raise UserError(f"{args.mountpoint} is not a sandboxfs mount")
         mounts = [wanted]
-    rows: list[dict[str, Any]] = []
     sizes: dict[str, int | None] = {}  # per project: several mounts of one are measured once
-    for mp in mounts:
-        context = read_context(Path(mp), timeout=2.0)
-        if isinstance(context, dict):
-            rows.append(
-                {
-                    "mountpoint": mp,
-                    "state": "running",
-                    **{
-                        k: context.get(k)
-                        for k in ("trust", "session", "workspace", "project", "pid")
-                    },
-                    # `sandboxfs run` sessions name their command
-                    **({"command": context["command"]} if "command" in context else {}),
-                    "pending": _pending_staged(context),
-                    "state_dir_bytes": _state_dir_bytes(context, sizes),
-                }
-            )
-        elif context == NOT_YOURS:
-            rows.append({"mountpoint": mp, "state": context, "owner": user_name(mount_owner(mp))})
-        elif context == FAILING_CLOSED:
-            rows.append({"mountpoint": mp, "state": context, **_failing_closed(mp)})
-        else:
-            rows.append({"mountpoint": mp, "state": context})
+    rows = [_row(mp, sizes) for mp in mounts]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     if not rows:
         print("no sandboxfs mounts")
         return 0
+    _print_table(rows)
+    return 0
+
+
+def _row(mp: str, sizes: dict[str, int | None]) -> dict[str, Any]:
+    """One mount's row: what its daemon says of it when it answers, else its state and what
+    else can be told (another user's: whose; failing closed: why, from its control socket)."""
+    context = read_context(Path(mp), timeout=2.0)
+    if isinstance(context, dict):
+        return {
+            "mountpoint": mp,
+            "state": "running",
+            **{k: context.get(k) for k in ("trust", "session", "workspace", "project", "pid")},
+            # `sandboxfs run` sessions name their command
+            **({"command": context["command"]} if "command" in context else {}),
+            "pending": _pending_staged(context),
+            "state_dir_bytes": _state_dir_bytes(context, sizes),
+        }
+    if context == NOT_YOURS:
+        return {"mountpoint": mp, "state": context, "owner": user_name(mount_owner(mp))}
+    if context == FAILING_CLOSED:
+        return {"mountpoint": mp, "state": context, **_failing_closed(mp)}
+    return {"mountpoint": mp, "state": context}
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    """The rows as a table, a column only where a row has a value for it (OWNER, COMMAND),
+    then a line for each mount whose state has a reason."""
     headers = [
         "MOUNTPOINT",
         "STATE",
@@ -101,7 +106,6 @@ def main(args: argparse.Namespace) -> int:
     for shown in rows:
         if shown.get("reason"):
             print(f"{shown['mountpoint']}: {shown['state']}: {shown['reason']}")
-    return 0
 
 
 def user_name(uid: int | None) -> str:
