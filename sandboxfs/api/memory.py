@@ -2,8 +2,9 @@
 
 It offers the same primitives as the disk backend (find, read, write, create, mkdir, list,
 remove, rename, stat) over store-like `Node`s it builds itself, so the one `Guard` and the one
-sequence of checks in sandbox.py apply unchanged: a memory sandbox refuses exactly what a disk
-sandbox (and the mount) refuses. /workers is a plain zone here (a single layer, 0).
+sequence of checks in sandbox.py and nodes.py apply unchanged: a memory sandbox refuses
+exactly what a disk sandbox (and the mount) refuses. /workers is a plain zone here (a single
+layer, 0).
 """
 
 from __future__ import annotations

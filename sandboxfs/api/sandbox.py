@@ -8,6 +8,9 @@ charges and refunds sizes and quotas, calls the backend and records the entry. T
 questions (`check_permission`, `can_read`, `can_write`) run the same checks through the same
 gate without effect (`Gate.without_effect`): nothing audited, charged or changed.
 
+The node-level steps under the operations (lookups, each operation's checks, creating) are
+in nodes.py, which `Sandbox` builds on; the approver's plumbing is in approver.py.
+
 Not thread-safe by itself (the core's statx buffer is shared): every call holds one lock.
 """
 
@@ -28,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from sandboxfs.config.model import Config, defaults, load
-from sandboxfs.core.approvals import Answer, Mode
+from sandboxfs.core.approvals import Mode
 from sandboxfs.core.entry import AuditOp
 from sandboxfs.project.zones import approval_broker, new_session_id, validate_project
 
@@ -49,6 +52,7 @@ from ..project.workers import (
     narrow,
 )
 from . import tools as tool_defs
+from .approver import NO_APPROVER, Approver, answering
 from .arguments import (
     Call,
     VirtualPath,
@@ -72,6 +76,7 @@ from .errors import (
     make_error,
 )
 from .memory import MemoryBackend, MemorySink, memory_guard, open_memory
+from .nodes import NodeSteps
 from .types import Backend, Caller, ClosableSink, FileInfo, Permission, StagedCommit
 
 _LOCK = threading.RLock()
@@ -106,42 +111,6 @@ def _setup_error(exc: SandboxfsError | SandboxError | OSError) -> SandboxSetupEr
     return SandboxSetupError(f"Cannot open the sandbox: {message}", errno=err, reason=message)
 
 
-# What a sandbox without an approver says of an operation an approval rule asks about.
-NO_APPROVER = (
-    "this sandbox has no approver: pass approver=callable to Sandbox.open to ask the user, "
-    "or change the approvals: rules of the project's sandboxfs.yaml"
-)
-
-# The API's approver: a request's description in, an answer out (see Sandbox.open).
-Approver = Callable[[dict[str, Any]], "str | bool | None"]
-
-
-def _answering(approver: Approver, timeout: float) -> Callable[[dict[str, Any]], str | None]:
-    """`approver` given `timeout` seconds (in a thread of its own, left behind if it hangs),
-    its answer as an approvals.Answer value; None (refused) when it fails or is late."""
-
-    def ask(request: dict[str, Any]) -> str | None:
-        answers: list[str | bool | None] = []
-
-        def call() -> None:
-            with contextlib.suppress(Exception):
-                answers.append(approver(request))
-
-        thread = threading.Thread(target=call, name="sandboxfs-approver", daemon=True)
-        thread.start()
-        thread.join(timeout)
-        if not answers:
-            return None
-        answer = answers[0]
-        if answer is True:
-            return Answer.ONCE.value
-        if isinstance(answer, str) and answer in {a.value for a in Answer}:
-            return answer
-        return None
-
-    return ask
-
-
 # What each API call is audited as when the audit log refuses it (fail closed, as the mount).
 _AUDITED_AS = {
     "read": AuditOp.READ,
@@ -155,7 +124,7 @@ _AUDITED_AS = {
 }
 
 
-class Sandbox:
+class Sandbox(NodeSteps):
     """A view of a project's zones at one trust level, enforced and audited like a mount.
 
     Build one with `Sandbox.open(project)` (the project's files) or `Sandbox.memory()`.
@@ -274,7 +243,7 @@ class Sandbox:
             raise _setup_error(exc) from None
         if approver is not None:
             wait = approval_timeout if approval_timeout is not None else broker.timeout
-            guard.effects.consent.approver = _answering(approver, wait)
+            guard.effects.consent.approver = answering(approver, wait)
         made = cls(
             backend,
             guard,
@@ -519,173 +488,6 @@ class Sandbox:
         reason = f"{exc.reason}; {STAGE_HINT}"
         return make_error(type(exc), action, exc.path, reason, exc.errno, exc.rule, exc.dest)
 
-    # ----- resolving --------------------------------------------------------------------------
-
-    def _refuse_closed_zone(
-        self, g: Gate, p: VirtualPath, op: Op, audited: AuditOp | Op | None = None
-    ) -> None:
-        """A path below the root of a zone this trust level may not access at all is refused
-        as the zone is (PermissionDenied: "repo is not writable at trust level ..."), for the
-        operation asked, before any name is looked up: every name there gets the same answer,
-        so it tells nothing about what exists. (The mount answers ENOENT at the lookup: a
-        kernel lookup cannot say more.)"""
-        zone = p.zone
-        policy = g.guard.policy
-        if zone is None or not p.parts or policy.access(zone).any:
-            return
-        decision = policy.decide(zone, op)
-        raise g.refusal(self._caller, audited or op, p.text, zone, decision)
-
-    def _lookup(self, g: Gate, parent: Node, name: bytes) -> Node | None:
-        """The node at parent/name, None when absent; refuses (ENOENT) what this level may
-        not see, as the mount's lookup does (Gate.lookup)."""
-        found = g.lookup(self._caller, parent, name)
-        if found is None:
-            return None
-        st, layer = found
-        node = self._backend.remember(parent, name, st, layer)
-        self._held.append(node)
-        return node
-
-    def _absent(self, g: Gate, parent: Node, name: bytes) -> SandboxError:
-        """ENOENT for a missing name, with the reason an existing one would have had where the
-        level may not see it, so that the answer does not tell whether the name exists."""
-        zone = parent.zone
-        assert zone is not None
-        vpath = parent.vpath(name)
-        guard = g.guard
-        policy = guard.policy
-        if not policy.access(zone).any:
-            return SandboxError(errno.ENOENT, policy.decide(zone, Op.READ).reason)
-        pattern = None if guard.readable(zone) else guard.denied_pattern(parent, name, True)
-        if pattern is not None:
-            decision = policy.deny_list_decision(vpath, pattern, errno.ENOENT)
-            return SandboxError(errno.ENOENT, decision.reason, decision.rule)
-        return SandboxError(errno.ENOENT, f"{vpath} does not exist")
-
-    def _dir(self, g: Gate, zone: Zone, parts: tuple[bytes, ...]) -> Node:
-        """The directory at zone/parts..., looked up component by component."""
-        node = self._backend.zone_roots[zone]
-        for name in parts:
-            child = self._lookup(g, node, name)
-            if child is None:
-                raise self._absent(g, node, name)
-            if not child.is_dir:
-                raise SandboxError(errno.ENOTDIR, self._not_dir_reason(child))
-            node = child
-        return node
-
-    def _not_dir_reason(self, node: Node) -> str:
-        if stat.S_ISLNK(self._backend.stat(node).st_mode):
-            return f"{node.vpath()} is a symbolic link, which the API never follows"
-        return f"{node.vpath()} is not a directory"
-
-    def _node(self, g: Gate, p: VirtualPath) -> Node:
-        if p.zone is None:
-            return self._backend.root
-        if not p.parts:
-            return self._backend.zone_roots[p.zone]
-        parent = self._dir(g, p.zone, p.parts[:-1])
-        node = self._lookup(g, parent, p.parts[-1])
-        if node is None:
-            raise self._absent(g, parent, p.parts[-1])
-        return node
-
-    def _parent(self, g: Gate, p: VirtualPath) -> tuple[Node, bytes]:
-        """Where p's last name lives: `/` for a zone root."""
-        assert p.zone is not None
-        if not p.parts:
-            return self._backend.root, p.zone.value.encode()
-        return self._dir(g, p.zone, p.parts[:-1]), p.parts[-1]
-
-    def _seen_parent(self, g: Gate, p: VirtualPath) -> tuple[Node, bytes]:
-        """_parent, after looking the name up as the kernel does before an unlink or rename
-        through the mount: a name this level may not see is absent (ENOENT)."""
-        parent, name = self._parent(g, p)
-        if p.parts and self._lookup(g, parent, name) is None:
-            raise self._absent(g, parent, name)
-        return parent, name
-
-    def _regular(self, g: Gate, op: Op, node: Node) -> None:
-        """Only regular files are read or written: a symlink is never followed."""
-        kind = stat.S_IFMT(self._backend.stat(node).st_mode)
-        if kind == stat.S_IFREG:
-            return
-        vpath = node.vpath()
-        if kind == stat.S_IFLNK:
-            reason = f"{vpath} is a symbolic link; the API never follows symbolic links"
-            decision = Decision(False, errno.ELOOP, reason)
-        else:
-            reason = f"{vpath} is not a regular file; only regular files can be read or written"
-            decision = Decision(False, errno.EINVAL, reason)
-        raise g.refusal(self._caller, op, vpath, node.zone, decision)
-
-    # ----- the checks of each operation (shared by the operations and check_permission) -------
-
-    def _file(self, g: Gate, p: VirtualPath, op: Op) -> Node:
-        """The file at p, to read (a directory is refused with a hint)."""
-        self._refuse_closed_zone(g, p, op)
-        node = self._node(g, p)
-        if node.is_dir:
-            raise SandboxError(errno.EISDIR, f"{p.text} is a directory; list() shows its entries")
-        return node
-
-    def _target(self, g: Gate, p: VirtualPath) -> tuple[Node, bytes, Node | None, bool]:
-        """A write's parent, name, existing node (None: to be created) and whether the lookup
-        refused the name (the creation then decides, as after a refused lookup in the mount)."""
-        if p.zone is None or not p.parts:
-            raise SandboxError(errno.EISDIR, f"{p.text} is a directory")
-        self._refuse_closed_zone(g, p, Op.WRITE)
-        parent = self._dir(g, p.zone, p.parts[:-1])
-        name = p.parts[-1]
-        try:
-            node = self._lookup(g, parent, name)
-        except SandboxError as exc:
-            if exc.errno != errno.ENOENT:
-                raise
-            return parent, name, None, True
-        if node is not None and node.is_dir:
-            raise SandboxError(errno.EISDIR, f"{p.text} is a directory")
-        return parent, name, node, False
-
-    def _removal(self, g: Gate, p: VirtualPath) -> tuple[Node, bytes]:
-        """Where the entry to delete is, looked up as the kernel does before an unlink."""
-        if p.zone is None:
-            raise SandboxError(errno.EACCES, ZONE_ROOT_REASON)
-        self._refuse_closed_zone(g, p, Op.DELETE)
-        return self._seen_parent(g, p)
-
-    def _listable(self, g: Gate, p: VirtualPath) -> Node:
-        self._refuse_closed_zone(g, p, Op.LIST)
-        node = self._node(g, p)
-        if not node.is_dir:
-            raise SandboxError(errno.ENOTDIR, self._not_dir_reason(node))
-        g.opendir(self._caller, node)
-        return node
-
-    def _probe_op(self, op: Op, p: VirtualPath) -> None:
-        """The checks of the operation `op` on p, through the gate without effect: the same
-        `check_<op>` methods the operations run, on the same rules."""
-        g, caller = self._gate.without_effect(), self._caller
-        if op is Op.READ:
-            node = self._file(g, p, Op.READ)
-            g.check_open(caller, node, read=True, write=False)
-            self._regular(g, Op.READ, node)
-        elif op is Op.LIST:
-            self._listable(g, p)
-        elif op is Op.DELETE:
-            parent, name = self._removal(g, p)
-            g.check_remove(caller, parent, name)
-        else:
-            parent, name, existing, refused = self._target(g, p)
-            if existing is not None:
-                g.check_open(caller, existing, read=False, write=True)
-                self._regular(g, Op.WRITE, existing)
-                return
-            zone = g.check_create(caller, parent, name)
-            if refused:
-                g.existing(caller, parent, name, zone, errno.EEXIST)
-
     # ----- permissions (not audited) ----------------------------------------------------------
 
     def check_permission(self, op: str | Op, path: str) -> Permission:
@@ -779,16 +581,10 @@ class Sandbox:
         with self._call("list", path) as call:
             p = self._path(call, path)
             g = self._gate
-            policy = g.guard.policy
             found: list[str] = []
             pending: list[tuple[Node, str]] = []
             if p.zone is None:
-                for zone in policy.zones:
-                    found.append(f"/{zone.value}")
-                    if recursive and policy.decide(zone, Op.LIST).allowed:
-                        root = self._backend.zone_roots[zone]
-                        g.opendir(self._caller, root)
-                        pending.append((root, f"/{zone.value}"))
+                found, pending = self._zones_listed(g, recursive)
             else:
                 pending.append((self._listable(g, p), p.text))
             while pending:
@@ -808,26 +604,6 @@ class Sandbox:
                 skip = len(p.text) if p.zone is None else len(p.text) + 1
                 found = [f for f in found if fnmatch.fnmatchcase(f[skip:], pattern)]
             return sorted(found)
-
-    def _created_here(self, parent: Node, name: bytes) -> bool:
-        """Whether this sandbox made parent/name (listing a create-only zone shows only those)."""
-        assert parent.zone is not None
-        try:
-            found = self._backend.find(parent, name)
-        except (SandboxError, OSError):
-            return False
-        return found is not None and self._backend.created(parent.zone, found[0])
-
-    def _descend(self, g: Gate, parent: Node, name: bytes) -> Node | None:
-        """A subdirectory to list recursively, or None if it cannot be (skipped)."""
-        try:
-            child = self._lookup(g, parent, name)
-            if child is None or not child.is_dir:
-                return None
-            g.opendir(self._caller, child)
-        except (SandboxError, OSError):
-            return None
-        return child
 
     # ----- changing ---------------------------------------------------------------------------
 
@@ -856,40 +632,6 @@ class Sandbox:
 
             g.replace(self._caller, node, len(payload), append, write, check=regular)
             return len(payload)
-
-    def _create_file(self, parent: Node, name: bytes, payload: bytes) -> Node:
-        def create(flags: int, mode: int) -> tuple[Node, None]:
-            return self._backend.create(parent, name, payload), None
-
-        node = self._gate.create(self._caller, parent, name, create, size=len(payload), record=True)
-        self._held.append(node)
-        return node
-
-    def _make_dir(self, parent: Node, name: bytes) -> Node:
-        def make(mode: int) -> tuple[Node, None]:
-            node = self._backend.mkdir(parent, name)
-            self._held.append(node)
-            return node, None
-
-        return self._gate.make(self._caller, parent, name, "mkdir", make)
-
-    def _ensure_dir(self, parent: Node, name: bytes, create: bool, last: bool) -> Node:
-        """parent/name as a directory: the existing one, or (create) a new one."""
-        try:
-            child = self._lookup(self._gate, parent, name)
-        except SandboxError as exc:
-            if exc.errno != errno.ENOENT or not create:
-                raise
-            child = None
-        if child is None:
-            if not create:
-                raise self._absent(self._gate, parent, name)
-            return self._make_dir(parent, name)
-        if not child.is_dir:
-            if last:
-                raise SandboxError(errno.EEXIST, f"{child.vpath()} exists and is not a directory")
-            raise SandboxError(errno.ENOTDIR, self._not_dir_reason(child))
-        return child
 
     def mkdir(self, path: str, parents: bool = False) -> None:
         """Create a directory (with `parents`, also the missing ones above it, and an

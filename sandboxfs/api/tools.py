@@ -384,49 +384,63 @@ def _problem(value: object, schema: Schema, where: str) -> str | None:
     kind = schema.get("type")
     label = f"'{where}'" if where else "the arguments"
     if kind == "object":
-        if not isinstance(value, Mapping):
-            return f"{label} must be an object"
-        properties: Mapping[str, Schema] = schema.get("properties", {})
-        for key in schema.get("required", []):
-            if key not in value:
-                return f"'{key}' is required"
-        least = schema.get("minProperties", 0)
-        if len(value) < least:
-            return f"{label} must have at least {least} entr{'y' if least == 1 else 'ies'}"
-        extra = schema.get("additionalProperties", True)
-        for key, item in value.items():
-            inner = f"{where}.{key}" if where else str(key)
-            if key in properties:
-                sub: Schema | None = properties[key]
-            elif isinstance(extra, dict):
-                sub = extra
-            elif extra is False:
-                accepted = ", ".join(properties) or "none"
-                return f"unknown argument {inner!r}; accepted: {accepted}"
-            else:
-                sub = None
-            if sub is not None and (found := _problem(item, sub, inner)) is not None:
-                return found
-        return None
+        return _object_problem(value, schema, where, label)
     if kind == "string":
-        if not isinstance(value, str):
-            return f"{label} must be a string"
-        if "enum" in schema and value not in schema["enum"]:
-            return f"{label} must be one of: {', '.join(schema['enum'])}"
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:  # JSON may carry half of a surrogate pair: "\ud83d"
-            return f"{label} is not valid Unicode text (it has an unpaired surrogate)"
-        return None
+        return _string_problem(value, schema, label)
     if kind == "integer":
-        # As in JSON Schema, 5.0 is an integer; True is not.
-        whole = isinstance(value, float) and value.is_integer()
-        if not (isinstance(value, int) and not isinstance(value, bool)) and not whole:
-            return f"{label} must be an integer"
-        assert isinstance(value, int | float)
-        if "minimum" in schema and value < schema["minimum"]:
-            return f"{label} must be at least {schema['minimum']}"
-        return None
+        return _integer_problem(value, schema, label)
     if kind == "boolean":
         return None if isinstance(value, bool) else f"{label} must be true or false"
+    return None
+
+
+def _object_problem(value: object, schema: Schema, where: str, label: str) -> str | None:
+    """An object's problem: a required key missing, too few entries, an unknown key, or the
+    first of its values' own problems."""
+    if not isinstance(value, Mapping):
+        return f"{label} must be an object"
+    properties: Mapping[str, Schema] = schema.get("properties", {})
+    for key in schema.get("required", []):
+        if key not in value:
+            return f"'{key}' is required"
+    least = schema.get("minProperties", 0)
+    if len(value) < least:
+        return f"{label} must have at least {least} entr{'y' if least == 1 else 'ies'}"
+    extra = schema.get("additionalProperties", True)
+    for key, item in value.items():
+        inner = f"{where}.{key}" if where else str(key)
+        if key in properties:
+            sub: Schema | None = properties[key]
+        elif isinstance(extra, dict):
+            sub = extra
+        elif extra is False:
+            accepted = ", ".join(properties) or "none"
+            return f"unknown argument {inner!r}; accepted: {accepted}"
+        else:
+            sub = None
+        if sub is not None and (found := _problem(item, sub, inner)) is not None:
+            return found
+    return None
+
+
+def _string_problem(value: object, schema: Schema, label: str) -> str | None:
+    if not isinstance(value, str):
+        return f"{label} must be a string"
+    if "enum" in schema and value not in schema["enum"]:
+        return f"{label} must be one of: {', '.join(schema['enum'])}"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # JSON may carry half of a surrogate pair: "\ud83d"
+        return f"{label} is not valid Unicode text (it has an unpaired surrogate)"
+    return None
+
+
+def _integer_problem(value: object, schema: Schema, label: str) -> str | None:
+    # As in JSON Schema, 5.0 is an integer; True is not.
+    whole = isinstance(value, float) and value.is_integer()
+    if not (isinstance(value, int) and not isinstance(value, bool)) and not whole:
+        return f"{label} must be an integer"
+    assert isinstance(value, int | float)
+    if "minimum" in schema and value < schema["minimum"]:
+        return f"{label} must be at least {schema['minimum']}"
     return None

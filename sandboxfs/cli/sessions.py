@@ -166,14 +166,7 @@ def _prune(args: argparse.Namespace, project: Path) -> int:
     )
     if not stale or args.dry_run:
         note_busy()
-        if args.json:
-            _print_json([], stale if args.dry_run else [], busy, [], now)
-        elif not stale:
-            print(f"nothing to prune: no session unused for more than {older} in {project}")
-        else:
-            print("\n".join(_table(stale, now)))
-            print(f"would {what}")
-        return 0
+        return _nothing_pruned(args, project, stale, busy, older, what, now)
     if not args.yes and not args.json:
         print("\n".join(_table(stale, now)))
     if not subcommands.ask_first("sessions prune", what, args.yes):
@@ -195,6 +188,26 @@ def _prune(args: argparse.Namespace, project: Path) -> int:
             f"than {older} from {project}"
         )
     return 1 if result.failed else 0
+
+
+def _nothing_pruned(
+    args: argparse.Namespace,
+    project: Path,
+    stale: list[state.Session],
+    busy: list[state.Session],
+    older: str,
+    what: str,
+    now: float,
+) -> int:
+    """A dry run's answer (what would be removed), or that there is nothing to prune."""
+    if args.json:
+        _print_json([], stale if args.dry_run else [], busy, [], now)
+    elif not stale:
+        print(f"nothing to prune: no session unused for more than {older} in {project}")
+    else:
+        print("\n".join(_table(stale, now)))
+        print(f"would {what}")
+    return 0
 
 
 def _print_json(

@@ -43,6 +43,7 @@ from sandboxfs.staging import (
     Plan,
     RepoState,
     Review,
+    StagedTree,
     TooLarge,
     Workspace,
     decode,
@@ -232,15 +233,32 @@ def _show(args: argparse.Namespace, ws: Workspace) -> int:
     message = decode(tree.message).rstrip("\n") if tree.message is not None else "(none)"
     for line in escape_text(message).split("\n"):
         print(f"    {line}".rstrip())
+    print(f"changes   {_summary(plan)}")
+    for change in plan.changes:
+        line = _change_line(change)
+        print(paint(_YELLOW, line) if change.runs_code else line)
+    _print_odd_entries(tree)
+    print(f"applies   {_applies(review, plan)}")
+    if review.status == "pending":
+        for reason in plan.reasons():
+            print(f"    {reason}")
+    return 0
+
+
+def _summary(plan: Plan) -> str:
+    """show's `changes` line: how many paths are created, updated, deleted, and how many of
+    them run code on the reviewer's machine (flagged)."""
     created, updated, deleted = plan.counts()
     flagged = sum(1 for c in plan.changes if c.runs_code)
     summary = f"+{created} ~{updated} -{deleted}"
     if flagged:
         summary += f"; {flagged} run{'s' if flagged == 1 else ''} code on your machine (!)"
-    print(f"changes   {summary}")
-    for change in plan.changes:
-        line = _change_line(change)
-        print(paint(_YELLOW, line) if change.runs_code else line)
+    return summary
+
+
+def _print_odd_entries(tree: StagedTree) -> None:
+    """The entries of the staged tree that are not files to apply: refused ones (which
+    refuse the commit) and unknown ones (ignored)."""
     if tree.refused:
         print("refused entries (the commit is refused while they exist)")
         for entry in tree.refused:
@@ -249,11 +267,6 @@ def _show(args: argparse.Namespace, ws: Workspace) -> int:
         print("unknown entries (ignored)")
         for name in tree.unknown:
             print(f"    {escape_name(name)}")
-    print(f"applies   {_applies(review, plan)}")
-    if review.status == "pending":
-        for reason in plan.reasons():
-            print(f"    {reason}")
-    return 0
 
 
 def _header(review: Review, plan: Plan) -> list[tuple[str, str]]:
@@ -376,18 +389,7 @@ def _diff(args: argparse.Namespace, ws: Workspace) -> int:
     record(ws, review.commit_id, review.session, "diff")
     shown = [c for c in plan.changes if c.action not in ("same", "absent")]
     if args.json:
-        doc = {
-            "id": review.commit_id,
-            "status": review.status,
-            "digest": review.digest,
-            "applies": plan.applies if review.status == "pending" else "-",
-            "reasons": plan.reasons() if review.status == "pending" else [],
-            "files": [
-                {**_change_json(c), "diff": None if c.binary else "\n".join(_hunks(c))}
-                for c in shown
-            ],
-        }
-        print(json.dumps(doc, sort_keys=True, indent=2))
+        print(json.dumps(_diff_json(review, plan, shown), sort_keys=True, indent=2))
         return 0
     paint = _paint(_use_color(args))
     out = sys.stdout
@@ -405,18 +407,38 @@ def _diff(args: argparse.Namespace, ws: Workspace) -> int:
             out.write(f"#   {reason}\n")
     for change in shown:
         for line in _file_diff(change):
-            if line.startswith(("diff --git", "old mode", "new ", "deleted ", "--- ", "+++ ")):
-                line = paint(_BOLD, line)
-            elif line.startswith("@@"):
-                line = paint(_CYAN, line)
-            elif line.startswith("+"):
-                line = paint(_GREEN, line)
-            elif line.startswith("-"):
-                line = paint(_RED, line)
-            elif line.startswith("#"):
-                line = paint(_YELLOW, line)
-            out.write(line + "\n")
+            out.write(_painted(paint, line) + "\n")
     return 0
+
+
+def _diff_json(review: Review, plan: Plan, shown: list[Change]) -> dict[str, Any]:
+    """diff --json: the commit, whether it applies (pending only), each changed file's diff."""
+    return {
+        "id": review.commit_id,
+        "status": review.status,
+        "digest": review.digest,
+        "applies": plan.applies if review.status == "pending" else "-",
+        "reasons": plan.reasons() if review.status == "pending" else [],
+        "files": [
+            {**_change_json(c), "diff": None if c.binary else "\n".join(_hunks(c))} for c in shown
+        ],
+    }
+
+
+def _painted(paint: Callable[[str, str], str], line: str) -> str:
+    """A line of the diff in git's colours: headers bold, hunks cyan, + green, - red, and
+    sandboxfs's own # notes yellow."""
+    if line.startswith(("diff --git", "old mode", "new ", "deleted ", "--- ", "+++ ")):
+        return paint(_BOLD, line)
+    if line.startswith("@@"):
+        return paint(_CYAN, line)
+    if line.startswith("+"):
+        return paint(_GREEN, line)
+    if line.startswith("-"):
+        return paint(_RED, line)
+    if line.startswith("#"):
+        return paint(_YELLOW, line)
+    return line
 
 
 def _file_diff(change: Change) -> Iterator[str]:
@@ -605,14 +627,7 @@ def _prune(args: argparse.Namespace, ws: Workspace) -> int:
     )
     if not chosen or args.dry_run:
         note_kept()
-        if args.json:
-            _prune_json([], chosen if args.dry_run else [], waiting, [])
-        elif not chosen:
-            print(f"nothing to prune: no staged commit finished more than {shown} ago")
-        else:
-            print("\n".join(_prune_table(chosen)))
-            print(f"would {what}")
-        return 0
+        return _nothing_pruned(args, chosen, waiting, shown, what)
     if not args.yes and not args.json:
         print("\n".join(_prune_table(chosen)))
     if not subcommands_mod.ask_first("staged prune", what, args.yes):
@@ -637,6 +652,24 @@ def _prune(args: argparse.Namespace, ws: Workspace) -> int:
             f"{ws.project}"
         )
     return 1 if failed else 0
+
+
+def _nothing_pruned(
+    args: argparse.Namespace,
+    chosen: Sequence[pruning.Prunable],
+    waiting: Sequence[pruning.Prunable],
+    shown: str,
+    what: str,
+) -> int:
+    """A dry run's answer (what would be removed), or that there is nothing to prune."""
+    if args.json:
+        _prune_json([], chosen if args.dry_run else [], waiting, [])
+    elif not chosen:
+        print(f"nothing to prune: no staged commit finished more than {shown} ago")
+    else:
+        print("\n".join(_prune_table(chosen)))
+        print(f"would {what}")
+    return 0
 
 
 def _prune_table(chosen: Sequence[pruning.Prunable]) -> list[str]:

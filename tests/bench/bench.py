@@ -986,7 +986,6 @@ ROOT_FRAMES = (
     "_run_code (",
     "_run_module_as_main (",
     "main (",
-    "cmd_mount (",
     "_run_daemon (",
     "serve (",
     "run (",
