@@ -56,7 +56,6 @@ from sandboxfs.project.mounts import (
 from sandboxfs.project.zones import find_project
 from sandboxfs.run import doctor as doctor_mod
 from sandboxfs.run import rundir
-from sandboxfs.run import supervisor as run_mod
 from sandboxfs.run.request import EXIT_SETUP
 
 UNMOUNT_WAIT = 10.0
