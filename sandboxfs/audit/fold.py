@@ -123,3 +123,113 @@ class Folder:
         self._repeats.clear()
         self._unitemised.clear()
         self._window_end = 0.0
+
+
+# Allowed reads and listings fold too (a `grep -r` opens every file, `git status` lists every
+# directory): within a window, the first of a kind per top-level directory of a zone is
+# written in full at once, and the others are counted, then written as one entry when the
+# window ends. What is alike: every field but `ts`, `path` and `pid` (threads of one program).
+FOLDED_OPS = frozenset({"read", "list"})
+# At most this many kinds are counted in one window; past it, entries are written in full.
+MAX_FOLDED_KINDS = 4096
+
+
+@dataclass(slots=True)
+class _Below:
+    """The allowed entries of one kind counted in this window, under `parts` (the deepest
+    directory that holds them all, or their one path)."""
+
+    entry: dict[str, Any]  # the first one counted
+    parts: list[str]
+    count: int = 1
+    same: bool = True  # all of one path
+
+    def add(self, entry: dict[str, Any]) -> None:
+        self.count += 1
+        parts = entry["path"].split("/")
+        if parts != self.parts:
+            self.same = False
+            common = 0
+            for mine, theirs in zip(self.parts, parts, strict=False):
+                if mine != theirs:
+                    break
+                common += 1
+            del self.parts[common:]
+        self.entry["ts"] = entry["ts"]
+
+    def summary(self) -> dict[str, Any]:
+        """The one entry that stands for them: `count` of them from `first_ts` to `ts`, at
+        `path` (`below`: at or below it)."""
+        entry = dict(self.entry)
+        entry["path"] = "/".join(self.parts) or "/"
+        entry["count"] = self.count
+        if not self.same:
+            entry["below"] = True
+        return entry
+
+
+def _foldable(entry: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The kind of an allowed read or listing (None: written in full): every field but `ts`,
+    `path` and `pid`, and the top-level directory of its zone that holds its path."""
+    if entry.get("allowed") is not True or entry.get("op") not in FOLDED_OPS:
+        return None
+    path = entry.get("path")
+    if not isinstance(path, str) or entry.get("dest") is not None or entry.get("bytes"):
+        return None
+    if "detail" in entry or "count" in entry:
+        return None
+    fields = []
+    for key, value in entry.items():
+        if key in ("ts", "path", "pid"):
+            continue
+        if not (value is None or isinstance(value, str | int | float | bool)):
+            return None  # an op's own structured field: written in full
+        fields.append((key, value))
+    top = "/".join(path.split("/", 3)[:3])  # "/repo/src" of "/repo/src/a/b.c"
+    return (top, *sorted(fields))
+
+
+class AllowedFolder:
+    """One writer's allowed reads and listings of the current window (see FOLDED_OPS)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[Any, ...], _Below | None] = {}  # None: only the first so far
+        self._window_end = 0.0
+
+    @property
+    def counted(self) -> int:
+        """How many entries the window will end with."""
+        return sum(1 for below in self._seen.values() if below is not None)
+
+    def fold(self, entry: dict[str, Any], queue: list[dict[str, Any]]) -> bool:
+        """Count `entry` if one of its kind was written this window (True); False if it is
+        to be written in full. A window that ended queues its counts on `queue` first."""
+        kind = _foldable(entry)
+        if kind is None:
+            return False
+        now = time.monotonic()
+        if now >= self._window_end:
+            self.end_window(queue)
+            self._window_end = now + REPEAT_WINDOW
+        if kind not in self._seen:
+            if len(self._seen) >= MAX_FOLDED_KINDS:
+                return False
+            self._seen[kind] = None
+            return False
+        below = self._seen[kind]
+        if below is None:
+            first = dict(entry)
+            first["first_ts"] = entry["ts"]
+            self._seen[kind] = _Below(first, entry["path"].split("/"))
+        else:
+            below.add(entry)
+        return True
+
+    def end_window(self, queue: list[dict[str, Any]], now: float | None = None) -> None:
+        """Queue the entries of what was counted in the window that ended (or, with no
+        `now`, in the current one, as at close)."""
+        if now is not None and now < self._window_end:
+            return
+        queue.extend(below.summary() for below in self._seen.values() if below is not None)
+        self._seen.clear()
+        self._window_end = 0.0

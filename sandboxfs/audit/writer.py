@@ -35,7 +35,7 @@ from sandboxfs.audit.common import (
     segment_name,
     segments,
 )
-from sandboxfs.audit.fold import Folder
+from sandboxfs.audit.fold import AllowedFolder, Folder
 from sandboxfs.audit.markers import MARKER_END, make_marker, sweep_writers
 from sandboxfs.audit.reserve import RESERVE_BYTES, Reserve
 from sandboxfs.core.entry import AuditOp, audit_entry
@@ -90,7 +90,7 @@ class AuditLog:
     `reserve` bytes are kept preallocated beside the log for when its file system fills up.
     Past `rotate` bytes the log is renamed to a segment (see `Segment`) and a new file continues
     the chain; whichever writer flushes first past it rotates, under the lock all writers share,
-    and the others follow it to the new file. `fold_refusals=False` writes every refusal in
+    and the others follow it to the new file. `fold=False` writes every entry in
     full (see `record`): for tests and imports.
     """
 
@@ -102,11 +102,11 @@ class AuditLog:
         batch_size: int = 512,
         reserve: int = RESERVE_BYTES,
         rotate: int = ROTATE_BYTES,
-        fold_refusals: bool = True,
+        fold: bool = True,
     ) -> None:
         self._path = path
         self._rotate = rotate
-        self._fold_refusals = fold_refusals
+        self._fold = fold
         self._sync = sync
         self._batch_size = batch_size
         self._queue: list[dict[str, Any]] = []
@@ -116,6 +116,7 @@ class AuditLog:
         self._failure: str | None = None  # why, while failing: the last write's error
         self._anchor: AnchorFile | None = None
         self._folder = Folder()
+        self._allowed = AllowedFolder()
         self._retry_at = 0.0  # while failing: no new attempt to write before this
         self._last_error = 0
         anchor, why = locate_anchor(path)
@@ -178,6 +179,12 @@ class AuditLog:
         without their path or process (one entry per op and window, `count` exact). So
         `count` (1 when absent) summed over refusals is every refusal, also of those refused
         while the log could not be written.
+
+        Allowed reads and listings fold alike, per top-level directory of a zone and program
+        (sandboxfs.audit.fold.AllowedFolder): the first is written in full, the others of the
+        window as one entry with `count`, `first_ts`, and the deepest directory holding them
+        as `path` (with `below: true`), so a `grep -r` or `git status` costs a few entries per
+        top-level directory, not one per file. Summed `count` is every operation.
         """
         if self._fd < 0:
             raise ValueError(f"audit log {self._path} is closed")
@@ -186,12 +193,14 @@ class AuditLog:
             queued["ts"] = now_ts()
         if (
             queued.get("allowed") is False
-            and self._fold_refusals
+            and self._fold
             and self._folder.fold(queued, self._queue, failing=self._failing)
         ):
             if self._queue:  # the window ended: its counts are due
                 self.try_flush()
             return
+        if self._fold and not self._sync and self._allowed.fold(queued, self._queue):
+            return  # counted: written with its window (the next flush after it ends)
         self._queue.append(queued)
         if self._sync or queued.get("allowed") is False or len(self._queue) >= self._batch_size:
             self.try_flush()
@@ -228,13 +237,15 @@ class AuditLog:
             fs = os.fstatvfs(self._fd)
         except OSError:
             return True
-        pending = len(self._queue) + self._folder.counted_ops + 16
+        pending = len(self._queue) + self._folder.counted_ops + self._allowed.counted + 16
         return fs.f_bavail * fs.f_frsize > 1024 * pending
 
     def flush(self) -> None:
         """Chain and append every queued entry in one write, under the lock all writers share,
         then record the new head in the anchor."""
-        self._folder.end_window(self._queue, time.monotonic())
+        now = time.monotonic()
+        self._folder.end_window(self._queue, now)
+        self._allowed.end_window(self._queue, now)
         if not self._queue:
             return
         try:
@@ -457,6 +468,7 @@ class AuditLog:
         clean = False
         try:
             self._folder.end_window(self._queue)
+            self._allowed.end_window(self._queue)
             self._retry_at = 0.0
             if self.try_flush():
                 os.fsync(self._fd)

@@ -83,6 +83,8 @@ def _table_row(entry: dict[str, Any], clock: Clock | None = None) -> str:
     path = visible_text(entry.get("path"))
     if entry.get("path") is None and entry.get("detail") is not None:
         path = visible_text(entry["detail"])  # `run` and `net` entries: the command, the host
+    if entry.get("below") is True:  # entries folded into one: at or below that directory
+        path += "/..."
     if entry.get("dest") is not None:
         path += " -> " + visible_text(entry["dest"])
     pid = entry.get("pid")
@@ -98,7 +100,7 @@ def _table_row(entry: dict[str, Any], clock: Clock | None = None) -> str:
     elif entry.get("path") is not None and entry.get("detail") is not None:
         reason = visible_text(entry["detail"])  # what an allowed `stage` or `setattr` did
     count = entry.get("count")
-    if isinstance(count, int) and not isinstance(count, bool):  # refusals folded into one
+    if isinstance(count, int) and not isinstance(count, bool):  # entries folded into one
         reason = f"{reason} ({count} times since {(clock or _UTC).show(entry.get('first_ts'))})"
     cells = [
         (clock or _UTC).show(entry.get("ts")),

@@ -132,11 +132,12 @@ def summary(req: RunRequest, started: datetime, status: int, lost: str | None = 
             (refused if entry.get("allowed") is False else unreached)[_net_target(entry)] = None
             if isinstance(fix := entry.get("fix"), str) and len(fixes) < FIXES_SHOWN:
                 fixes[printable(fix, 300)] = None
+        count = entry.get("count", 1)  # entries folded into one (sandboxfs.audit.fold)
+        count = count if isinstance(count, int) and not isinstance(count, bool) else 1
         if entry.get("allowed") is False:
-            count = entry.get("count", 1)  # identical refusals folded into one entry
-            denied += count if isinstance(count, int) else 1
+            denied += count
             continue
-        allowed += 1
+        allowed += count
         if (
             entry.get("zone") == Zone.STAGED.value
             and entry.get("op") == AuditOp.WRITE

@@ -101,7 +101,7 @@ class Harness:
             config.matrix(), config.deny, trust, config.protect, config.deny_private_keys
         )
         self.log_path = state / "audit.jsonl"
-        self.audit = AuditLog(self.log_path, fold_refusals=False)  # every refusal in full
+        self.audit = AuditLog(self.log_path, fold=False)  # every entry in full
         info = MountInfo(SESSION_ID, WORKSPACE_ID, str(self.project), str(self.mountpoint))
         self.guard = Guard(self.policy, self.audit, info, moves=lambda: self.store.moves)
         self.guard.inspect_contents(KeyScanner(StoreContents(self.store)))

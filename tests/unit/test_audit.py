@@ -620,7 +620,7 @@ def test_query_of_missing_file_and_torn_lines(tmp_path: Path) -> None:
 
 def test_query_over_200k_lines_counts_right(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
-    log = AuditLog(path, batch_size=10_000, fold_refusals=False)
+    log = AuditLog(path, batch_size=10_000, fold=False)
     for i in range(200_000):
         denied = i % 100 == 7
         log.record(
@@ -1307,7 +1307,7 @@ def test_denial_lands_on_a_really_full_file_system(
     monkeypatch.setattr(writer_mod, "_RETRY_EVERY", 0.0)
     with _small_tmpfs(tmp_path / "small", "2m") as fs:
         path = fs / ".sandbox" / "audit.jsonl"
-        log = AuditLog(path, reserve=SMALL_RESERVE, fold_refusals=False)
+        log = AuditLog(path, reserve=SMALL_RESERVE, fold=False)
         try:
             reserve = path.with_suffix(".reserve")
             assert _size(reserve) == SMALL_RESERVE

@@ -223,7 +223,7 @@ def test_a_clean_close_leaves_verify_complete(tmp_path: Path) -> None:
 
 
 def _big_log(path: Path, n: int) -> None:
-    log = AuditLog(path, batch_size=5000, fold_refusals=False)
+    log = AuditLog(path, batch_size=5000, fold=False)
     start = datetime(2026, 1, 1, tzinfo=UTC)
     for i in range(n):
         ts = (start + timedelta(seconds=i)).isoformat(timespec="microseconds")[:-6] + "Z"
@@ -254,3 +254,47 @@ def test_streamed_prune_drops_torn_lines_and_verifies(tmp_path: Path) -> None:
     result = verify(path)
     assert result.ok, result.message
     assert result.entries == 1000 + 2  # the rest, the recover entry, /after
+
+
+def test_allowed_reads_fold_per_top_level_directory(tmp_path: Path) -> None:
+    """A `grep -r`: every file read once. The first read under each top-level directory is
+    written in full; the rest of the window is one entry per directory with their count."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    paths = [f"/repo/src/d{i % 7}/f{i}.c" for i in range(500)]
+    paths += [f"/repo/docs/p{i}.md" for i in range(40)] + ["/repo/README"]
+    for p in paths:
+        log.record({"op": "read", "path": p, "zone": "repo", "allowed": True, "pid": 7})
+    log.record({"op": "write", "path": "/repo/src/x.c", "zone": "repo", "allowed": True})
+    log.close()
+    entries = list(read_entries(path))
+    reads = [e for e in entries if e["op"] == "read"]
+    assert sum(e.get("count", 1) for e in reads) == len(paths)  # nothing goes uncounted
+    shown = sorted((e["path"], e.get("count", 1), e.get("below", False)) for e in reads)
+    assert shown == [
+        ("/repo/README", 1, False),
+        ("/repo/docs", 39, True),
+        ("/repo/docs/p0.md", 1, False),
+        ("/repo/src", 499, True),
+        ("/repo/src/d0/f0.c", 1, False),
+    ]
+    assert [e["op"] for e in entries].count("write") == 1  # changes are never folded
+
+
+def test_allowed_reads_of_one_file_fold_to_its_path(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    for _ in range(100):
+        log.record({"op": "read", "path": "/session/working/a", "allowed": True, "comm": "cat"})
+    log.close()
+    reads = [(e["path"], e.get("count", 1), "below" in e) for e in read_entries(path)]
+    assert reads == [("/session/working/a", 1, False), ("/session/working/a", 99, False)]
+
+
+def test_sync_writes_every_allowed_entry(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path, sync=True)
+    for i in range(5):
+        log.record({"op": "list", "path": f"/repo/src/d{i}", "allowed": True})
+    log.close()
+    assert [e["path"] for e in read_entries(path)] == [f"/repo/src/d{i}" for i in range(5)]
