@@ -34,8 +34,9 @@ from typing import Any, Protocol, TypeVar
 from .entry import AuditOp
 from .errors import SandboxError
 from .guard import Caller, Guard, ReadFile
+from .inodes import Node, StatLike
 from .policy import Decision, Op, Rule, Zone
-from .store import HiddenEntry, Node, StatLike
+from .store import HiddenEntry
 
 T = TypeVar("T")
 

@@ -23,6 +23,7 @@ from .approvals import Kind
 from .consent import Consent
 from .entry import AuditOp, audit_entry, errno_name
 from .errors import SandboxError
+from .inodes import FIRST_DYNAMIC_INO, ROOT_INO, Node, StatLike
 from .limits import Tally, ZoneLimits
 from .policy import (
     CONTEXT_REASON,
@@ -42,7 +43,6 @@ from .policy import (
     in_git_dir,
 )
 from .secrets import KeyScanner
-from .store import FIRST_DYNAMIC_INO, ROOT_INO, Node, StatLike
 
 _WRITABLE_XATTR_PREFIX = b"user."
 _ACL_XATTRS = (b"system.posix_acl_access", b"system.posix_acl_default")

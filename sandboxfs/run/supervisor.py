@@ -39,7 +39,7 @@ from sandboxfs.config.model import Config
 from sandboxfs.core.entry import UNSET, AuditOp, Unset, audit_entry
 from sandboxfs.core.errors import SandboxError
 from sandboxfs.core.policy import Op, Policy, Trust, Zone
-from sandboxfs.core.store import ensure_dirs
+from sandboxfs.core.resolve import ensure_dirs
 from sandboxfs.core.syscalls import make_undumpable, set_dumpable, write_all
 from sandboxfs.errors import SandboxfsError, SetupError, UserError
 from sandboxfs.fuse.spawn import Starting, start_daemon

@@ -16,9 +16,10 @@ from sandboxfs.audit.log import AuditLog, read_entries
 from sandboxfs.config.model import defaults
 from sandboxfs.core.context import context_document
 from sandboxfs.core.guard import Guard, MountInfo
+from sandboxfs.core.inodes import ROOT_INO
 from sandboxfs.core.policy import Policy, Trust, Zone
 from sandboxfs.core.secrets import KeyScanner, StoreContents
-from sandboxfs.core.store import ROOT_INO, Store
+from sandboxfs.core.store import Store
 from sandboxfs.fuse import operations
 from sandboxfs.fuse.operations import SandboxOperations
 from tests.support.mounts import make_project

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from sandboxfs.core.guard import Guard, MountInfo
+from sandboxfs.core.inodes import Node
 from sandboxfs.core.limits import Quota, Tally, ZoneLimits
 from sandboxfs.core.policy import Policy, Trust, Zone
-from sandboxfs.core.store import Node
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "sandboxfs" / "core"

@@ -25,8 +25,7 @@ import pytest
 
 from sandboxfs.audit.log import read_entries
 from sandboxfs.core.guard import ProcessNames
-from sandboxfs.core.policy import Zone
-from sandboxfs.core.store import (
+from sandboxfs.core.inodes import (
     CONTEXT_INO,
     CONTROL_INO,
     FIRST_DYNAMIC_INO,
@@ -34,6 +33,7 @@ from sandboxfs.core.store import (
     SPARE_INO_BASE,
     ZONE_INO,
 )
+from sandboxfs.core.policy import Zone
 from sandboxfs.fuse import host_watch, operations
 from sandboxfs.fuse.operations import SandboxOperations
 from tests.support.adapter import (
