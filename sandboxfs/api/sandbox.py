@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from sandboxfs.config.model import Config, defaults, load
-from sandboxfs.core.approvals import Answer, Mode
+from sandboxfs.core.approval_grants import Answer
+from sandboxfs.core.approvals import Mode
 from sandboxfs.core.entry import AuditOp
 from sandboxfs.project.zones import approval_broker, new_session_id, validate_project
 

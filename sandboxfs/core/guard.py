@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
 from . import gitconfig, gitindex
-from .approvals import Kind
+from .approval_rules import Kind
 from .consent import Consent
 from .entry import AuditOp, audit_entry, errno_name
 from .errors import SandboxError
