@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from sandboxfs.core.approvals import Answer
+from sandboxfs.core.approval_grants import Answer
 
 # What a sandbox without an approver says of an operation an approval rule asks about.
 NO_APPROVER = (

@@ -39,9 +39,10 @@ from sandboxfs.project.zones import (
 from ..core.approvals import Broker
 from ..core.errors import SandboxError
 from ..core.guard import Guard
+from ..core.inodes import Node, StatLike
 from ..core.policy import Trust, Zone
 from ..core.rulebase import MountInfo
-from ..core.store import Node, StatLike, Store
+from ..core.store import Store
 from ..core.syscalls import fstat, write_all
 from ..errors import SandboxfsError
 

@@ -23,11 +23,11 @@ from sandboxfs.project.zones import SESSION_SUBDIRS
 
 from ..core.errors import SandboxError
 from ..core.guard import Guard
+from ..core.inodes import FIRST_DYNAMIC_INO, ROOT_INO, Node, StatLike
 from ..core.limits import Tally
 from ..core.policy import Policy, Trust, Zone
 from ..core.rulebase import MountInfo
 from ..core.secrets import KeyScanner
-from ..core.store import FIRST_DYNAMIC_INO, ROOT_INO, Node, StatLike
 
 _LAYOUT: dict[Zone, list[tuple[bytes, ...]]] = {
     Zone.SESSION: [(name.encode(),) for name in SESSION_SUBDIRS],

@@ -16,8 +16,8 @@ from sandboxfs.core.entry import AuditOp
 
 from ..core.errors import SandboxError
 from ..core.gate import Gate
+from ..core.inodes import Node
 from ..core.policy import ZONE_ROOT_REASON, Decision, Op, Zone
-from ..core.store import Node
 from .arguments import VirtualPath
 from .types import Backend, Caller
 

@@ -39,8 +39,8 @@ from ..core.context import context
 from ..core.errors import SandboxError
 from ..core.gate import Gate
 from ..core.guard import Guard
+from ..core.inodes import FIRST_DYNAMIC_INO, Node, StatLike
 from ..core.policy import ZONE_ROOT_REASON, Decision, Op, Trust, Zone
-from ..core.store import FIRST_DYNAMIC_INO, Node, StatLike
 from ..errors import SandboxfsError, UserError
 from ..project.workers import (
     WiderThanParent,

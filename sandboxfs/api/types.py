@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..core.effects import AuditSink
+from ..core.inodes import Node, StatLike
 from ..core.policy import Zone
-from ..core.store import Node, StatLike
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sandboxfs.core.approvals import Answer
+from sandboxfs.core.approval_grants import Answer
 from sandboxfs.errors import UserError
 from sandboxfs.project.prompt import POLL, ask, prompt, safe
 

@@ -33,7 +33,7 @@ from pydantic import (
 from sandboxfs.audit.writer import MIN_ROTATE_BYTES, ROTATE_BYTES
 from sandboxfs.config import inputs
 from sandboxfs.config.inputs import cut, shown
-from sandboxfs.core import approvals
+from sandboxfs.core import approval_rules, approvals
 from sandboxfs.core.limits import Quota, ZoneLimits
 from sandboxfs.core.policy import BUILTIN_ZONES, Matrix, Op, Trust, Zone, ZoneAccess, in_git_dir
 from sandboxfs.errors import ConfigError
@@ -262,10 +262,10 @@ class ApprovalRuleConfig(_Strict):
     """One approval rule (docs/approvals.md): zones and trust left out mean all of them."""
 
     id: str | None = None
-    ops: list[approvals.Kind] = Field(min_length=1)
+    ops: list[approval_rules.Kind] = Field(min_length=1)
     zones: list[str] = Field(default_factory=list)
     trust: list[Trust] = Field(default_factory=list)
-    decision: approvals.Verdict
+    decision: approval_rules.Verdict
     # Paths the rule leaves out: a name anywhere (`node_modules`, `*.egg-info`) or, with a
     # `/`, a path from the zone's root (`docs/generated`).
     exclude: list[str] = Field(default_factory=list)
@@ -296,7 +296,7 @@ class ApprovalRuleConfig(_Strict):
 class ApprovalsConfig(_Strict):
     """`approvals:` of sandboxfs.yaml and of the user's own config."""
 
-    profile: str | None = None  # one of approvals.PROFILES
+    profile: str | None = None  # one of approval_rules.PROFILES
     rules: list[ApprovalRuleConfig] = Field(default_factory=list)
     timeout: float = Field(default=60.0, gt=0, le=3600)  # seconds a request stays pending
     rate_limit: int = Field(default=30, ge=1, le=10_000)  # new requests a minute
@@ -304,19 +304,19 @@ class ApprovalsConfig(_Strict):
     @field_validator("profile")
     @classmethod
     def _known_profile(cls, value: str | None) -> str | None:
-        if value is not None and value not in approvals.PROFILES:
+        if value is not None and value not in approval_rules.PROFILES:
             raise ValueError(
                 f"unknown approvals profile {shown(value)}; profiles: "
-                f"{', '.join(approvals.PROFILES)}"
+                f"{', '.join(approval_rules.PROFILES)}"
             )
         return value
 
-    def rule_list(self, source: str) -> list[approvals.Rule]:
+    def rule_list(self, source: str) -> list[approval_rules.Rule]:
         """The rules this config says, the profile's first; ids default to source#N."""
-        found = list(approvals.PROFILES[self.profile]) if self.profile else []
+        found = list(approval_rules.PROFILES[self.profile]) if self.profile else []
         for number, rule in enumerate(self.rules, 1):
             found.append(
-                approvals.Rule(
+                approval_rules.Rule(
                     rule.id or f"{source}#{number}",
                     rule.decision,
                     frozenset(rule.ops),
@@ -329,21 +329,23 @@ class ApprovalsConfig(_Strict):
 
 
 # What a worker's `approval: {write: ..., delete: ...}` covers (sandboxfs.project.workers).
-WORKER_APPROVAL_KINDS: dict[str, frozenset[approvals.Kind]] = {
-    "write": frozenset({approvals.Kind.WRITE, approvals.Kind.CREATE, approvals.Kind.OVERWRITE}),
-    "delete": frozenset({approvals.Kind.DELETE}),
+WORKER_APPROVAL_KINDS: dict[str, frozenset[approval_rules.Kind]] = {
+    "write": frozenset(
+        {approval_rules.Kind.WRITE, approval_rules.Kind.CREATE, approval_rules.Kind.OVERWRITE}
+    ),
+    "delete": frozenset({approval_rules.Kind.DELETE}),
 }
 
 
-def worker_rules(worker: WorkerScope | None) -> list[approvals.Rule]:
+def worker_rules(worker: WorkerScope | None) -> list[approval_rules.Rule]:
     """A worker's own approval rules, per zone it declared: added to the mount's, where the
     strictest matching rule decides, so they can only ask more, never less."""
     if worker is None:
         return []
     return [
-        approvals.Rule(
+        approval_rules.Rule(
             f"worker:{worker.name}:{zone}:{op}",
-            approvals.Verdict(decision),
+            approval_rules.Verdict(decision),
             WORKER_APPROVAL_KINDS[op],
             frozenset({zone}),
         )

@@ -14,7 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Concatenate, TypedDict
 
-from .approvals import NET, Answer, Broker, Grant, Kind, Outcome, Request, Verdict
+from .approval_grants import Answer, Grant
+from .approval_requests import Request
+from .approval_rules import NET, Kind, Verdict
+from .approvals import Broker, Outcome
 from .entry import AuditOp
 from .errors import SandboxError
 from .policy import Decision, Op, Rule, Zone, in_git_dir

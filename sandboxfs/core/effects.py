@@ -13,7 +13,7 @@ import errno
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .approvals import Kind
+from .approval_rules import Kind
 from .consent import Consent
 from .entry import AuditOp
 from .errors import Refusal, SandboxError
@@ -21,8 +21,8 @@ from .limits import Tally
 from .policy import Op, Zone
 
 if TYPE_CHECKING:
+    from .inodes import Node
     from .rulebase import Caller, RuleBase
-    from .store import Node
 
 FAIL_CLOSED = "the audit log cannot be written: refused until it can (fail closed)"
 

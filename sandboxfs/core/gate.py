@@ -29,7 +29,7 @@ import inspect
 import stat
 from collections.abc import Callable
 
-from .approvals import Kind
+from .approval_rules import Kind
 from .errors import SandboxError
 from .gate_names import NamesGate
 from .gatebase import (
@@ -41,9 +41,9 @@ from .gatebase import (
     T,
     audited,
 )
+from .inodes import FIRST_DYNAMIC_INO, ROOT_INO, Node
 from .policy import CONTEXT_REASON, ZONE_ROOT_REASON, Decision, Op, Rule, Zone
 from .rulebase import Caller
-from .store import FIRST_DYNAMIC_INO, ROOT_INO, Node
 
 
 class Gate(NamesGate):

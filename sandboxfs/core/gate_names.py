@@ -9,13 +9,14 @@ import os
 import stat
 from collections.abc import Callable
 
-from .approvals import Kind
+from .approval_rules import Kind
 from .entry import AuditOp
 from .errors import SandboxError
 from .gatebase import SUID_SGID, GateBase, Request, T
+from .inodes import FIRST_DYNAMIC_INO, ROOT_INO, Node, StatLike
 from .policy import CONTEXT_REASON, ZONE_ROOT_REASON, Decision, Op, Zone
 from .rulebase import Caller, ReadFile
-from .store import FIRST_DYNAMIC_INO, ROOT_INO, HiddenEntry, Node, StatLike
+from .store import HiddenEntry
 
 
 class NamesGate(GateBase):

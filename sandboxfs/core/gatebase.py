@@ -10,14 +10,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, Self, TypeVar
 
-from .approvals import Kind
+from .approval_rules import Kind
 from .effects import Effects, NoEffects
 from .entry import AuditOp
 from .errors import Refusal, SandboxError
 from .guard import Guard
+from .inodes import Node, StatLike
 from .policy import Decision, Op, Rule, Zone
 from .rulebase import Caller
-from .store import HiddenEntry, Node, StatLike
+from .store import HiddenEntry
 
 T = TypeVar("T")
 

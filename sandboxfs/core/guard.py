@@ -19,12 +19,12 @@ from typing import NoReturn
 
 from .entry import AuditOp
 from .errors import SandboxError
+from .inodes import FIRST_DYNAMIC_INO, Node, StatLike
 from .limits import ZoneLimits
 from .policy import Decision, Op, Zone
 from .protect import ProtectRules
 from .rulebase import Caller, ReadFile, _absent, relpath_of
 from .secrets import KeyScanner
-from .store import FIRST_DYNAMIC_INO, Node, StatLike
 
 _NO_LIMITS = ZoneLimits()
 

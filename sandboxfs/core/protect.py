@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from . import gitconfig, gitindex
 from .entry import AuditOp
+from .inodes import Node, StatLike
 from .policy import (
     GIT_ZONES_EXEMPT,
     Decision,
@@ -23,7 +24,6 @@ from .policy import (
     in_git_dir,
 )
 from .rulebase import Caller, ReadFile, RuleBase, relpath_of
-from .store import Node, StatLike
 
 
 class ProtectRules(RuleBase):

@@ -12,10 +12,10 @@ from typing import Any, NoReturn, Protocol
 from .effects import AuditSink, Effects
 from .entry import AuditOp, audit_entry, errno_name
 from .errors import Refusal
+from .inodes import FIRST_DYNAMIC_INO, Node, StatLike
 from .limits import Tally, ZoneLimits
 from .policy import Decision, Op, Policy, Trust, Zone, cross_zone_reason
 from .procnames import ProcessNames
-from .store import FIRST_DYNAMIC_INO, Node, StatLike
 
 # What a front end gives Guard.reject_move to judge a rename onto git's config or index by content:
 # the bytes of parent/name (at most the limit given), or None (see Guard.judge_config).

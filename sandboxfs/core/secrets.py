@@ -37,7 +37,8 @@ from typing import Protocol
 
 from .credentials import credential_in
 from .errors import SandboxError
-from .store import HiddenEntry, Node, StatLike, Store
+from .inodes import Node, StatLike
+from .store import HiddenEntry, Store
 from .syscalls import (
     RESOLVE_BENEATH,
     RESOLVE_NO_MAGICLINKS,

@@ -1,83 +1,35 @@
-"""Backing storage: zone directories held open as descriptors, and our own inode table.
+"""Backing storage: every backing call a front end makes on the zones' entries.
 
 Every name is resolved one component at a time from a directory descriptor with
 `O_NOFOLLOW`, so neither a symlink planted in backing storage nor a `..` can lead the daemon
-outside a zone's directory. No backing call crosses a mount point (the `find -xdev` rule): an
-entry that is the root of another mount — another sandboxfs, bindfs, a tmpfs, a bind mount — is
-treated as absent, recognised without sending a request into it (see `syscalls.lstat_at`), and
-every open refuses to cross one (`RESOLVE_NO_XDEV`).
+outside a zone's directory (see resolve). No backing call crosses a mount point (the
+`find -xdev` rule): an entry that is the root of another mount — another sandboxfs, bindfs, a
+tmpfs, a bind mount — is treated as absent, recognised without sending a request into it (see
+`syscalls.lstat_at`), and every open refuses to cross one (`RESOLVE_NO_XDEV`).
 
-Inode numbers (the kernel's node ids, which are also the `st_ino` it shows) are the backing
-files' own, as bindfs and containers show them, so that what git recorded in its index outside
-still matches inside and nothing is hashed again. Where a backing number cannot be used (below
-FIRST_DYNAMIC_INO, at or above SPARE_INO_BASE, or held by another live node: a second
-filesystem's or zone's file with the same number, or a file that took a deleted one's number
-while the kernel still knows the old one) a number of sandboxfs's own is used, from
-SPARE_INO_BASE up and never given twice. A node id is therefore unique among the nodes the
-kernel knows, and the generation tells apart two nodes that had the same id one after the other.
+The inode table and its numbers are inodes'; the quota's count of a zone is zone_usage's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import resource
 import stat
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ParamSpec, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from .errors import SandboxError
-from .policy import BUILTIN_ZONES, Zone
-from .syscalls import (
-    RESOLVE_BENEATH,
-    RESOLVE_NO_MAGICLINKS,
-    RESOLVE_NO_SYMLINKS,
-    RESOLVE_NO_XDEV,
-    Stat,
-    caches_attributes,
-    lstat_at,
-    openat2,
-    renameat2,
-)
+from .inodes import FIRST_DYNAMIC_INO, Identity, Node, StatLike, same_inode
+from .policy import Zone
+from .resolve import CONFINED_RESOLVE, Resolver
+from .syscalls import Stat, caches_attributes, lstat_at, openat2, renameat2
+from .zone_usage import tree_usage
 
 R = TypeVar("R")
-P = ParamSpec("P")
 
-ROOT_INO = 1
-CONTROL_INO = 2
-CONTEXT_INO = 3
-# The built-in zone roots; project zones follow (up to FIRST_DYNAMIC_INO - 1).
-ZONE_INO = {zone: 4 + i for i, zone in enumerate(BUILTIN_ZONES)}
-FIRST_DYNAMIC_INO = 64
-GUIDE_INO = FIRST_DYNAMIC_INO - 1  # /.sandboxfs/README (zone roots stop well below it)
-# Numbers sandboxfs makes up start here: above what local filesystems hand out in practice
-# (ext4's are 32 bits; XFS's and btrfs's stay below 2**48), below 2**53 (JavaScript reads
-# st_ino as a double). Backing numbers from here up (overlayfs with xino, some network
-# filesystems) are not passed on.
-SPARE_INO_BASE = 1 << 48
-
-CONTROL_NAME = b".sandboxfs"
-CONTEXT_NAME = b"context.json"
-GUIDE_NAME = b"README"
+# The name of a project's state dir (sandboxfs's own, hidden by identity: see Store.lstat).
 STATE_DIR_NAME = ".sandbox"
-
-_DIR_OPEN = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# Every open of a backing name: no symlink, no magic link, no mount point, nothing outside.
-_RESOLVE = RESOLVE_NO_XDEV | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH
-# The cache of directory descriptors takes a quarter of the descriptor limit (as read when the
-# Store is made: the daemon has raised its soft limit to the hard one), within these bounds;
-# the rest is for open files, listings and the daemon's own. Under pressure (EMFILE, ENFILE)
-# it gives back all but the _FD_KEEP most recently used, which the request being served may
-# hold (a request holds a few directory descriptors at most, each just used).
-_FD_CACHE_MIN = 16
-_FD_CACHE_MAX = 4096
-_FD_KEEP = 8
-_NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE)
-_SHORT_PATH = 3072  # relpaths walked in one openat2 (PATH_MAX is 4096)
 # The open flags passed on to a backing file. The kernel's FUSE OPEN carries internal bits
 # too (__FMODE_EXEC for execve), which openat2 refuses with EINVAL where open(2) ignored them.
 _OPEN_PASSED = (
@@ -92,41 +44,6 @@ _OPEN_PASSED = (
     | getattr(os, "O_LARGEFILE", 0)
 )
 
-Key = tuple[Zone, int, int]
-# (st_dev, st_ino) of backing directories that are never part of a zone (the state dir).
-Identity = tuple[int, int]
-
-
-class StatLike(Protocol):
-    """What attribute replies need of a stat: `os.stat_result` (fstat) or `syscalls.Stat`."""
-
-    @property
-    def st_mode(self) -> int: ...
-    @property
-    def st_ino(self) -> int: ...
-    @property
-    def st_dev(self) -> int: ...
-    @property
-    def st_nlink(self) -> int: ...
-    @property
-    def st_uid(self) -> int: ...
-    @property
-    def st_gid(self) -> int: ...
-    @property
-    def st_size(self) -> int: ...
-    @property
-    def st_rdev(self) -> int: ...
-    @property
-    def st_blksize(self) -> int: ...
-    @property
-    def st_blocks(self) -> int: ...
-    @property
-    def st_atime_ns(self) -> int: ...
-    @property
-    def st_mtime_ns(self) -> int: ...
-    @property
-    def st_ctime_ns(self) -> int: ...
-
 
 # A listed entry: name, layer, backing inode number (d_ino), whether it is a directory.
 Listed = tuple[bytes, int, int, bool]
@@ -139,70 +56,7 @@ class HiddenEntry(SandboxError):
         super().__init__(errno.ENOENT, reason)
 
 
-@dataclass(eq=False, slots=True)
-class Node:
-    """One inode the kernel knows: where it lives (parent + name) and how often it was looked up.
-
-    Paths are not stored: a node names its parent node, so renaming a directory moves every
-    cached child with it.
-    """
-
-    ino: int
-    zone: Zone | None
-    parent: Node | None
-    name: bytes
-    is_dir: bool
-    key: Key | None = None
-    layer: int = 0
-    lookups: int = 0
-    created_here: bool = False
-    fd: int = -1
-    # Tuples, not lists: the empty tuple is shared, so a million idle nodes cost nothing here.
-    open_fds: tuple[int, ...] = ()
-    cache_stamp: tuple[int, int] | None = None
-    links: tuple[tuple[Node, bytes], ...] = ()
-    last_vpath: str = ""
-    # Birth time of the backing inode (0 where the filesystem has none): an inode number reused
-    # after a delete outside the mount is another file, and gets another node.
-    birth_ns: int = 0
-    # Told to the kernel with the node id: a node given a backing number gets a larger one than
-    # every earlier node that had the number (0 for the fixed and spare numbers, given once).
-    generation: int = 0
-    # For a directory: whether a protect pattern could match inside it, as of the given count
-    # of directory path changes (Store.moves; see Guard._may_protect).
-    protect_memo: tuple[int, bool] = (-1, False)
-    # For a directory: the deny pattern that it or a directory above it matches (None: none),
-    # as of the given count of directory path changes (see Guard.denied_pattern).
-    deny_memo: tuple[int, str | None] = (-1, None)
-    # For a directory: its inotify watch (see sandboxfs.fuse.host_watch; -1 none yet, -2 none
-    # possible).
-    watch: int = -1
-
-    def relpath(self) -> bytes:
-        """The path below the zone root, b"" for the root itself."""
-        parts: list[bytes] = []
-        node: Node | None = self
-        while node is not None and node.parent is not None and node.parent.zone is not None:
-            parts.append(node.name)
-            node = node.parent
-        return b"/".join(reversed(parts))
-
-    def vpath(self, child: bytes | None = None) -> str:
-        """The virtual path inside the mount, for audit entries and reasons.
-
-        A node whose last name was removed keeps the path it had then.
-        """
-        if self.parent is None and self.ino != ROOT_INO and self.last_vpath:
-            return self.last_vpath
-        parts: list[bytes] = [child] if child is not None else []
-        node: Node | None = self
-        while node is not None and node.ino != ROOT_INO:
-            parts.append(node.name)
-            node = node.parent
-        return "/" + "/".join(p.decode("utf-8", "surrogateescape") for p in reversed(parts))
-
-
-class Store:
+class Store(Resolver):
     """Zone directories, the inode table, and descriptor-relative operations on both."""
 
     def __init__(
@@ -216,42 +70,7 @@ class Store:
         # name: the directories (identities) where an entry of that name is never shown,
         # whatever it is now (a login a home holds, replaced by its program while mounted).
         self.hidden_names = hidden_names or {}
-        self.root = Node(ROOT_INO, None, None, b"", True, lookups=1)
-        self.control = Node(CONTROL_INO, None, self.root, CONTROL_NAME, True)
-        self.context = Node(CONTEXT_INO, None, self.control, CONTEXT_NAME, False)
-        self.guide = Node(GUIDE_INO, None, self.control, GUIDE_NAME, False)
-        self.nodes: dict[int, Node] = {
-            n.ino: n for n in (self.root, self.control, self.context, self.guide)
-        }
-        self.by_key: dict[Key, Node] = {}
-        self.zone_roots: dict[Zone, Node] = {}
-        self.layer_paths = worker_layers
-        self.layer_fds: list[int] = []
-        self._fd_cache: OrderedDict[int, Node] = OrderedDict()
-        self.fd_cache_size = fd_cache_size()
-        # Counts every change of a known directory's parent or name (renames through the
-        # mount, names found moved): what is remembered about a directory's path (the memos on
-        # Node) is valid until it changes. A file's names (hard links, renames) are no
-        # directory's path, so they leave it alone: `git commit` links thousands of objects.
-        self.moves = 0
-        self._next_spare = SPARE_INO_BASE
-        # The generation of nodes given a backing number now: one more after each node dropped,
-        # so a number's next node always has a larger one (and nodes made in between share one
-        # int object: no memory per node beyond the slot).
-        self._generation = 1
-        # Where each zone's directory was named (the project's zones: see project_zone_dirs).
-        self.zone_paths = dict(zone_dirs)
-        self.project = zone_dirs[Zone.REPO]
-        zones = [*BUILTIN_ZONES, *(z for z in zone_dirs if z not in ZONE_INO)]
-        try:
-            project_fd = os.open(self.project, _DIR_OPEN)
-            try:
-                self._open_zones(zones, zone_dirs, project_fd)
-            finally:
-                os.close(project_fd)
-        except BaseException:
-            self.close()
-            raise
+        super().__init__(zone_dirs, worker_layers)
         # On FUSE or network storage a DONT_SYNC statx may be stale: stat again (with sync)
         # whatever is not a mount root.
         self.resync = any(
@@ -259,253 +78,6 @@ class Store:
             for fd in [*self.layer_fds, *(n.fd for n in self.zone_roots.values())]
             if fd >= 0
         )
-
-    def _open_zones(self, zones: list[Zone], zone_dirs: dict[Zone, Path], project_fd: int) -> None:
-        for index, zone in enumerate(zones):
-            node = Node(4 + index, zone, self.root, zone.value.encode(), True)
-            self.zone_roots[zone] = node
-            self.nodes[node.ino] = node
-            if zone is Zone.WORKERS:
-                self.layer_fds = [
-                    _open_dir_or_missing(p, self.project, project_fd) for p in self.layer_paths
-                ]
-                continue
-            try:
-                node.fd = _open_dir(zone_dirs[zone], self.project, project_fd)
-            except OSError as exc:
-                raise SandboxError(
-                    exc.errno or errno.EIO,
-                    f"cannot open the directory of zone {zone.value}, {zone_dirs[zone]}: "
-                    f"{_open_failure(exc)}",
-                ) from None
-            st = os.stat(node.fd)
-            node.key = (zone, st.st_dev, st.st_ino)
-
-    def close(self) -> None:
-        for node in self.nodes.values():
-            if node.fd >= 0:
-                os.close(node.fd)
-                node.fd = -1
-        for fd in self.layer_fds:
-            if fd >= 0:
-                os.close(fd)
-        self.layer_fds = []
-
-    # ----- inode table -------------------------------------------------------------------
-
-    def get(self, ino: int) -> Node:
-        try:
-            return self.nodes[ino]
-        except KeyError:
-            raise SandboxError(errno.ESTALE, "unknown inode") from None
-
-    def remember(self, parent: Node, name: bytes, st: StatLike, layer: int = 0) -> Node:
-        """The node for a backing entry just found at parent/name, created if new.
-
-        Counts one lookup, as the kernel will. A backing inode seen under a second name is
-        the same node (hard links share one inode), now reachable under the newer name too.
-        """
-        zone = parent.zone
-        assert zone is not None
-        key = (zone, st.st_dev, st.st_ino)
-        is_dir = stat.S_ISDIR(st.st_mode)
-        birth = getattr(st, "st_birthtime_ns", 0)
-        node = self.by_key.get(key)
-        if node is not None and (
-            node.is_dir != is_dir or (birth and node.birth_ns and birth != node.birth_ns)
-        ):
-            del self.by_key[key]
-            node = None
-        if node is None:
-            node = Node(0, zone, parent, name, is_dir, key=key, layer=layer, birth_ns=birth)
-            self._number(node, st.st_ino)
-            self.nodes[node.ino] = node
-            self.by_key[key] = node
-        elif node.parent is not parent or node.name != name:
-            self.moves += 1 if is_dir else 0
-            _forget_link(node, parent, name)
-            if not is_dir and node.parent is not None:
-                node.links = (*node.links, (node.parent, node.name))
-            node.parent, node.name, node.layer = parent, name, layer
-        node.lookups += 1
-        return node
-
-    def _number(self, node: Node, backing: int) -> None:
-        """Give a new node the backing file's inode number where no live node has it, else a
-        spare one (see the module's docstring)."""
-        if FIRST_DYNAMIC_INO <= backing < SPARE_INO_BASE and backing not in self.nodes:
-            node.ino, node.generation = backing, self._generation
-        else:
-            node.ino = self.spare_ino()
-
-    def spare_ino(self) -> int:
-        """An inode number no other node or entry ever has (for a node whose backing number
-        cannot be used, and for entries shown without attributes)."""
-        self._next_spare += 1
-        return self._next_spare - 1
-
-    def forget(self, ino: int, count: int) -> None:
-        node = self.nodes.get(ino)
-        if node is None or node.ino < FIRST_DYNAMIC_INO:
-            return
-        node.lookups -= count
-        if node.lookups > 0:
-            return
-        del self.nodes[ino]
-        self._generation += 1
-        if node.key is not None and self.by_key.get(node.key) is node:
-            del self.by_key[node.key]
-        self._drop_fd(node)
-
-    def detach(self, node: Node, parent: Node, name: bytes, remaining: int) -> None:
-        """Forget the name parent/name of node after it was unlinked or replaced.
-
-        `remaining` is the backing link count left; while it is positive the node stays
-        reachable through another known name.
-        """
-        _forget_link(node, parent, name)
-        if node.parent is parent and node.name == name:
-            if node.links and remaining > 0:
-                node.parent, node.name = node.links[-1]
-                node.links = node.links[:-1]
-                self.moves += 1 if node.is_dir else 0
-            else:
-                node.last_vpath = node.vpath()
-                node.parent, node.name = None, b""
-                self._drop_fd(node)
-        if (remaining < 1 or node.is_dir) and node.key and self.by_key.get(node.key) is node:
-            del self.by_key[node.key]
-
-    def moved(
-        self, node: Node, old_parent: Node, old_name: bytes, parent: Node, name: bytes
-    ) -> None:
-        """Record that old_parent/old_name is now parent/name (children follow a directory)."""
-        self.moves += 1 if node.is_dir else 0
-        _forget_link(node, parent, name)
-        if node.parent is old_parent and node.name == old_name:
-            node.parent, node.name = parent, name
-        else:
-            _forget_link(node, old_parent, old_name)
-            node.links = (*node.links, (parent, name))
-
-    # ----- descriptors --------------------------------------------------------------------
-
-    def dir_fd(self, node: Node) -> int:
-        """An O_PATH descriptor of a directory node, opened component by component."""
-        if node.fd >= 0:
-            if node.ino >= FIRST_DYNAMIC_INO:
-                self._fd_cache.move_to_end(node.ino)
-            return node.fd
-        if node.zone is Zone.WORKERS and node.parent is self.root:
-            raise SandboxError(errno.EINVAL, "the workers root is a union of directories")
-        if not node.is_dir:
-            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
-        return self._cache_fd(node, self._open_checked(self.parent_fd(node), node.name, node))
-
-    def checked_dir_fd(self, node: Node) -> int:
-        """dir_fd, after checking that node's path from its zone root still leads to it.
-
-        A cached descriptor follows its directory wherever it goes: one moved out of the
-        project by its user would otherwise let the mount create and read files there. Before
-        anything reads or changes contents, the path is walked again from the zone root
-        (one openat2 confined beneath it) and must reach the same inode; else ESTALE, which
-        makes the kernel look the path up again.
-        """
-        if node.parent is None or node.parent.zone is None:
-            return self.dir_fd(node)  # a zone root (the workers root raises in dir_fd)
-        relpath = node.relpath()
-        if len(relpath) < _SHORT_PATH:
-            fd = self._open_checked(self._zone_root_fd(node), relpath, node)
-        else:  # beyond PATH_MAX: check the parent the same way, then this one step
-            fd = self._open_checked(self.parent_fd(node, checked=True), node.name, node)
-        if node.fd >= 0:  # the same directory (checked): keep the descriptor callers hold
-            os.close(fd)
-            return self.dir_fd(node)
-        return self._cache_fd(node, fd)
-
-    def _zone_root_fd(self, node: Node) -> int:
-        """The descriptor of the backing directory that node's relpath starts from: the zone
-        root's, or for /workers the layer of the entry below its root that the path passes
-        through (the workers root itself is no directory: its layer says nothing)."""
-        top, below = node, node
-        while top.parent is not None and top.parent.zone is not None:
-            below, top = top, top.parent
-        if top.zone is Zone.WORKERS:
-            return self.layer_fd(below.layer, create=False)
-        return top.fd
-
-    def _open_checked(self, dir_fd: int, path: bytes, node: Node) -> int:
-        """An O_PATH descriptor of path (below dir_fd) that must be node's directory."""
-        try:
-            fd = self.allocating(openat2, dir_fd, path, _DIR_OPEN, 0, _RESOLVE)
-        except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EXDEV, errno.ELOOP):
-                raise SandboxError(errno.ESTALE, "the directory moved or was replaced") from None
-            raise
-        if not _is(node, os.stat(fd)):
-            os.close(fd)
-            raise SandboxError(errno.ESTALE, "the directory moved or was replaced")
-        return fd
-
-    def _cache_fd(self, node: Node, fd: int) -> int:
-        node.fd = fd
-        self._fd_cache[node.ino] = node
-        if len(self._fd_cache) > self.fd_cache_size:
-            _, old = self._fd_cache.popitem(last=False)
-            os.close(old.fd)
-            old.fd = -1
-        return fd
-
-    def make_room(self) -> int:
-        """Give back cached directory descriptors after the descriptor limit was met: all but
-        the _FD_KEEP most recently used (the request being served may hold those). Returns
-        how many were closed; each is opened again when next needed."""
-        released = 0
-        while len(self._fd_cache) > _FD_KEEP:
-            _, old = self._fd_cache.popitem(last=False)
-            os.close(old.fd)
-            old.fd = -1
-            released += 1
-        return released
-
-    def allocating(self, call: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-        """call(...), which makes a descriptor; where the descriptor limit stops it (EMFILE,
-        ENFILE), once more after make_room gave some back. Every descriptor the daemon makes
-        while serving goes through here, so that a full table never jams the mount."""
-        try:
-            return call(*args, **kwargs)
-        except OSError as exc:
-            if exc.errno not in _NO_DESCRIPTOR or not self.make_room():
-                raise
-        return call(*args, **kwargs)
-
-    def parent_fd(self, node: Node, checked: bool = False) -> int:
-        """The descriptor of the backing directory that holds node's name (`checked`: see
-        checked_dir_fd)."""
-        parent = node.parent
-        if parent is None:
-            raise SandboxError(errno.ENOENT, "the entry was removed")
-        if parent.zone is Zone.WORKERS and parent.parent is self.root:
-            return self.layer_fd(node.layer, create=False)
-        return self.checked_dir_fd(parent) if checked else self.dir_fd(parent)
-
-    def layer_fd(self, layer: int, create: bool) -> int:
-        fd = self.layer_fds[layer] if layer < len(self.layer_fds) else -1
-        if fd < 0 and create and layer == 0:
-            path = self.layer_paths[0]  # <project>/.workers: made in the project's descriptor
-            project_fd = self.zone_roots[Zone.REPO].fd
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(path.name, 0o755, dir_fd=project_fd)
-            fd = self.layer_fds[0] = _open_dir_or_missing(path, self.project, project_fd)
-        if fd < 0:
-            raise SandboxError(errno.ENOENT, "no such workers directory")
-        return fd
-
-    def _drop_fd(self, node: Node) -> None:
-        if node.fd >= 0 and node.ino >= FIRST_DYNAMIC_INO:
-            self._fd_cache.pop(node.ino, None)
-            os.close(node.fd)
-            node.fd = -1
 
     # ----- backing operations --------------------------------------------------------------
 
@@ -582,59 +154,10 @@ class Store:
         st = self.stat_child(parent, name)
         return (st, parent.layer) if st is not None else None
 
-    def child_dir_fd(
-        self, parent: Node, layer: int = 0, create: bool = False, checked: bool = False
-    ) -> int:
-        """Where names inside `parent` live; for the workers root, one of its layers.
-        `checked`: before reading or changing contents (see checked_dir_fd)."""
-        if parent.zone is Zone.WORKERS and parent.parent is self.root:
-            return self.layer_fd(layer, create)
-        return self.checked_dir_fd(parent) if checked else self.dir_fd(parent)
-
     def usage(self, zone: Zone) -> tuple[int, int]:
-        """(bytes of regular files, entries) below a zone's root, each inode once, never
-        crossing into another mount or sandboxfs's own state (for quotas).
-
-        Depth first, holding the descriptors of the directories on the current path only
-        (not of every directory found: a wide tree would use up the descriptor table)."""
-        root = self.zone_roots[zone]
-        seen: set[tuple[int, int]] = set()
-        nbytes = 0
-        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-        path: list[tuple[int, list[bytes]]] = []
-
-        def enter(fd: int) -> None:
-            nonlocal nbytes
-            below: list[bytes] = []
-            path.append((fd, below))
-            with contextlib.suppress(OSError):
-                dev = os.fstat(fd).st_dev
-                with self.allocating(os.scandir, b"/proc/self/fd/%d" % fd) as entries:
-                    for entry in entries:
-                        st = entry.stat(follow_symlinks=False)
-                        key = (st.st_dev, st.st_ino)
-                        if st.st_dev != dev or key in self.hidden or key in seen:
-                            continue
-                        seen.add(key)
-                        if stat.S_ISREG(st.st_mode):
-                            nbytes += st.st_size
-                        elif stat.S_ISDIR(st.st_mode):
-                            below.append(entry.name)
-
-        try:
-            enter(self.allocating(os.open, b".", flags, dir_fd=root.fd))
-            while path:
-                fd, below = path[-1]
-                if not below:
-                    os.close(fd)
-                    path.pop()
-                    continue
-                with contextlib.suppress(OSError):
-                    enter(self.allocating(openat2, fd, below.pop(), flags, 0, _RESOLVE))
-        finally:
-            for fd, _ in path:
-                os.close(fd)
-        return nbytes, len(seen)
+        """(bytes of regular files, entries) below a zone's root, for quotas (see
+        zone_usage)."""
+        return tree_usage(self, self.zone_roots[zone].fd, self.hidden)
 
     def list_entries(self, node: Node) -> list[Listed]:
         """The entries of a directory node, sorted by name, with their layer; for the workers
@@ -673,7 +196,7 @@ class Store:
             node.name,
             os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC,
             0,
-            _RESOLVE,
+            CONFINED_RESOLVE,
         )
 
     def open_file(self, node: Node, flags: int) -> int:
@@ -696,9 +219,9 @@ class Store:
         # Never open anything but node's regular file: not even with O_NONBLOCK, since
         # opening a device can act on it. The fstat below catches a swap after this check.
         found = self.lstat(parent_fd, node.name)
-        if found is not None and _is(node, found) and stat.S_ISLNK(found.st_mode):
+        if found is not None and same_inode(node, found) and stat.S_ISLNK(found.st_mode):
             raise SandboxError(errno.ELOOP, "a symlink is never followed")
-        if found is None or not stat.S_ISREG(found.st_mode) or not _is(node, found):
+        if found is None or not stat.S_ISREG(found.st_mode) or not same_inode(node, found):
             raise SandboxError(errno.ESTALE, "the file moved or was replaced")
         fd = self.allocating(
             openat2,
@@ -706,11 +229,11 @@ class Store:
             node.name,
             (flags & _OPEN_PASSED) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
             0,
-            _RESOLVE,
+            CONFINED_RESOLVE,
         )
         try:
             st = os.stat(fd)
-            if not stat.S_ISREG(st.st_mode) or not _is(node, st):
+            if not stat.S_ISREG(st.st_mode) or not same_inode(node, st):
                 raise SandboxError(errno.ESTALE, "the file moved or was replaced")
         except BaseException:
             os.close(fd)
@@ -725,7 +248,7 @@ class Store:
             name,
             (flags & _OPEN_PASSED) | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
             mode,
-            _RESOLVE,
+            CONFINED_RESOLVE,
         )
         try:
             if not stat.S_ISREG(os.stat(fd).st_mode):  # a FIFO or device raced in: look again
@@ -883,63 +406,6 @@ class Store:
                 os.close(fd)
 
 
-def fd_cache_size() -> int:
-    """How many directory descriptors a Store keeps open (see _FD_CACHE_MIN)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return _FD_CACHE_MAX
-    return max(_FD_CACHE_MIN, min(_FD_CACHE_MAX, soft // 4))
-
-
-def _is(node: Node, st: StatLike) -> bool:
-    """Whether a stat is of node's backing inode (the same number, and where both are known,
-    the same birth time: ext4 hands a freed inode number to the next file at once)."""
-    if node.key is not None and (st.st_dev, st.st_ino) != node.key[1:]:
-        return False
-    birth = getattr(st, "st_birthtime_ns", 0)
-    return not (birth and node.birth_ns and birth != node.birth_ns)
-
-
-def _forget_link(node: Node, parent: Node, name: bytes) -> None:
-    """Drop parent/name from node's other known names (the current one is node.parent/name)."""
-    node.links = tuple((p, n) for p, n in node.links if not (p is parent and n == name))
-
-
-def _open_dir(path: Path, project: Path, project_fd: int) -> int:
-    """An O_PATH descriptor of a zone's directory (or a workers layer).
-
-    One inside the project is opened from the project's descriptor in one openat2 that
-    follows no symlink on the way (RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH): the sandbox can
-    make links in the project through /repo, and a zone's directory must never lead anywhere
-    else. The project itself and directories beside it are named by the user and opened by
-    path (the last component never a link). Mounts may be crossed here: a zone may be one.
-    """
-    if path != project and path.is_relative_to(project):
-        rel = os.fsencode(path.relative_to(project))
-        resolve = RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH
-        return openat2(project_fd, rel, _DIR_OPEN, 0, resolve)
-    return os.open(path, _DIR_OPEN)
-
-
-def _open_failure(exc: OSError) -> str:
-    if exc.errno == errno.ELOOP:
-        return "a symbolic link is on the way from the project, and none is followed"
-    if exc.errno == errno.ENOTDIR:
-        return "not a directory (a symbolic link?)"
-    return exc.strerror or str(exc)
-
-
-def _open_dir_or_missing(path: Path, project: Path, project_fd: int) -> int:
-    """_open_dir, or -1 where the directory is missing, not a directory or reached only
-    through a link in the project (as if missing: nothing is listed or created there)."""
-    try:
-        return _open_dir(path, project, project_fd)
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-            return -1
-        raise
-
-
 def _scan(fd: int) -> list[tuple[bytes, int, bool]]:
     """(name, inode number, is a directory) of each entry, sorted by name.
 
@@ -967,26 +433,3 @@ def _refresh(st: Stat, fresh: os.stat_result) -> None:
         "st_ctime_ns",
     ):
         setattr(st, field, getattr(fresh, field))
-
-
-def ensure_dirs(base: Path, *parts: str, mode: int = 0o700) -> Path:
-    """Create base/parts... one level at a time, refusing to pass through a symlink."""
-    fd = os.open(base, _DIR_OPEN)
-    try:
-        for part in parts:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(part, mode, dir_fd=fd)
-            try:
-                nfd = os.open(part, _DIR_OPEN, dir_fd=fd)
-            except (NotADirectoryError, OSError) as exc:
-                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise SandboxError(
-                        exc.errno, f"{base.joinpath(part)} is not a directory"
-                    ) from None
-                raise
-            os.close(fd)
-            fd = nfd
-            base = base / part
-    finally:
-        os.close(fd)
-    return base

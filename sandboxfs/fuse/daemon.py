@@ -31,15 +31,11 @@ from sandboxfs.core.consent import Consent
 from sandboxfs.core.context import context_document
 from sandboxfs.core.effects import AuditSink
 from sandboxfs.core.entry import AuditOp
+from sandboxfs.core.inodes import CONTEXT_NAME, CONTROL_NAME, Node
 from sandboxfs.core.policy import Trust, Zone
+from sandboxfs.core.resolve import ensure_dirs
 from sandboxfs.core.rulebase import MountInfo
-from sandboxfs.core.store import (
-    CONTEXT_NAME,
-    CONTROL_NAME,
-    Node,
-    Store,
-    ensure_dirs,
-)
+from sandboxfs.core.store import Store
 from sandboxfs.core.syscalls import CAP_SYS_RESOURCE, drop_effective_capability, make_undumpable
 from sandboxfs.errors import Failure, SandboxfsError
 from sandboxfs.fuse import request_wait

@@ -40,8 +40,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sandboxfs.core.errors import SandboxError
+from sandboxfs.core.inodes import Node, StatLike
 from sandboxfs.core.policy import Zone
-from sandboxfs.core.store import Node, StatLike, Store
+from sandboxfs.core.store import Store
 from sandboxfs.core.syscalls import (
     IN_ATTRIB,
     IN_CLOSE_WRITE,

@@ -32,9 +32,7 @@ from sandboxfs.core.errors import SandboxError
 from sandboxfs.core.gate import Gate
 from sandboxfs.core.gitconfig import read_bounded
 from sandboxfs.core.guard import Guard
-from sandboxfs.core.policy import Trust, Zone
-from sandboxfs.core.rulebase import MountInfo
-from sandboxfs.core.store import (
+from sandboxfs.core.inodes import (
     CONTEXT_INO,
     CONTEXT_NAME,
     CONTROL_INO,
@@ -42,12 +40,12 @@ from sandboxfs.core.store import (
     GUIDE_INO,
     GUIDE_NAME,
     ROOT_INO,
-    HiddenEntry,
-    Listed,
     Node,
     StatLike,
-    Store,
 )
+from sandboxfs.core.policy import Trust, Zone
+from sandboxfs.core.rulebase import MountInfo
+from sandboxfs.core.store import HiddenEntry, Listed, Store
 from sandboxfs.core.syscalls import Stat, fstat, set_fs_ids
 from sandboxfs.fuse.host_watch import HostWatch
 from sandboxfs.fuse.replies import Replies, dot_attrs

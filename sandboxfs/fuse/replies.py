@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 import pyfuse3
 
+from sandboxfs.core.inodes import CONTEXT_INO, FIRST_DYNAMIC_INO, GUIDE_INO, Node, StatLike
 from sandboxfs.core.policy import Zone
-from sandboxfs.core.store import CONTEXT_INO, FIRST_DYNAMIC_INO, GUIDE_INO, Node, StatLike, Store
+from sandboxfs.core.store import Store
 from sandboxfs.fuse.host_watch import HostWatch
 
 # At most this many attribute replies are kept for listings to repeat (see replayed).

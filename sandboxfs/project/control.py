@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from sandboxfs.core.approvals import Answer
+from sandboxfs.core.approval_grants import Answer
 from sandboxfs.core.policy import Trust
 from sandboxfs.core.syscalls import is_dumpable, set_dumpable
 from sandboxfs.errors import Failure

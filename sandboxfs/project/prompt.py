@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from sandboxfs.core.approvals import Answer
+from sandboxfs.core.approval_grants import Answer
 from sandboxfs.errors import Failure, SandboxfsError
 from sandboxfs.project import control
 

@@ -43,7 +43,7 @@ from sandboxfs.config.inputs import shown
 from sandboxfs.config.model import WORKER_MODE_OPS, Config, WorkerMode, WorkerScope
 from sandboxfs.core.errors import SandboxError
 from sandboxfs.core.policy import Op, Trust, ZoneAccess
-from sandboxfs.core.store import ensure_dirs
+from sandboxfs.core.resolve import ensure_dirs
 from sandboxfs.errors import UserError
 from sandboxfs.layout import attachments_parts
 from sandboxfs.project.gitdir import GIT_DIR_ZONE

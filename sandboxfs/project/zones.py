@@ -30,9 +30,10 @@ from sandboxfs.core.errors import SandboxError
 from sandboxfs.core.guard import Guard
 from sandboxfs.core.limits import Tally
 from sandboxfs.core.policy import BUILTIN_ZONES, Policy, Trust, Zone, fold
+from sandboxfs.core.resolve import ensure_dirs
 from sandboxfs.core.rulebase import MountInfo
 from sandboxfs.core.secrets import KeyScanner, StoreContents
-from sandboxfs.core.store import STATE_DIR_NAME, Store, ensure_dirs
+from sandboxfs.core.store import STATE_DIR_NAME, Store
 from sandboxfs.errors import UserError
 from sandboxfs.layout import review_dir, state_dir, state_root
 from sandboxfs.project.gitdir import git_dir_zones

@@ -29,7 +29,7 @@ from sandboxfs import layout
 from sandboxfs.core.entry import AuditOp
 from sandboxfs.core.errors import SandboxError
 from sandboxfs.core.policy import Op, Policy, Zone
-from sandboxfs.core.store import ensure_dirs
+from sandboxfs.core.resolve import ensure_dirs
 from sandboxfs.core.syscalls import make_undumpable, write_all
 from sandboxfs.errors import SandboxfsError, SetupError
 from sandboxfs.fuse.spawn import Starting, start_daemon

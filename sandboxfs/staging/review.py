@@ -31,7 +31,7 @@ from sandboxfs.layout import audit_path, review_dir, review_parts, staged_dir
 from sandboxfs.project.zones import check_id
 
 from ..core.errors import SandboxError
-from ..core.store import ensure_dirs
+from ..core.resolve import ensure_dirs
 from ..errors import Failure, SandboxfsError, UserError
 from .format import (
     CREATE_FLAGS,

@@ -17,10 +17,11 @@ from sandboxfs.audit.writer import AuditLog
 from sandboxfs.config.model import defaults
 from sandboxfs.core.context import context_document
 from sandboxfs.core.guard import Guard
+from sandboxfs.core.inodes import ROOT_INO
 from sandboxfs.core.policy import Policy, Trust, Zone
 from sandboxfs.core.rulebase import MountInfo
 from sandboxfs.core.secrets import KeyScanner, StoreContents
-from sandboxfs.core.store import ROOT_INO, Store
+from sandboxfs.core.store import Store
 from sandboxfs.fuse import operations
 from sandboxfs.fuse.operations import SandboxOperations
 from tests.support.mounts import make_project

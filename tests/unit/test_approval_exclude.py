@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from sandboxfs.config import model as config
-from sandboxfs.core.approvals import PROFILES, Broker, Kind, Rule, Verdict, excluded
+from sandboxfs.core.approval_rules import PROFILES, Kind, Rule, Verdict, excluded
+from sandboxfs.core.approvals import Broker
 from sandboxfs.core.procnames import ProcessNames
 from sandboxfs.errors import UserError
 

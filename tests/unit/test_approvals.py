@@ -10,18 +10,9 @@ import pytest
 
 from sandboxfs.api import ApprovalRequired, PermissionDenied, Sandbox
 from sandboxfs.config import model as config
-from sandboxfs.core.approvals import (
-    PROFILES,
-    Answer,
-    ApprovalError,
-    Broker,
-    Grant,
-    Kind,
-    Mode,
-    Rule,
-    Verdict,
-    strictest,
-)
+from sandboxfs.core.approval_grants import Answer, Grant
+from sandboxfs.core.approval_rules import PROFILES, Kind, Rule, Verdict, strictest
+from sandboxfs.core.approvals import ApprovalError, Broker, Mode
 from sandboxfs.errors import UserError
 
 ASK_DELETE = Rule("repo-delete", Verdict.ASK, frozenset({Kind.DELETE}), frozenset({"repo"}))

@@ -20,10 +20,10 @@ import pytest
 from sandboxfs.core.gate import Gate
 from sandboxfs.core.gatebase import Storage
 from sandboxfs.core.guard import Guard
+from sandboxfs.core.inodes import Node
 from sandboxfs.core.limits import Quota, Tally, ZoneLimits
 from sandboxfs.core.policy import Policy, Trust, Zone
 from sandboxfs.core.rulebase import MountInfo
-from sandboxfs.core.store import Node
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "sandboxfs" / "core"

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from sandboxfs.core import store as store_mod
+from sandboxfs.core import inodes
+from sandboxfs.core.inodes import Node
 from sandboxfs.core.policy import Zone
-from sandboxfs.core.store import Node, Store
+from sandboxfs.core.store import Store
 
 ZONES = (Zone.SESSION, Zone.WORKSPACE, Zone.REPO, Zone.STAGED)
 
@@ -54,7 +55,7 @@ def test_the_cache_is_sized_from_the_descriptor_limit(
     monkeypatch: pytest.MonkeyPatch, soft: int, size: int
 ) -> None:
     monkeypatch.setattr(resource, "getrlimit", lambda _: (soft, soft))
-    assert store_mod.fd_cache_size() == size
+    assert inodes.fd_cache_size() == size
 
 
 def test_the_cache_keeps_no_more_than_its_size(store: Store) -> None:

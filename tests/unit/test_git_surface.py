@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from sandboxfs.config.model import ProjectConfig, _merge, defaults, git_surface_protect
+from sandboxfs.core.inodes import ZONE_INO
 from sandboxfs.core.policy import (
     Patterns,
     Policy,
@@ -25,7 +26,6 @@ from sandboxfs.core.policy import (
     git_rule_below,
     in_git_dir,
 )
-from sandboxfs.core.store import ZONE_INO
 from sandboxfs.project.zones import protected_patterns
 from sandboxfs.staging.paths import path_problem
 from tests.support.adapter import CTX, Harness, fails, make, no_mounts_left_behind

@@ -25,8 +25,8 @@ from sandboxfs.core.gitconfig import (
     parse,
     read_bounded,
 )
+from sandboxfs.core.inodes import ZONE_INO
 from sandboxfs.core.policy import Policy, Trust, Zone
-from sandboxfs.core.store import ZONE_INO
 from tests.support.adapter import CTX, Harness, fails, make, no_mounts_left_behind
 
 __all__ = ["make", "no_mounts_left_behind"]

@@ -22,8 +22,8 @@ import pytest
 import trio
 
 from sandboxfs.config.model import ALWAYS_PROTECTED, ProjectConfig, _merge, defaults
+from sandboxfs.core.inodes import ZONE_INO
 from sandboxfs.core.policy import Patterns, Policy, Trust, Zone, fold
-from sandboxfs.core.store import ZONE_INO
 from sandboxfs.errors import Failure
 from sandboxfs.project import control
 from tests.support.adapter import CTX, Ctx, Harness, fails, make, no_mounts_left_behind

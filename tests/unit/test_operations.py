@@ -24,9 +24,7 @@ import pyfuse3
 import pytest
 
 from sandboxfs.audit.reader import read_entries
-from sandboxfs.core.policy import Zone
-from sandboxfs.core.procnames import ProcessNames
-from sandboxfs.core.store import (
+from sandboxfs.core.inodes import (
     CONTEXT_INO,
     CONTROL_INO,
     FIRST_DYNAMIC_INO,
@@ -34,6 +32,8 @@ from sandboxfs.core.store import (
     SPARE_INO_BASE,
     ZONE_INO,
 )
+from sandboxfs.core.policy import Zone
+from sandboxfs.core.procnames import ProcessNames
 from sandboxfs.fuse import host_watch, operations
 from sandboxfs.fuse.operations import SandboxOperations
 from tests.support.adapter import (

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from sandboxfs.core.inodes import ZONE_INO, Node, StatLike
 from sandboxfs.core.policy import Zone
 from sandboxfs.core.secrets import SCAN_BYTES, KeyScanner, StoreContents, private_key_in
-from sandboxfs.core.store import ZONE_INO, Node, StatLike, Store
+from sandboxfs.core.store import Store
 
 # Markers are assembled at run time, so that no scanner of this repository mistakes the test
 # for a leaked key.
