@@ -112,6 +112,9 @@ class MemorySink:
     def flush(self) -> None:
         pass
 
+    def settle(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -403,7 +403,7 @@ class Sandbox(NodeSteps):
         """This sandbox's audit entries (disk: read back from the project's log)."""
         with _LOCK:
             if not self._closed:
-                self._audit.try_flush()
+                self._audit.settle()
             return self._entries()
 
     # ----- lifetime ---------------------------------------------------------------------------

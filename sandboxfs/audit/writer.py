@@ -189,7 +189,8 @@ class AuditLog:
         if self._fd < 0:
             raise ValueError(f"audit log {self._path} is closed")
         queued = dict(entry)
-        if "ts" not in queued:
+        stamped = "ts" not in queued  # an entry of now (one with its own `ts` is imported)
+        if stamped:
             queued["ts"] = now_ts()
         if (
             queued.get("allowed") is False
@@ -199,7 +200,7 @@ class AuditLog:
             if self._queue:  # the window ended: its counts are due
                 self.try_flush()
             return
-        if self._fold and not self._sync and self._allowed.fold(queued, self._queue):
+        if self._fold and stamped and not self._sync and self._allowed.fold(queued, self._queue):
             return  # counted: written with its window (the next flush after it ends)
         self._queue.append(queued)
         if self._sync or queued.get("allowed") is False or len(self._queue) >= self._batch_size:
@@ -221,7 +222,9 @@ class AuditLog:
             return False
         try:
             self.flush()
-            return True
+            # Still failing if nothing was due to be written (entries counted in a window
+            # that has not ended): the adapter goes on refusing until a write succeeds.
+            return not self._failing
         except OSError as exc:
             self._last_error = exc.errno or 0
             self._retry_at = time.monotonic() + _RETRY_EVERY
@@ -230,6 +233,13 @@ class AuditLog:
                 self._dropped += excess
                 del self._queue[:excess]
             return False
+
+    def settle(self) -> None:
+        """End the windows of counted entries now and try to write everything: for a reader
+        that must see every operation so far (the API's audit_entries)."""
+        self._folder.end_window(self._queue)
+        self._allowed.end_window(self._queue)
+        self.try_flush()
 
     def _room_for_queue(self) -> bool:
         """Whether the log's file system seems to have room for the queue (a cheap check)."""

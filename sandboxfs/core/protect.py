@@ -78,7 +78,7 @@ class ProtectRules(RuleBase):
         if parent.zone is None:
             return
         git = parent.zone not in GIT_ZONES_EXEMPT
-        if not self.may_protect(parent) and not (
+        if not self.could_protect_inside(parent) and not (
             git and git_name(name.decode("utf-8", "surrogateescape"))
         ):
             return
@@ -90,7 +90,7 @@ class ProtectRules(RuleBase):
         if decision is not None:
             raise self.refuse(caller, op, vpath, parent.zone, decision, dest=dest)
 
-    def may_protect(self, directory: Node) -> bool:
+    def could_protect_inside(self, directory: Node) -> bool:
         """Whether a protect pattern or a git rule could match inside `directory` by path,
         remembered on the node until any known path changes (Store.moves)."""
         moves = self._moves()

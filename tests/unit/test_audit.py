@@ -150,7 +150,7 @@ def test_denial_is_in_the_file_when_record_returns(tmp_path: Path) -> None:
 
 def test_full_batch_is_flushed(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
-    log = AuditLog(path, batch_size=3)
+    log = AuditLog(path, batch_size=3, fold=False)
     log.record(_entry())
     log.record(_entry())
     assert path.read_bytes() == b""
