@@ -25,7 +25,7 @@ from sandboxfs.project.zones import (
     check_id,
     validate_project,
 )
-from sandboxfs.run import confine, nest, netproxy, registries, toolchain
+from sandboxfs.run import allowlist, confine, nest, registries, toolchain
 from sandboxfs.run import supervisor as run_mod
 from sandboxfs.run.request import RunRequest
 
@@ -142,7 +142,7 @@ def main(args: argparse.Namespace) -> int:
     profile = userconfig.agent(args.agent, user) if args.agent is not None else None
     net, hosts = _network(args, project, workspace, cfg, user, profile)
     try:
-        allow = tuple(netproxy.parse_allow_host(h) for h in hosts) if net == "allow" else ()
+        allow = tuple(allowlist.parse_allow_host(h) for h in hosts) if net == "allow" else ()
         env = profile.environment(os.environ) if profile is not None else {}
         env.update(confine.parse_env_option(e, os.environ) for e in args.env)
         cwd = confine.virtual_cwd(args.cwd) if args.cwd is not None else None

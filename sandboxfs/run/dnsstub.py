@@ -17,8 +17,10 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from sandboxfs.run.allowlist import WEB_PORTS, Allowlist, canonical_host
 from sandboxfs.run.confine import PROXY_ADDRESS
-from sandboxfs.run.netproxy import THREAD_PREFIX, WEB_PORTS, Allowlist, canonical_host, printable
+from sandboxfs.run.netdecision import printable
+from sandboxfs.run.netproxy import THREAD_PREFIX
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,10 @@ allowlist, or one whose addresses are all refused (403). Reported as failed (`al
 an `error`): admitted by the policy, but the name did not resolve or no address could be
 connected to (502; the caller audits it as a failure, not as a refusal). Otherwise connected.
 
-`Notices` prints each refusal once on `run`'s stderr, the proxy's and the DNS stub's
+The rules and the address classes are sandboxfs.run.allowlist; parsing the request header is
+sandboxfs.run.proxyrequest; the copying of an admitted connection sandboxfs.run.relay.
+`NetDecision` and `Notices` (sandboxfs.run.netdecision) carry each outcome to the audit and,
+once per refused host, to `run`'s stderr, the proxy's and the DNS stub's
 (sandboxfs.run.dnsstub: the sandbox's only nameserver, with `--net none` too).
 
 Everything is stdlib and thread-based: one accept thread and one thread per connection, with
@@ -34,18 +37,35 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import ipaddress
 import logging
 import os
-import re
 import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from sandboxfs.run.allowlist import (
+    WEB_PORTS,
+    Allowlist,
+    IPAddress,
+    address_class,
+    address_refusal,
+    canonical_host,
+    ip_literal,
+    with_port,
+)
+from sandboxfs.run.netdecision import NetDecision
+from sandboxfs.run.proxyrequest import (
+    ProxyRequest,
+    Refusal,
+    head_end,
+    origin_request,
+    parse_request,
+)
 from sandboxfs.run.registries import registry_of
+from sandboxfs.run.relay import Pipe, update_poller, wanted_events
 
 logger = logging.getLogger(__name__)
 
@@ -54,370 +74,11 @@ HEADER_TIMEOUT = 30.0  # seconds for a client to send its complete request heade
 CONNECT_TIMEOUT = 10.0  # seconds to connect to each upstream address
 SEND_TIMEOUT = 30.0  # seconds to deliver an error response to a client that does not read
 MAX_CONNECTIONS = 512  # connections served at once; more are closed at once (bounds threads)
-NOTICE_LIMIT = 20  # refused hosts that `run` names on its stderr; the audit has every one
-WEB_PORTS = (80, 443)  # what a rule without a port admits
-_RELAY_BUFFER = 64 * 1024
 THREAD_PREFIX = "sandboxfs-netproxy"
-_EXPECTED = "expected HOST, HOST:PORT, *.DOMAIN[:PORT], IP[:PORT], [IPv6]:PORT or HOST[:PORT]=IP"
-
-_IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
-_PORT = re.compile(r"[0-9]{1,5}")
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_VERSION = re.compile(r"HTTP/1\.[0-9]")
-_CGNAT = ipaddress.IPv4Network("100.64.0.0/10")
-_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
-_ULA = ipaddress.IPv6Network("fc00::/7")
-_RFC1918 = tuple(
-    ipaddress.IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
-)
-_METADATA = (ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254"))
-_DROPPED_HEADERS = frozenset(
-    {"proxy-authorization", "proxy-connection", "connection", "keep-alive", "host"}
-)
-
-
-class AllowHostError(ValueError):
-    """A bad `--allow-host` value; the message is one line naming it and what is accepted."""
-
-
-@dataclass(frozen=True)
-class HostRule:
-    """One `--allow-host` entry, normalized so that matching is plain comparison."""
-
-    host: str  # lowercase (IDNA) name, "*.suffix" wildcard, or IP literal (IPv6 without brackets)
-    port: int | None  # None: the web ports 80 and 443 only
-    # `NAME=ADDRESS`: the name may also be connected at this address (an IP literal) when that
-    # address is loopback, private or otherwise not global; None: its global addresses only.
-    address: str | None = None
-
-
-@dataclass(frozen=True)
-class NetDecision:
-    """What the proxy decided for one request naming a host, for the caller's audit entry.
-
-    Three outcomes: connected (`allowed`, no `error`); refused by the policy (not `allowed`:
-    `cause` says why in a few words, `fix` is the `--allow-host` flag that would admit it);
-    admitted but not completed (`allowed` and an `error`: the name did not resolve, the
-    upstream refused or did not answer)."""
-
-    host: str
-    port: int
-    allowed: bool
-    reason: str | None  # why refused (or "connect failed: ..."), in words a model can act on
-    address: str | None  # the IP address connected to (allowed) or refused
-    client: tuple[str, int]  # peer address of the client connection (inside the sandbox)
-    method: str  # "CONNECT" or the HTTP method
-    cause: str | None = None  # (refused, failed) the reason in brief, without the fix
-    fix: str | None = None  # (refused) the flag that would admit it: "--allow-host pypi.org"
-    error: str | None = None  # (failed) what failed, as an error name: ECONNREFUSED, EAI_NONAME
-
-    @property
-    def failed(self) -> bool:
-        """Admitted by the policy, but the connection could not be made."""
-        return self.allowed and self.error is not None
-
-    def target(self) -> str:
-        """`host:port` as a user would type it (IPv6 in brackets), made safe to print."""
-        return printable(_with_port(self.host, self.port))
-
-    def notice(self) -> str | None:
-        """The one line `run` prints on its stderr the first time a host is refused or cannot
-        be reached (None for a connection made): what, why, and the flag that would allow it.
-        The same words (after "sandboxfs") are the reason phrase of the proxy's 403 or 502,
-        which is what clients show (`Tunnel connection failed: 403 sandboxfs refused ...`)."""
-        if not self.allowed:
-            line = f"refused {self.target()} ({self.cause or self.reason})"
-            line += f"; to allow it: {self.fix}" if self.fix else ""
-        elif self.error is not None:
-            line = f"could not reach {self.target()}: {self.cause or self.reason}"
-        else:
-            return None
-        return f"network: {printable(line, 400)}"
-
-
-# ----- rules --------------------------------------------------------------------------------------
-
-
-def parse_allow_host(text: str) -> HostRule:
-    """Parse one `--allow-host` value, refusing anything ambiguous rather than guessing."""
-
-    def bad(why: str) -> AllowHostError:
-        return AllowHostError(f"bad --allow-host value {text!r}: {why} ({_EXPECTED})")
-
-    if not text:
-        raise bad("it is empty")
-    if any(c.isspace() for c in text):
-        raise bad("it contains white space")
-    if "=" in text:
-        return _parse_pinned(text, bad)
-    if "://" in text:
-        raise bad("give a host name, not a URL")
-    if any(c in text for c in "/?#@\\%"):
-        raise bad("give a host name only, without a path, user or zone")
-    host, port_text = _split_host_port(text, bad)
-    port = None
-    if port_text is not None:
-        port = _parse_port(port_text)
-        if port is None:
-            raise bad(f"the port must be a number from 1 to 65535, not {port_text!r}")
-    return _host_rule(host, port, bad)
-
-
-def _split_host_port(text: str, bad: Callable[[str], AllowHostError]) -> tuple[str, str | None]:
-    """`HOST[:PORT]` or `[IPv6][:PORT]` as the host and the port's text (None: no port)."""
-    if text.startswith("["):
-        close = text.find("]")
-        if close < 0:
-            raise bad("missing ']' after the IPv6 address")
-        host, rest = text[1:close], text[close + 1 :]
-        port_text = None
-        if rest:
-            if not rest.startswith(":"):
-                raise bad("expected ':PORT' after ']'")
-            port_text = rest[1:]
-        if _ip(host) is None or ":" not in host:
-            raise bad("only an IPv6 address goes in brackets")
-        return host, port_text
-    if text.count(":") == 1:
-        host, port_text = text.split(":")
-        return host, port_text
-    return text, None
-
-
-def _host_rule(host: str, port: int | None, bad: Callable[[str], AllowHostError]) -> HostRule:
-    """The rule for an IP literal, a `*.DOMAIN` wildcard or a host name, checked."""
-    address = _ip(host)
-    if address is not None:
-        return HostRule(str(address), port)
-    if ":" in host:
-        raise bad("not a valid IPv6 address")
-    if host.startswith("*."):
-        try:
-            suffix = _normalize_name(host[2:])
-        except ValueError as exc:
-            raise bad(str(exc)) from None
-        if "." not in suffix:
-            raise bad("a wildcard needs at least two labels after '*.' (e.g. *.example.com)")
-        return HostRule(f"*.{suffix}", port)
-    if host == "*":
-        raise bad("'*' would admit every host; list the hosts the program needs")
-    if "*" in host:
-        raise bad("a wildcard is only accepted as a leading '*.' (e.g. *.example.com)")
-    try:
-        return HostRule(_normalize_name(host), port)
-    except ValueError as exc:
-        raise bad(str(exc)) from None
-
-
-def _parse_pinned(text: str, bad: Callable[[str], AllowHostError]) -> HostRule:
-    """`NAME[:PORT]=ADDRESS`: the name, and the one address it may resolve to outside the
-    globally routable ones."""
-    left, _, right = text.partition("=")
-    if "=" in right:
-        raise bad("only one '=ADDRESS' is accepted")
-    address = _ip(right[1:-1] if right.startswith("[") and right.endswith("]") else right)
-    if address is None:
-        raise bad(f"after '=' give the IP address the name resolves to, not {right!r}")
-    try:
-        rule = parse_allow_host(left)
-    except AllowHostError:
-        raise bad(f"{left!r} before '=' is not a HOST[:PORT]") from None
-    if _ip(rule.host) is not None:
-        raise bad("'=ADDRESS' follows a host name; an address alone is listed as IP[:PORT]")
-    if rule.host.startswith("*."):
-        raise bad("a wildcard cannot be pinned to an address; name the host")
-    return HostRule(rule.host, rule.port, str(address))
-
-
-def rule_text(rule: HostRule) -> str:
-    """A rule as `--allow-host` takes it (and as messages and the audit show it)."""
-    text = _with_port(rule.host, rule.port)
-    return text if rule.address is None else f"{text}={rule.address}"
-
-
-def _parse_port(text: str) -> int | None:
-    if not _PORT.fullmatch(text):
-        return None
-    port = int(text)
-    return port if 1 <= port <= 65535 else None
-
-
-def _ip(text: str) -> _IPAddress | None:
-    """An IP literal (brackets and zone not included), IPv4-mapped IPv6 as IPv4; else None."""
-    if "%" in text:
-        return None
-    try:
-        address = ipaddress.ip_address(text)
-    except ValueError:
-        return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
-
-
-def _normalize_name(text: str) -> str:
-    """Lowercase, IDNA-encode and check a host name, without its trailing dot."""
-    name = text[:-1] if text.endswith(".") else text
-    if not name:
-        raise ValueError("the host name is empty")
-    try:
-        name = name.lower().encode("idna").decode("ascii").lower()
-    except UnicodeError:
-        raise ValueError("not a valid host name (an empty or over-long label)") from None
-    labels = name.split(".")
-    if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
-        raise ValueError("not a valid host name")
-    if labels[-1].isdigit():
-        # "127.1" or "1.2.3.4.5": the resolver may read these as numbers; say what they are.
-        raise ValueError("neither a valid IP address nor a host name")
-    return name
-
-
-def canonical_host(text: str) -> str:
-    """The host as the client asked, in rule form: an IP literal or a normalized name."""
-    if text.startswith("[") and text.endswith("]"):
-        text = text[1:-1]
-    address = _ip(text)
-    return str(address) if address is not None else _normalize_name(text)
-
-
-def _with_port(host: str, port: int | None) -> str:
-    shown = f"[{host}]" if ":" in host else host
-    return shown if port is None else f"{shown}:{port}"
-
-
-def _port_matches(rule_port: int | None, port: int) -> bool:
-    return port in WEB_PORTS if rule_port is None else port == rule_port
-
-
-class Allowlist:
-    """The `--allow-host` rules: which hosts a request may name, which addresses are listed."""
-
-    def __init__(self, rules: Sequence[HostRule]) -> None:
-        self.rules = tuple(rules)
-
-    def admits(self, host: str, port: int) -> bool:
-        """Whether a request naming `host` (name or IP literal, as the client asked) may go on."""
-        try:
-            canonical = canonical_host(host)
-        except ValueError:
-            return False
-        address = _ip(canonical)
-        for rule in self.rules:
-            if not _port_matches(rule.port, port):
-                continue
-            if address is not None:
-                if _ip(rule.host) == address:
-                    return True
-            elif rule.host.startswith("*."):
-                if canonical.endswith(rule.host[1:]):
-                    return True
-            elif rule.host == canonical:
-                return True
-        return False
-
-    def lists_address(self, ip: str, port: int, host: str | None = None) -> bool:
-        """True when a rule names exactly this address (and port): an IP-literal rule, or a
-        `NAME=ADDRESS` rule for `host` (the name as the client asked). Only then may a loopback,
-        private or otherwise non-global address be connected to."""
-        address = _ip(ip.split("%", 1)[0])
-        if address is None:
-            return False
-        try:
-            name = None if host is None else canonical_host(host)
-        except ValueError:
-            name = None
-        for rule in self.rules:
-            if not _port_matches(rule.port, port):
-                continue
-            if _ip(rule.host) == address:
-                return True
-            if rule.address is not None and rule.host == name and _ip(rule.address) == address:
-                return True
-        return False
-
-    def describe(self, limit: int = 20) -> str:
-        """The rules as a user would type them, for messages."""
-        shown = [rule_text(rule) for rule in self.rules[:limit]]
-        if len(self.rules) > limit:
-            shown.append(f"... ({len(self.rules) - limit} more)")
-        return ", ".join(shown) or "(none)"
-
-
-def _address_class(address: _IPAddress) -> str | None:
-    """Why a connection to `address` is refused by default, or None when it is global."""
-    if isinstance(address, ipaddress.IPv6Address) and address in _NAT64:
-        # DNS64 gives v4-only hosts these addresses; judge the IPv4 address inside.
-        embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-        inner = _address_class(embedded)
-        return None if inner is None else f"NAT64 of {embedded}, {inner}"
-    kind = _scope_class(address) or _network_class(address)
-    if kind is not None:
-        return kind
-    if address.is_reserved:
-        return "reserved"
-    if address.is_private or not address.is_global:
-        return "special-purpose, not globally routable"
-    return None
-
-
-def _scope_class(address: _IPAddress) -> str | None:
-    """(_address_class) What the address's own scope refuses, in either family."""
-    if address.is_unspecified:
-        return "unspecified"
-    if address.is_loopback:
-        return "loopback"
-    if address in _METADATA:
-        return "link-local, cloud metadata"
-    if address.is_link_local:
-        return "link-local"
-    if address.is_multicast:
-        return "multicast"
-    return None
-
-
-def _network_class(address: _IPAddress) -> str | None:
-    """(_address_class) The private networks of the address's family (NAT64 judged before)."""
-    if isinstance(address, ipaddress.IPv4Address):
-        if address in _CGNAT:
-            return "carrier-grade NAT, shared"
-        if any(address in net for net in _RFC1918):
-            return "private"
-        return None
-    if address in _ULA:
-        return "private, unique local"
-    if address.is_site_local:
-        return "site-local"
-    return None
-
-
-# ----- the proxy ----------------------------------------------------------------------------------
 
 
 class _Closing(Exception):
     """The proxy is closing: the connection ends now."""
-
-
-class _Refusal(Exception):
-    """An HTTP error response to send (and, with a decision, to report first)."""
-
-    def __init__(self, status: str, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class _Request:
-    method: str
-    host: str  # as the client wrote it (brackets removed)
-    port: int
-    authority: str  # as the client wrote it, for the Host header
-    target: str  # origin-form path for plain HTTP; "" for CONNECT
-    version: str
-    headers: tuple[tuple[str, str], ...]
-    rest: bytes  # bytes read after the header (body or tunnel data)
 
 
 @dataclass(frozen=True)
@@ -426,7 +87,7 @@ class _Asked:
 
     conn: socket.socket
     client: tuple[str, int]
-    request: _Request
+    request: ProxyRequest
     host: str  # in rule form (canonical_host), or as sent (cut) when it is no valid name
 
 
@@ -603,8 +264,8 @@ class Proxy:
             head = self._read_head(conn)
             if head is None:
                 return  # connected and closed without a word: nothing to answer
-            request = _parse_request(*head)
-        except _Refusal as refusal:
+            request = parse_request(*head)
+        except Refusal as refusal:
             self._respond(conn, refusal.status, refusal.reason, denied=False)
             return
         upstream: socket.socket | None = None
@@ -616,7 +277,7 @@ class Proxy:
                 self._send_all(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
                 self._relay(conn, upstream, bytearray(request.rest), end_with_upstream=False)
             else:
-                self._relay(conn, upstream, bytearray(_origin_request(request)), True)
+                self._relay(conn, upstream, bytearray(origin_request(request)), True)
         except OSError as exc:
             logger.debug("proxy: a connection ended: %s", exc)  # a client or server went away
         finally:
@@ -624,7 +285,7 @@ class Proxy:
                 self._forget(upstream)
 
     def _decide_and_connect(
-        self, conn: socket.socket, client: tuple[str, int], request: _Request
+        self, conn: socket.socket, client: tuple[str, int], request: ProxyRequest
     ) -> socket.socket | None:
         """Apply the policy, connect, report; answer the client on refusal or failure.
 
@@ -653,9 +314,9 @@ class Proxy:
     def _refuse_unlisted(self, asked: _Asked, valid: bool) -> None:
         """A host the allowlist does not admit (nor the user): 403, with the flag that would."""
         host, port = asked.host, asked.request.port
-        shown = _with_port(host, port)
+        shown = with_port(host, port)
         if valid:
-            fix = f"--allow-host {_with_port(host, None if port in WEB_PORTS else port)}"
+            fix = f"--allow-host {with_port(host, None if port in WEB_PORTS else port)}"
             if (registry := registry_of(host)) is not None and port in WEB_PORTS:
                 fix = f"--allow {registry}"  # its other hosts and addresses with it
             cause = "not in --allow-host"
@@ -673,7 +334,7 @@ class Proxy:
         """The addresses to try: an IP literal's own, or what the name resolves to; None once
         the client has been answered (502: no such name, no address)."""
         host, port = asked.host, asked.request.port
-        literal = _ip(host)
+        literal = ip_literal(host)
         if literal is not None:
             return [str(literal)]
         try:
@@ -687,19 +348,19 @@ class Proxy:
             return None
         return candidates
 
-    def _usable(self, asked: _Asked, candidates: list[str]) -> list[_IPAddress] | None:
+    def _usable(self, asked: _Asked, candidates: list[str]) -> list[IPAddress] | None:
         """The candidates that may be connected to, each once: global addresses, and those a
         rule lists exactly; None once the client has been answered (403: only refused ones)."""
         host, port = asked.host, asked.request.port
-        passing: list[_IPAddress] = []
-        refused: list[tuple[_IPAddress, str]] = []
+        passing: list[IPAddress] = []
+        refused: list[tuple[IPAddress, str]] = []
         for text in candidates:
-            address = _ip(str(text).split("%", 1)[0])
+            address = ip_literal(str(text).split("%", 1)[0])
             if address is None:
                 continue
             if address in passing or any(address == a for a, _ in refused):
                 continue
-            kind = _address_class(address)
+            kind = address_class(address)
             if kind is None or self._allowlist.lists_address(str(address), port, host):
                 passing.append(address)
             else:
@@ -709,11 +370,11 @@ class Proxy:
         if not refused:
             self._fail(asked, f"{host} resolved to no usable address", "EAI_NONAME", None)
             return None
-        cause, fix = _address_refusal(host, port, refused)
+        cause, fix = address_refusal(host, port, refused)
         self._refuse(asked, cause, fix, str(refused[0][0]))
         return None
 
-    def _connect_any(self, asked: _Asked, passing: list[_IPAddress]) -> socket.socket | None:
+    def _connect_any(self, asked: _Asked, passing: list[IPAddress]) -> socket.socket | None:
         """The first address that connects, reported; else None once the client has been
         answered (502, with what failed at each)."""
         host, port = asked.host, asked.request.port
@@ -728,8 +389,8 @@ class Proxy:
             return None
         texts = [text for text, _ in failures]
         # An address asked for by itself: "Connection refused", not "ADDRESS:PORT: Connection ..."
-        shown = _with_port(host, port)
-        brief = texts[0].removeprefix(f"{shown}: ") if _ip(host) is not None else None
+        shown = with_port(host, port)
+        brief = texts[0].removeprefix(f"{shown}: ") if ip_literal(host) is not None else None
         self._fail(asked, "; ".join(texts), failures[-1][1], str(passing[-1]), brief)
         return None
 
@@ -756,7 +417,7 @@ class Proxy:
             self._respond(
                 asked.conn,
                 "403 Forbidden",
-                f"the request to {_with_port(host, port)} could not be recorded in the "
+                f"the request to {with_port(host, port)} could not be recorded in the "
                 "audit log, so it is refused",
                 denied=True,
             )
@@ -787,13 +448,13 @@ class Proxy:
             self._respond(asked.conn, "502 Bad Gateway", reason, denied=False, decision=decision)
 
     def _connect(
-        self, address: _IPAddress, port: int, failures: list[tuple[str, str]]
+        self, address: IPAddress, port: int, failures: list[tuple[str, str]]
     ) -> socket.socket | None:
         """Connect to one address within CONNECT_TIMEOUT; on failure note why (and the error's
         name) and return None."""
         family = socket.AF_INET if address.version == 4 else socket.AF_INET6
         sock = self._open_upstream(family)
-        shown = _with_port(str(address), port)
+        shown = with_port(str(address), port)
         try:
             code = sock.connect_ex((str(address), port))
             if code in (errno.EINPROGRESS, errno.EAGAIN):
@@ -841,7 +502,7 @@ class Proxy:
         deadline = time.monotonic() + HEADER_TIMEOUT
         buf = bytearray()
         while True:
-            found = _head_end(buf)
+            found = head_end(buf)
             if found is not None:
                 index, term = found
                 if index + len(term) > HEADER_LIMIT:
@@ -850,7 +511,7 @@ class Proxy:
             if len(buf) >= HEADER_LIMIT:
                 break
             if not self._wait(conn, select.POLLIN, deadline):
-                raise _Refusal(
+                raise Refusal(
                     "400 Bad Request",
                     f"no complete request header within {HEADER_TIMEOUT:g} s",
                 )
@@ -863,9 +524,9 @@ class Proxy:
             if not data:
                 if not buf:
                     return None
-                raise _Refusal("400 Bad Request", "the request header ended early")
+                raise Refusal("400 Bad Request", "the request header ended early")
             buf += data
-        raise _Refusal(
+        raise Refusal(
             "400 Bad Request", f"the request header is larger than {HEADER_LIMIT // 1024} KiB"
         )
 
@@ -941,8 +602,8 @@ class Proxy:
         """Copy bytes both ways until both directions have ended (a half-close is passed on
         with shutdown(SHUT_WR)), or, for plain HTTP, until the upstream's answer has ended."""
         pipes = (
-            _Pipe(client, upstream, to_upstream),
-            _Pipe(upstream, client, bytearray()),
+            Pipe(client, upstream, to_upstream),
+            Pipe(upstream, client, bytearray()),
         )
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
@@ -951,7 +612,7 @@ class Proxy:
         while not all(p.done for p in pipes):
             if end_with_upstream and pipes[1].done:
                 return
-            _update_poller(poller, registered, _wanted_events(pipes))
+            update_poller(poller, registered, wanted_events(pipes))
             if not any(registered.values()):
                 return  # cannot happen: a pipe not done always wants something
             ready = dict(poller.poll())
@@ -962,208 +623,6 @@ class Proxy:
                     pipe.step(ready.get(pipe.src.fileno(), 0), ready.get(pipe.dst.fileno(), 0))
                 except OSError:
                     return  # a reset or a broken pipe ends the whole connection
-
-
-def _head_end(buf: bytearray) -> tuple[int, bytes] | None:
-    """Where the request header in `buf` ends, and with which blank line; None while it has not.
-    Leading empty lines before a request line are allowed (RFC 9112, 2.2): dropped here."""
-    while buf.startswith(b"\r\n") or buf.startswith(b"\n"):
-        del buf[: 2 if buf.startswith(b"\r\n") else 1]
-    ends = [(buf.find(t), t) for t in (b"\r\n\r\n", b"\n\n")]
-    found = [(i, t) for i, t in ends if i >= 0]
-    return min(found) if found else None
-
-
-def _wanted_events(pipes: tuple[_Pipe, _Pipe]) -> dict[int, int]:
-    """(relay) What to poll each socket for: reading while its pipe has room, writing while
-    the other way has bytes waiting."""
-    wanted: dict[int, int] = {pipes[0].src.fileno(): 0, pipes[0].dst.fileno(): 0}
-    for pipe in pipes:
-        if not pipe.eof and len(pipe.buf) < _RELAY_BUFFER:
-            wanted[pipe.src.fileno()] |= select.POLLIN
-        if pipe.buf:
-            wanted[pipe.dst.fileno()] |= select.POLLOUT
-    return wanted
-
-
-def _update_poller(poller: select.poll, registered: dict[int, int], wanted: dict[int, int]) -> None:
-    """Register what is wanted now with `poller`, where it changed (`registered`: what it has)."""
-    for fd, events in wanted.items():
-        if registered.get(fd, 0) == events:
-            continue
-        if events:
-            poller.register(fd, events)
-        else:
-            poller.unregister(fd)
-        registered[fd] = events
-
-
-class _Pipe:
-    """One direction of a relay: bytes read from `src`, waiting in `buf`, written to `dst`."""
-
-    def __init__(self, src: socket.socket, dst: socket.socket, buf: bytearray) -> None:
-        self.src = src
-        self.dst = dst
-        self.buf = buf
-        self.eof = False  # src has ended
-        self.done = False  # ... and that end was passed on to dst
-
-    def step(self, src_events: int, dst_events: int) -> None:
-        readable = select.POLLIN | select.POLLHUP | select.POLLERR
-        if src_events & readable and not self.eof and len(self.buf) < _RELAY_BUFFER:
-            try:
-                data = self.src.recv(_RELAY_BUFFER - len(self.buf))
-            except (BlockingIOError, InterruptedError):
-                data = None
-            if data is not None:
-                if data:
-                    self.buf += data
-                else:
-                    self.eof = True
-        if dst_events & (select.POLLOUT | select.POLLHUP | select.POLLERR) and self.buf:
-            try:
-                sent = self.dst.send(self.buf)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            del self.buf[:sent]
-        if self.eof and not self.buf and not self.done:
-            self.done = True
-            with contextlib.suppress(OSError):
-                self.dst.shutdown(socket.SHUT_WR)
-
-
-# ----- what run prints ----------------------------------------------------------------------------
-
-
-class Notices:
-    """Lines for `run`'s stderr as refusals happen: each at most once (by `key`, such as the
-    host and port), at most `limit` in all, then one `overflow` line; safe from any thread."""
-
-    def __init__(self, write: Callable[[str], None], overflow: str, limit: int = NOTICE_LIMIT):
-        self._write = write
-        self._overflow = overflow
-        self._limit = limit
-        self._seen: set[str] = set()
-        self._lock = threading.Lock()
-
-    def add(self, key: str, line: str | None) -> None:
-        if line is None:
-            return
-        with self._lock:  # decided here, written outside: a stalled stderr holds one thread
-            if key in self._seen:
-                return
-            if len(self._seen) >= self._limit:
-                line, self._overflow = self._overflow, ""
-                if not line:
-                    return
-            else:
-                self._seen.add(key)
-        self._write(line)
-
-
-# ----- parsing ------------------------------------------------------------------------------------
-
-
-def _parse_request(head: bytes, rest: bytes) -> _Request:
-    """Parse a proxy request header: CONNECT authority or an absolute-form http:// URL."""
-    lines = [line.removesuffix(b"\r").decode("latin-1") for line in head.split(b"\n")]
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not _VERSION.fullmatch(parts[2]):
-        raise _Refusal("400 Bad Request", "not an HTTP/1.x request line")
-    method, target, version = parts
-    headers: list[tuple[str, str]] = []
-    if any("\r" in line for line in lines):
-        raise _Refusal("400 Bad Request", "a stray carriage return in the request header")
-    for line in lines[1:]:
-        name, colon, value = line.partition(":")
-        if not colon or not _TOKEN.fullmatch(name):
-            raise _Refusal("400 Bad Request", "a malformed header line")
-        headers.append((name, value.strip(" \t")))
-    if method == "CONNECT":
-        authority, path = target, ""
-        default_port = 443
-    else:
-        scheme, sep, remainder = target.partition("://")
-        if not sep or scheme.lower() != "http":
-            raise _Refusal(
-                "400 Bad Request",
-                "this is a proxy: send CONNECT host:port (for https) or an absolute-form "
-                "request such as GET http://host/path",
-            )
-        cut = min((i for i in (remainder.find(c) for c in "/?#") if i >= 0), default=None)
-        authority, path = (remainder, "") if cut is None else (remainder[:cut], remainder[cut:])
-        path = path.partition("#")[0]
-        path = path if path.startswith("/") else "/" + path
-        default_port = 80
-    parsed = _split_authority(authority, default_port)
-    if parsed is None:
-        raise _Refusal("400 Bad Request", f"not a valid host[:port]: {authority[:100]!r}")
-    host, port = parsed
-    return _Request(method, host, port, authority, path, version, tuple(headers), rest)
-
-
-def _split_authority(text: str, default_port: int) -> tuple[str, int] | None:
-    """`host[:port]` or `[v6][:port]` as host (brackets removed) and port; None if malformed."""
-    if not text or any(c in text for c in "@/?#\\") or any(c.isspace() for c in text):
-        return None
-    if text.startswith("["):
-        close = text.find("]")
-        if close < 0:
-            return None
-        host, rest = text[1:close], text[close + 1 :]
-        if rest and not rest.startswith(":"):
-            return None
-        port_text = rest[1:] if rest else None
-    elif text.count(":") == 1:
-        host, port_text = text.split(":")
-    elif ":" in text:
-        return None
-    else:
-        host, port_text = text, None
-    if not host:
-        return None
-    if port_text is None:
-        return host, default_port
-    port = _parse_port(port_text)
-    return None if port is None else (host, port)
-
-
-def _origin_request(request: _Request) -> bytes:
-    """The request rewritten for the origin server: origin-form target, the client's Host
-    replaced by the URL's authority (RFC 9112, 3.2.2), proxy headers dropped, one request."""
-    lines = [f"{request.method} {request.target} {request.version}", f"Host: {request.authority}"]
-    lines += [f"{n}: {v}" for n, v in request.headers if n.lower() not in _DROPPED_HEADERS]
-    lines.append("Connection: close")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + request.rest
-
-
-def _address_refusal(
-    host: str, port: int, refused: list[tuple[_IPAddress, str]]
-) -> tuple[str, str]:
-    """Why a host whose addresses are all non-global is refused, and the one flag that admits
-    it: `NAME=ADDRESS` for a name (the first address it resolved to is enough: the proxy tries
-    the listed ones), the address itself for an IP literal."""
-    rule_port = None if port in WEB_PORTS else port
-    first = refused[0][0]
-    if _ip(host) == first:
-        cause = f"{first} is a {refused[0][1]} address, which is refused unless listed exactly"
-        return cause, f"--allow-host {_with_port(str(first), rule_port)}"
-    listed = ", ".join(f"{address} ({kind})" for address, kind in refused)
-    verb = "is" if len(refused) == 1 else "are"
-    cause = f"{host} resolves to {listed}, which {verb} refused unless listed exactly"
-    return cause, f"--allow-host {_with_port(host, rule_port)}={first}"
-
-
-def printable(text: str | None, limit: int = 300) -> str:
-    """`text` as one line of printable ASCII: what a program inside chose (a host name it sent,
-    a name it looked up) must not reach the user's terminal as control sequences."""
-    if text is None:
-        return ""
-    shown = "".join(
-        c if c.isascii() and c.isprintable() else c.encode("unicode_escape").decode("ascii")
-        for c in text
-    )
-    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
 
 
 def _getaddrinfo(host: str, port: int) -> list[str]:

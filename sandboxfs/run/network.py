@@ -14,8 +14,10 @@ from pathlib import Path
 from sandboxfs.core.entry import AuditOp
 from sandboxfs.errors import UserError
 from sandboxfs.project import control
+from sandboxfs.run.allowlist import Allowlist
 from sandboxfs.run.dnsstub import DnsStub, Lookup, lookup_refusal
-from sandboxfs.run.netproxy import Allowlist, NetDecision, Notices, Proxy, printable
+from sandboxfs.run.netdecision import NetDecision, Notices, printable
+from sandboxfs.run.netproxy import Proxy
 from sandboxfs.run.processes import Child
 from sandboxfs.run.report import RunAudit
 from sandboxfs.run.request import RunRequest

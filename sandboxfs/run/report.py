@@ -16,7 +16,8 @@ from sandboxfs.core.entry import UNSET, AuditOp, Unset, audit_entry
 from sandboxfs.core.policy import Op, Policy, Zone
 from sandboxfs.layout import audit_path
 from sandboxfs.run import confine
-from sandboxfs.run.netproxy import printable, rule_text
+from sandboxfs.run.allowlist import rule_text
+from sandboxfs.run.netdecision import printable
 from sandboxfs.run.request import RunRequest, exit_status
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from sandboxfs.config.model import Config
 from sandboxfs.core.policy import Trust
+from sandboxfs.run.allowlist import HostRule
 from sandboxfs.run.nest import Nesting
-from sandboxfs.run.netproxy import HostRule
 from sandboxfs.run.toolchain import Toolchain
 
 EXIT_SETUP = 125  # as `docker run`: the sandbox could not be set up, CMD never ran

@@ -38,8 +38,8 @@ from sandboxfs.project.identity import project_identity
 from sandboxfs.project.mounts import MountRequest
 from sandboxfs.project.zones import CONFINED_HOME, HOME_ZONE
 from sandboxfs.run import confine, doctor, home, seccomp
+from sandboxfs.run.allowlist import rule_text
 from sandboxfs.run.nest import NEST_DIR, NestServer, child_argv
-from sandboxfs.run.netproxy import rule_text
 from sandboxfs.run.network import Network
 from sandboxfs.run.processes import abandon_daemon, daemon_ended, start_child, stop_daemon
 from sandboxfs.run.report import RunAudit, start_line, summary

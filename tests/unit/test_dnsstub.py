@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from sandboxfs.run import dnsstub
-from sandboxfs.run.netproxy import Allowlist, parse_allow_host
+from sandboxfs.run.allowlist import Allowlist, parse_allow_host
 
 LOCAL = "127.0.0.1"
 

@@ -16,14 +16,17 @@ from dataclasses import dataclass, field
 import pytest
 
 import sandboxfs.run.netproxy as netproxy
-from sandboxfs.run.netproxy import (
+from sandboxfs.run.allowlist import (
     AllowHostError,
     Allowlist,
     HostRule,
-    NetDecision,
-    Proxy,
+    address_class,
+    ip_literal,
     parse_allow_host,
+    rule_text,
 )
+from sandboxfs.run.netdecision import NetDecision, Notices
+from sandboxfs.run.netproxy import Proxy
 
 LOCAL = "127.0.0.1"
 Resolve = Callable[[str, int], list[str]]
@@ -363,7 +366,7 @@ def test_ip_rules_and_listed_addresses() -> None:
 def test_pinned_rules_admit_the_name_and_list_its_address() -> None:
     rule = parse_allow_host("api.test:8080=10.0.0.5")
     allow = Allowlist([rule, parse_allow_host("web.test=127.0.0.1")])
-    assert netproxy.rule_text(rule) == "api.test:8080=10.0.0.5"
+    assert rule_text(rule) == "api.test:8080=10.0.0.5"
     assert allow.describe() == "api.test:8080=10.0.0.5, web.test=127.0.0.1"
     assert allow.admits("API.test", 8080)
     assert not allow.admits("api.test", 443)
@@ -380,9 +383,9 @@ def test_pinned_rules_admit_the_name_and_list_its_address() -> None:
 
 def test_address_classes() -> None:
     def cls(text: str) -> str | None:
-        address = netproxy._ip(text)
+        address = ip_literal(text)
         assert address is not None
-        return netproxy._address_class(address)
+        return address_class(address)
 
     assert cls("8.8.8.8") is None
     assert cls("2606:4700::1111") is None
@@ -650,7 +653,7 @@ def test_resolver_errors_are_named() -> None:
 
 def test_notices_once_per_key_and_bounded() -> None:
     written: list[str] = []
-    notices = netproxy.Notices(written.append, "more: see the audit", limit=2)
+    notices = Notices(written.append, "more: see the audit", limit=2)
     for key in ("a", "a", "b", None, "c", "d", "a"):
         notices.add(str(key), None if key is None else f"line {key}")
     assert written == ["line a", "line b", "more: see the audit"]

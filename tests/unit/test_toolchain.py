@@ -14,7 +14,7 @@ from sandboxfs.config.model import load
 from sandboxfs.core.policy import Op, Patterns, Trust, Zone
 from sandboxfs.errors import NotRunnable, UserError
 from sandboxfs.project.zones import HOME_ZONE, prepare_zones, with_home
-from sandboxfs.run import confine, netproxy, toolchain
+from sandboxfs.run import allowlist, confine, toolchain
 
 
 def make_home(root: Path) -> Path:
@@ -385,7 +385,7 @@ def test_builtin_profiles_are_valid() -> None:
     for name, profile in userconfig.BUILTIN_AGENTS.items():
         assert profile.programs == [name] and profile.allow_hosts, name
         for host in profile.allow_hosts:
-            netproxy.parse_allow_host(host)
+            allowlist.parse_allow_host(host)
         for rel in profile.seed:
             assert not os.path.isabs(rel)
 
