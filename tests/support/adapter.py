@@ -22,7 +22,7 @@ from sandboxfs.core.policy import Policy, Trust, Zone
 from sandboxfs.core.rulebase import MountInfo
 from sandboxfs.core.secrets import KeyScanner, StoreContents
 from sandboxfs.core.store import Store
-from sandboxfs.fuse import operations
+from sandboxfs.fuse.handles import FileHandle
 from sandboxfs.fuse.operations import SandboxOperations
 from tests.support.mounts import make_project
 
@@ -116,7 +116,7 @@ class Harness:
 
     def close(self) -> None:
         for handle in list(self.ops._handles.values()):
-            if isinstance(handle, operations.FileHandle):
+            if isinstance(handle, FileHandle):
                 os.close(handle.fd)
         self.ops._handles.clear()
         self.store.close()
@@ -184,7 +184,7 @@ class Harness:
 
     async def readdir(self, fh: int, start: int, limit: int | None = None) -> Replies:
         replies = Replies(limit)
-        self.monkeypatch.setattr(pyfuse3, "readdir_reply", replies)  # = operations.pyfuse3
+        self.monkeypatch.setattr(pyfuse3, "readdir_reply", replies)  # = dir_ops.pyfuse3
         await self.ops.readdir(fh, start, cast(pyfuse3.ReaddirToken, object()))
         return replies
 

@@ -291,7 +291,7 @@ async def test_allocating_calls_run_with_the_callers_filesystem_identity(
     h = make("full")
     h.ops.running_as_root = True
     calls: list[tuple[int, int]] = []
-    monkeypatch.setattr("sandboxfs.fuse.operations.set_fs_ids", lambda u, g: calls.append((u, g)))
+    monkeypatch.setattr("sandboxfs.fuse.ops_base.set_fs_ids", lambda u, g: calls.append((u, g)))
     caller = Ctx(uid=4242, gid=4343, pid=os.getpid())
     working = await h.ino("/session/working")
     monkeypatch.setattr(os, "fchown", lambda *a: None)

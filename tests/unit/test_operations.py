@@ -1,4 +1,4 @@
-"""The FUSE adapter (sandboxfs/fuse/operations.py) driven directly, without a mount.
+"""The FUSE adapter (sandboxfs/fuse/operations.py and its mixins), driven without a mount.
 
 A real `Store` over temporary zone directories, a `Policy` from the built-in defaults and a real
 `AuditLog` are wired into `SandboxOperations`; the async callbacks are awaited with a fake request
@@ -34,7 +34,7 @@ from sandboxfs.core.inodes import (
 )
 from sandboxfs.core.policy import Zone
 from sandboxfs.core.procnames import ProcessNames
-from sandboxfs.fuse import host_watch, operations
+from sandboxfs.fuse import file_ops, host_watch
 from sandboxfs.fuse.operations import SandboxOperations
 from tests.support.adapter import (
     COMM,
@@ -358,7 +358,7 @@ async def test_listings_repeat_given_attributes_within_their_validity(
     assert h.store.nodes[main].lookups == 2
 
     later = time.monotonic() + h.ops.replies.attr_timeout + 0.01
-    monkeypatch.setattr("sandboxfs.fuse.operations.time.monotonic", lambda: later)
+    monkeypatch.setattr("sandboxfs.fuse.dir_ops.time.monotonic", lambda: later)
     listed = (await listed_attrs(h, "/repo/src"))[b"main.py"]
     assert listed.st_size == backing.stat().st_size
     assert listed.attr_timeout == h.ops.replies.attr_timeout
@@ -578,7 +578,7 @@ async def test_files_written_in_parts_are_handed_to_the_kernel_whole(
     assert stored == []
     assert not await kept(busy)
 
-    monkeypatch.setattr(operations, "_KERNEL_STORE_LIMIT", 8192)
+    monkeypatch.setattr(file_ops, "_KERNEL_STORE_LIMIT", 8192)
     big = await write_file(b"big", records)
     assert stored == []
     assert not await kept(big)
