@@ -125,7 +125,7 @@ class Node:
     # every earlier node that had the number (0 for the fixed and spare numbers, given once).
     generation: int = 0
     # For a directory: whether a protect pattern could match inside it, as of the given count
-    # of directory path changes (Store.moves; see Guard._may_protect).
+    # of directory path changes (Store.moves; see Guard.could_protect_inside).
     protect_memo: tuple[int, bool] = (-1, False)
     # For a directory: the deny pattern that it or a directory above it matches (None: none),
     # as of the given count of directory path changes (see Guard.denied_pattern).
