@@ -63,6 +63,10 @@ class ApprovalError(Exception):
     """An answer the broker cannot take (unknown or stale id, unknown answer)."""
 
 
+# Refusals that asked nobody, kept for the control channel (the newest).
+REFUSALS_KEPT = 100
+
+
 class Broker:
     """Pending requests and grants of one mount or sandbox, for its session."""
 
@@ -84,7 +88,10 @@ class Broker:
         timeout: float = 60.0,
         per_minute: int = 30,
         clock: Callable[[], float] = time.monotonic,
-        nobody: str = "approvals are off for this run (--approvals none)",
+        nobody: str = (
+            "approvals are off for this run (--approvals none, the default without a "
+            "terminal; with --approvals ask, 'sandboxfs approve' answers from another one)"
+        ),
     ) -> None:
         self.rules = tuple(rules)
         self.mode = mode
@@ -95,6 +102,10 @@ class Broker:
         self._pending = PendingRequests()
         self._grants = GrantIndex()
         self._recent: deque[float] = deque()  # when the last requests were made (rate limit)
+        # The last refusals that asked nobody (blocked, or nobody to answer), numbered, for a
+        # run without a prompt to tell on its stderr (sandboxfs.run.approval_notices).
+        self.refused: deque[dict[str, Any]] = deque(maxlen=REFUSALS_KEPT)
+        self.refused_total = 0
 
     @property
     def asks(self) -> bool:
@@ -160,19 +171,21 @@ class Broker:
             return Outcome(True, rule)
         what = f"{kind.value} of {shown_as(path, dest)}"
         if rule.verdict is Verdict.BLOCKED:
-            return Outcome(False, rule, f"{what} is blocked by approval rule {rule.id}")
+            reason = f"{what} is blocked by approval rule {rule.id}"
+            self._refused(kind, reason, pid, comm)
+            return Outcome(False, rule, reason)
         if self.mode is Mode.OFF:
             return Outcome(True, rule, f"{what}: rule {rule.id} asks; --no-approvals", unasked=True)
         grant = self._grants.find(kind, path, dest)
         if grant is not None:
             return self._granted(grant, rule, what, path, dest)
         if self.mode is Mode.NONE:
-            return Outcome(
-                False,
-                rule,
+            reason = (
                 f"{what} needs the user's approval (rule {rule.id}), and nobody can answer: "
-                f"{self.nobody}",
+                f"{self.nobody}"
             )
+            self._refused(kind, reason, pid, comm)
+            return Outcome(False, rule, reason)
         return self._ask(rule, kind, what, zone, path, dest, pid, comm, cmdline)
 
     def _granted(self, grant: Grant, rule: Rule, what: str, path: str, dest: str | None) -> Outcome:
@@ -364,13 +377,22 @@ class Broker:
             )
         return request.describe(self._clock(), self.MAX_PATHS)
 
+    def _refused(self, kind: Kind, reason: str, pid: int, comm: str) -> None:
+        if kind is Kind.CONNECT:
+            return  # run's proxy tells its own refusals
+        self.refused_total += 1
+        self.refused.append({"seq": self.refused_total, "reason": reason, "pid": pid, "comm": comm})
+
     def snapshot(self) -> dict[str, Any]:
-        """Pending requests and grants, for the control channel."""
+        """Pending requests and grants, and the last refusals that asked nobody, for the
+        control channel."""
         now = self._clock()
         return {
             "mode": self.mode.value,
             "pending": [r.describe(now) for r in self.pending()],
             "grants": [g.describe() for g in self.grants()],
+            "refused": list(self.refused),
+            "refused_total": self.refused_total,
         }
 
     def pending_text(self) -> str:

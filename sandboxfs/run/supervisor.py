@@ -39,6 +39,7 @@ from sandboxfs.project.mounts import MountRequest
 from sandboxfs.project.zones import CONFINED_HOME, HOME_ZONE
 from sandboxfs.run import confine, doctor, home, seccomp
 from sandboxfs.run.allowlist import rule_text
+from sandboxfs.run.approval_notices import ApprovalNotices
 from sandboxfs.run.nest import NEST_DIR, NestServer, child_argv
 from sandboxfs.run.network import Network
 from sandboxfs.run.processes import abandon_daemon, daemon_ended, start_child, stop_daemon
@@ -274,6 +275,7 @@ class _Program:
     lost: str | None = None  # how the daemon ended while the program ran (the mount was lost)
     terminal: Terminal | None = None
     network: Network | None = None
+    notices: ApprovalNotices | None = None
 
     def run(self, bwrap: str, mnt: Path, cwd: str, view: _View) -> int:
         """Start CMD, wait for it; its exit status as run's (a lost mount is no success)."""
@@ -300,6 +302,9 @@ class _Program:
         loop = WaitLoop(child, terminal, hold)
         if loop.relay is not None:
             _prompt_here(req, loop.relay, view.nest, self.daemon)
+        tells_here = req.approvals != "off" and req.report_control is None
+        if tells_here and (loop.relay is None or loop.relay.prompt is None):
+            self.notices = ApprovalNotices(control.socket_path(self.daemon), hold.line)
         if not req.quiet:  # said once the sandbox is up: a setup error stays one line
             policy = Policy(req.config.matrix(), req.config.deny, req.trust, req.config.protect)
             loop.on_ready = lambda: hold.line(start_line(req, policy, cwd))
@@ -313,6 +318,8 @@ class _Program:
     def close(self) -> None:
         if self.terminal is not None:
             self.terminal.close()
+        if self.notices is not None:
+            self.notices.close()
         if self.network is not None:
             self.network.close()
 

@@ -881,3 +881,35 @@ def test_a_link_refused_by_approvals_is_audited_source_first(tmp_path: Path, pro
         assert refused.returncode == 1 and "Permission denied" in refused.stderr
         [entry] = [e for e in m.audit("--op", "link") if e.get("allowed") is False]
         assert (entry["path"], entry["dest"]) == ("/repo/notes.txt", "/repo/second"), entry
+
+
+@needs_bwrap
+@pytest.mark.parametrize("approvals", ["none", "ask"])
+def test_a_run_without_a_terminal_says_why_an_approval_rule_refused(
+    project: Path, approvals: str
+) -> None:
+    """Redirected (no prompt here), the program sees only "Permission denied": run's stderr
+    says, in one line, which rule refused and why, or which request waits and how to answer."""
+    configure(project)
+    extra = ["--approvals", "ask"] if approvals == "ask" else []  # none: the default here
+    argv = [*SANDBOXFS, "run", "--project", str(project), "--trust", "full", "--quiet", *extra]
+    argv += ["--", "rm", "/sandbox/repo/a/one"]
+    result = subprocess.run(
+        argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1 and "Permission denied" in result.stderr, result
+    told = [line for line in result.stderr.splitlines() if line.startswith("sandboxfs: ")]
+    assert len(told) == 1, result.stderr
+    if approvals == "none":
+        assert told[0].startswith("sandboxfs: refused rm["), told
+        assert told[0].endswith(
+            "]: delete of /repo/a/one needs the user's approval (rule repo-delete), and nobody"
+            " can answer: approvals are off for this run (--approvals none, the default without"
+            " a terminal; with --approvals ask, 'sandboxfs approve' answers from another one)"
+        ), told
+    else:
+        assert told[0].startswith("sandboxfs: approval 1 needed: delete of /repo/a/one by rm["), (
+            told
+        )
+        assert "'sandboxfs approve 1' or 'sandboxfs deny 1'" in told[0], told
+    assert (project / "a" / "one").exists()

@@ -557,3 +557,21 @@ def test_a_link_grant_binds_its_source_and_a_new_name_is_not_made_there() -> Non
     b.answer(1, Answer.DIR, "test")
     b.moved("/repo/src/main.py", "/repo/build/main.o")  # what Gate.link tells it
     assert not delete_ok(b, "/repo/build/main.o")
+
+
+def test_refusals_that_ask_nobody_are_kept_for_the_control_channel() -> None:
+    """Blocked, or nobody to answer: the last REFUSALS_KEPT, numbered, for a run without a
+    prompt to tell; a probe's verdict keeps none."""
+    from sandboxfs.core import approvals as approvals_mod
+
+    broker = Broker([ASK_DELETE], mode=Mode.NONE)
+    assert not broker.verdict("full", "repo", [Kind.DELETE], "/repo/x").allowed
+    assert broker.snapshot()["refused"] == []
+    for i in range(approvals_mod.REFUSALS_KEPT + 5):
+        outcome = broker.consult("full", "repo", [Kind.DELETE], f"/repo/f{i}", pid=7, comm="rm")
+        assert not outcome.allowed
+    snapshot = broker.snapshot()
+    assert snapshot["refused_total"] == approvals_mod.REFUSALS_KEPT + 5
+    assert len(snapshot["refused"]) == approvals_mod.REFUSALS_KEPT
+    assert snapshot["refused"][-1]["seq"] == approvals_mod.REFUSALS_KEPT + 5
+    assert "nobody can answer" in snapshot["refused"][-1]["reason"]
