@@ -132,45 +132,23 @@ class ProtectRules(RuleBase):
         None when it is absent or not the file `expect` ((st_dev, st_ino)) names; for the
         source, every open handle of the file has stopped writing first, so what is judged
         is what git will read. A protect pattern matching the destination refuses as always."""
-        zone = to_parent.zone
-        if (
-            read is None
-            or zone is None
-            or zone in GIT_ZONES_EXEMPT
-            or not stat.S_ISREG(st.st_mode)
-            or fold(to_name.decode("utf-8", "surrogateescape")) not in gitconfig.CONFIG_NAMES
-        ):
-            return False
-        relpath = relpath_of(to_parent, to_name)
-        rule = git_rule(git_path(relpath, zone in self.policy.git_dirs))
-        if rule is None or rule.rsplit("/", 1)[-1] not in gitconfig.CONFIG_NAMES:
-            return False
-        self.reject_zone_root(caller, AuditOp.RENAME, to_parent, to_name, dst)
-        pattern = self.policy.protect.match_within(relpath, False)
-        if pattern is not None:
-            decision = self.policy.protect_decision(dst, pattern)
-            raise self.refuse(caller, AuditOp.RENAME, dst, zone, decision, dest=dst)
-        problem: str | None
-        if st.st_nlink != 1:
-            problem = "the file renamed onto it has other names, through which it could change"
-        elif st.st_size > gitconfig.MAX_CONFIG_BYTES:
-            problem = f"the new content is larger than {gitconfig.MAX_CONFIG_BYTES} bytes"
-        else:
-            new = read(parent, name, (st.st_dev, st.st_ino), gitconfig.MAX_CONFIG_BYTES)
-            if new is None:
-                problem = "the file renamed onto it changed or could not be read"
-            else:
-                old = read(to_parent, to_name, None, gitconfig.MAX_CONFIG_BYTES)
-                refusal = gitconfig.judge(old or b"", new)
-                problem = None if refusal is None else refusal.reason
-        if problem is None:
-            return True
-        reason = (
-            f"{dst}: {problem}: refused ({rule} may change only branch tracking, remotes with "
-            f"ordinary URLs, user.* and similar settings; change others outside the sandbox)"
+
+        def judge(rule: str, old: bytes | None, new: bytes) -> str | None:
+            refusal = gitconfig.judge(old or b"", new)
+            return None if refusal is None else refusal.reason
+
+        moved = (caller, parent, name, st, to_parent, to_name, src, dst, read)
+        return self._judge_git_file(
+            moved,
+            gitconfig.CONFIG_NAMES,
+            gitconfig.MAX_CONFIG_BYTES,
+            "the new content",
+            judge,
+            lambda rule: (
+                f"{rule} may change only branch tracking, remotes with ordinary URLs, user.* "
+                f"and similar settings; change others outside the sandbox"
+            ),
         )
-        decision = Decision(False, errno.EROFS, reason, Rule.PROTECT)
-        raise self.refuse(caller, AuditOp.RENAME, src, zone, decision, dest=dst)
 
     def judge_index(
         self,
@@ -190,18 +168,52 @@ class ProtectRules(RuleBase):
         one lacked, or the new packed-refs adds no replace ref (sandboxfs.core.gitindex), else
         refused (EROFS, audited): the user's git status and git diff would skip what the agent
         changed. False when it is not such a rename."""
+
+        def judge(rule: str, old: bytes | None, new: bytes) -> str | None:
+            packed = rule.endswith("packed-refs")
+            return (gitindex.judge_packed_refs if packed else gitindex.judge)(old, new)
+
+        moved = (caller, parent, name, st, to_parent, to_name, src, dst, read)
+        return self._judge_git_file(
+            moved,
+            gitindex.INDEX_NAMES,
+            gitindex.MAX_INDEX_BYTES,
+            "the new index",
+            judge,
+            lambda rule: (
+                f"a new {rule} may not hide changes from the user's git status and git diff: "
+                f"no assume-unchanged or skip-worktree flag, no new untracked or fsmonitor "
+                f"cache, no replace ref"
+            ),
+        )
+
+    def _judge_git_file(
+        self,
+        moved: tuple[Caller, Node, bytes, StatLike, Node, bytes, str, str, ReadFile | None],
+        names: frozenset[str],
+        limit: int,
+        content: str,
+        judge: Callable[[str, bytes | None, bytes], str | None],
+        allows: Callable[[str], str],
+    ) -> bool:
+        """What judge_config and judge_index share: whether the rename `moved` lands on one of
+        git's files named `names` that git_rule protects (False: not such a rename), then the
+        destination's zone root and protect patterns, then the new content (one name, at most
+        `limit` bytes, read whole) given to `judge(rule, old, new)`: True when it finds no
+        problem, else refused (EROFS) with what the file `allows`."""
+        caller, parent, name, st, to_parent, to_name, src, dst, read = moved
         zone = to_parent.zone
         if (
             read is None
             or zone is None
             or zone in GIT_ZONES_EXEMPT
             or not stat.S_ISREG(st.st_mode)
-            or fold(to_name.decode("utf-8", "surrogateescape")) not in gitindex.INDEX_NAMES
+            or fold(to_name.decode("utf-8", "surrogateescape")) not in names
         ):
             return False
         relpath = relpath_of(to_parent, to_name)
         rule = git_rule(git_path(relpath, zone in self.policy.git_dirs))
-        if rule is None or rule.rsplit("/", 1)[-1] not in gitindex.INDEX_NAMES:
+        if rule is None or rule.rsplit("/", 1)[-1] not in names:
             return False
         self.reject_zone_root(caller, AuditOp.RENAME, to_parent, to_name, dst)
         pattern = self.policy.protect.match_within(relpath, False)
@@ -211,23 +223,17 @@ class ProtectRules(RuleBase):
         problem: str | None
         if st.st_nlink != 1:
             problem = "the file renamed onto it has other names, through which it could change"
-        elif st.st_size > gitindex.MAX_INDEX_BYTES:
-            problem = f"the new index is larger than {gitindex.MAX_INDEX_BYTES} bytes"
+        elif st.st_size > limit:
+            problem = f"{content} is larger than {limit} bytes"
         else:
-            new = read(parent, name, (st.st_dev, st.st_ino), gitindex.MAX_INDEX_BYTES)
+            new = read(parent, name, (st.st_dev, st.st_ino), limit)
             if new is None:
                 problem = "the file renamed onto it changed or could not be read"
             else:
-                old = read(to_parent, to_name, None, gitindex.MAX_INDEX_BYTES)
-                packed = rule.endswith("packed-refs")
-                problem = (gitindex.judge_packed_refs if packed else gitindex.judge)(old, new)
+                problem = judge(rule, read(to_parent, to_name, None, limit), new)
         if problem is None:
             return True
-        reason = (
-            f"{dst}: {problem}: refused (a new {rule} may not hide changes from the user's "
-            f"git status and git diff: no assume-unchanged or skip-worktree flag, no new "
-            f"untracked or fsmonitor cache, no replace ref)"
-        )
+        reason = f"{dst}: {problem}: refused ({allows(rule)})"
         decision = Decision(False, errno.EROFS, reason, Rule.PROTECT)
         raise self.refuse(caller, AuditOp.RENAME, src, zone, decision, dest=dst)
 
