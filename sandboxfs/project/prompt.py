@@ -394,9 +394,10 @@ class RelayPrompt:
         rows, cols = self.size()
         self.status = status
         lines = layout(self.request, rows, cols, self.source[1], status)
+        if fresh:  # what was typed before it shows is dropped, never what comes once it does
+            self.discard()
         self.write(CLEAR + "\r\n".join(lines).encode("utf-8", "replace"))
         if fresh:
-            self.discard()
             self.drawn_at = self.clock()
             self.choice = None
 

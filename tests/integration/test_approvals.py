@@ -227,8 +227,7 @@ def test_the_prompt_answers_with_one_key_each(asking: Mount) -> None:
         term.send(b"q")
         assert term.wait() == 0
     finally:
-        if term.proc is not None and term.proc.poll() is None:
-            term.proc.kill()
+        term.close()  # killed and waited for if it is still running
     assert b"command line: rm " in term.output
     grants = json.loads(sandboxfs("grants", "--json", "--mount", asking.mnt).stdout)
     # the once grants were for paths not tried again; "a" covers every delete now
@@ -249,8 +248,7 @@ def test_names_the_program_chose_are_shown_escaped(asking: Mount) -> None:
         term.send(b"q")
         assert term.wait() == 0
     finally:
-        if term.proc is not None and term.proc.poll() is None:
-            term.proc.kill()
+        term.close()  # killed and waited for if it is still running
     assert b"\x1b[2J" not in term.output and "\u202e".encode() not in term.output
     assert b"evil\\x1b[2J\\u202eexe" in term.output
 
@@ -388,8 +386,7 @@ def test_the_prompt_in_runs_own_terminal_with_a_full_screen_program(project: Pat
         assert term.wait() == 0
         assert term.output.index(b"saved grant 1") > term.output.index(b"RETRY-OK")
     finally:
-        if term.proc is not None and term.proc.poll() is None:
-            term.proc.kill()
+        term.close()  # killed and waited for if it is still running
     assert not (project / "a" / "one").exists()
     # the program drew nothing meanwhile (its source is in the prompt's command line, escaped)
     assert b"FULL-SCREEN\r\n" not in term.output[shown:]
@@ -604,8 +601,7 @@ def test_ctrl_c_leaves_the_prompt_in_runs_terminal(project: Path) -> None:
         term.read_until(b"after-go")
         assert term.wait() == 0
     finally:
-        if term.proc is not None and term.proc.poll() is None:
-            term.proc.kill()
+        term.close()  # killed and waited for if it is still running
     assert (project / "a" / "one").exists()
 
 
@@ -682,8 +678,7 @@ def test_a_child_workers_request_is_asked_in_the_parents_terminal(project: Path)
         term.read_until(b"CHILD-OK")
         assert term.wait() == 0
     finally:
-        if term.proc is not None and term.proc.poll() is None:
-            term.proc.kill()
+        term.close()  # killed and waited for if it is still running
     assert not (project / "a" / "one").exists()
     entries = sandboxfs("audit", "--project", project, "--json", "--op", "approval").stdout
     answers = [json.loads(line) for line in entries.splitlines()]
